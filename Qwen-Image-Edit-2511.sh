@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Split training of a Qwen-Image-Edit-2511 LoRA.
+#   phase 1  `qie cache`: text encoder + VAE -> safetensors cache (once per dataset)
+#   phase 2  `qie train`: DiT-only LoRA training from the cache, zero_cond_t on (2511 needs it)
+# The tiny model stands in for 2511 (zero_cond_t is passed explicitly below).
+# With no environment set: tiny model + demo data on CPU, a few dozen steps, a few minutes.
+# Real use: MODEL=<preset or dir> DATASET_METADATA=... [DATASET_BASE CACHE_DIR OUTPUT_DIR NUM_GPUS
+# NNODES NODE_RANK MASTER_ADDR MASTER_PORT DS_CONFIG CACHE_ARGS] bash Qwen-Image-Edit-2511.sh [qie train flags]
+# (all documented in scripts/launch_lib.sh and the README).
+source "$(dirname "${BASH_SOURCE[0]}")/scripts/launch_lib.sh"
+launch_defaults qie-2511 2511
+
+if [ "$MODEL" = tiny ]; then   # CPU demo sizes
+  DEMO_CACHE=(--max_pixels 16384)
+  DEMO_TRAIN=(--max_steps 12 --batch_size 2 --save_every 6 --validate_every 6
+              --lora_rank 8 --learning_rate 1e-3)
+  DEMO_EDIT=(--steps 8)
+else
+  DEMO_CACHE=(); DEMO_TRAIN=(); DEMO_EDIT=()
+fi
+
+qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" \
+  "${DEMO_CACHE[@]}" ${CACHE_ARGS:-}
+qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" \
+  --zero_cond_t --gradient_accumulation_steps 16 --gradient_checkpointing \
+  "${DEMO_TRAIN[@]}" "$@"
+after_training "$OUTPUT_DIR" --zero_cond_t "${DEMO_EDIT[@]}"

@@ -1,0 +1,47 @@
+"""Mask-edit web UI for Qwen-Image-Edit: ``python app_gradio.py`` -> http://127.0.0.1:7999.
+
+With no flags it serves the tiny model (built on first use), with LoRAs from
+``./outputs``; see ``--help``. The layout is ``diffsynth_qie/ui/app.py``, the logic
+``diffsynth_qie/ui/handlers.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from diffsynth_qie.ui.config import UIConfig
+from diffsynth_qie.utils.config_cli import add_dataclass_args, dataclass_from_args
+from diffsynth_qie.utils.logging import setup_logging
+
+log = logging.getLogger("app_gradio")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_dataclass_args(parser, UIConfig)
+    parser.add_argument("--log_level", default="INFO", help="logging level (default: INFO)")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        config = dataclass_from_args(UIConfig, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no phoning home
+    from diffsynth_qie.ui.app import build_ui, launch
+    from diffsynth_qie.ui.handlers import UIHandlers
+
+    handlers = UIHandlers(config)
+    if config.preload:
+        handlers.editor()
+    demo = build_ui(handlers)
+    log.info("serving on http://%s:%d (model %s, LoRAs from %s)", config.host, config.port, config.model,
+             config.lora_dir)
+    launch(demo, config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

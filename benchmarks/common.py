@@ -1,0 +1,254 @@
+"""Shared benchmark plumbing: environment facts, timing, matmul ceiling, result files.
+
+Result files: ``<out_dir>/<gpu>-<date>.json`` (``{"format_version", "gpu", "date",
+"rows": [...]}``) and a Markdown table beside it (same stem, ``.md``). Rows are
+keyed by ``row["id"]``; writing merges into an existing file of the same GPU and
+day, replacing rows with the same id, so a benchmark split over several GPU calls
+(each under the 10-minute limit) ends up in one table. The files are rewritten
+atomically after every row, so a run killed at its time limit keeps what it measured.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+GiB = 1024 ** 3
+
+
+# --- environment -----------------------------------------------------------------------
+def env_info(device: torch.device) -> dict[str, Any]:
+    """Versions and hardware every row carries."""
+    import diffsynth
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        diffsynth_version = version("diffsynth")
+    except PackageNotFoundError:  # e.g. a source checkout on PYTHONPATH
+        diffsynth_version = getattr(diffsynth, "__version__", "unknown")
+    info = {
+        "torch": torch.__version__,
+        "diffsynth": diffsynth_version,
+        "cuda": torch.version.cuda,
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    try:
+        info["peft"] = version("peft")
+        info["transformers"] = version("transformers")
+    except PackageNotFoundError:
+        pass
+    return info
+
+
+def gpu_slug(gpu_name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"`` (file-name safe)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+    return slug or "unknown"
+
+
+def today() -> str:
+    return _dt.date.today().isoformat()
+
+
+def resolve_device(tiny: bool, device: str | None) -> tuple[torch.device, torch.dtype]:
+    """Tiny: CPU fp32 (bf16 is ~100x slower on these CPUs). Full size: CUDA bf16 (required)."""
+    if tiny:
+        return torch.device(device or "cpu"), torch.float32
+    if not torch.cuda.is_available():
+        raise ValueError("the full-size benchmark needs a CUDA GPU (it builds the 20 B DiT in bf16); "
+                         "use --tiny for the CPU smoke test")
+    return torch.device(device or "cuda"), torch.bfloat16
+
+
+# --- timing ----------------------------------------------------------------------------
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Seconds per call of ``fn`` after ``warmup`` untimed calls.
+
+    On CUDA each call is bracketed by CUDA events and the host synchronises only once
+    at the end, so the timing adds no host syncs of its own; on CPU, wall clock.
+    """
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    if device.type != "cuda":
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    synchronize(device)
+    return [start.elapsed_time(end) / 1000.0 for start, end in events]
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: int = 30,
+                         repeats: int = 3) -> float:
+    """Achieved FLOP/s of a square ``n×n @ n×n`` matmul on random data (best of ``repeats`` medians).
+
+    The MFU denominator: what this GPU's matmul units actually deliver in this run
+    (clocks, power state), not the datasheet number.
+    """
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = 0.0
+    for _ in range(repeats):
+        times = time_calls(lambda: torch.mm(a, b), device, warmup=3, repeats=iters)
+        best = max(best, 2 * n ** 3 / median(times))
+    del a, b
+    return best
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / GiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def free_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+# --- results -----------------------------------------------------------------------------
+def result_paths(out_dir: str | Path, gpu: str, date: str) -> tuple[Path, Path]:
+    stem = f"{gpu_slug(gpu)}-{date}"
+    return Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.md"
+
+
+def load_rows(json_path: Path) -> list[dict]:
+    if not json_path.exists():
+        return []
+    data = json.loads(json_path.read_text())
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{json_path} has format_version {data.get('format_version')!r}, expected "
+                         f"{FORMAT_VERSION}; move it away or pass another --out_dir")
+    return list(data.get("rows", []))
+
+
+def write_results(rows: Sequence[dict], out_dir: str | Path, gpu: str, date: str,
+                  extra: dict | None = None) -> tuple[Path, Path]:
+    """Merge ``rows`` into ``<out_dir>/<gpu>-<date>.json`` (by id) and rewrite the Markdown table."""
+    from diffsynth_qie.utils.atomic import atomic_write_json, atomic_write_text
+
+    json_path, md_path = result_paths(out_dir, gpu, date)
+    merged = {r["id"]: r for r in load_rows(json_path)}
+    for row in rows:
+        merged[row["id"]] = row
+    all_rows = list(merged.values())
+    meta = {}
+    if json_path.exists():
+        meta = {k: v for k, v in json.loads(json_path.read_text()).items() if k not in ("rows",)}
+    meta.update(extra or {})
+    meta.update({"format_version": FORMAT_VERSION, "gpu": gpu, "date": date})
+    atomic_write_json(json_path, {**meta, "rows": all_rows})
+    atomic_write_text(md_path, markdown_report(all_rows, gpu, date))
+    return json_path, md_path
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def _options(row: dict) -> str:
+    opts = row.get("options") or {}
+    parts = [f"{k}={v}" for k, v in sorted(opts.items()) if v not in (None, False, "auto", 0)]
+    return ", ".join(parts) or "–"
+
+
+def _train_table(rows: list[dict]) -> list[str]:
+    stock = {(r["lora_rank"], r["checkpointing"], _options(r)): r for r in rows
+             if r["impl"] == "stock" and r["status"] == "ok"}
+    out = ["| case | impl | batch | shapes | LoRA r | ckpt | options | status | step s (median) | samples/s "
+           "| peak GiB | MFU | × stock samples/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = stock.get((r["lora_rank"], r["checkpointing"], _options(r)))
+        ratio = None
+        if ref and r["status"] == "ok" and r.get("samples_per_s") and ref.get("samples_per_s"):
+            ratio = r["samples_per_s"] / ref["samples_per_s"]
+        mfu = r.get("mfu")
+        out.append("| " + " | ".join([
+            r["case"], r["impl"], str(r["batch"]), r.get("shapes_label", "–"), str(r["lora_rank"]),
+            r["checkpointing"], _options(r), r["status"], _fmt(r.get("median_s")),
+            _fmt(r.get("samples_per_s")), _fmt(r.get("peak_mem_gib")),
+            "–" if mfu is None else f"{100 * mfu:.1f} %", _fmt(ratio),
+        ]) + " |")
+    return out
+
+
+def _inference_table(rows: list[dict]) -> list[str]:
+    out = ["| case | impl | steps | CFG | options | status | s/image (median) | DiT forwards | peak GiB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append("| " + " | ".join([
+            r["case"], r["impl"], str(r["num_inference_steps"]), _fmt(r.get("cfg_scale")), _options(r),
+            r["status"], _fmt(r.get("s_per_image")), str(r.get("dit_forwards", "–")), _fmt(r.get("peak_mem_gib")),
+        ]) + " |")
+    return out
+
+
+def markdown_report(rows: Sequence[dict], gpu: str, date: str) -> str:
+    """The human-readable table (training rows, then inference rows) with the environment line."""
+    rows = list(rows)
+    train = [r for r in rows if r.get("script") == "train_step"]
+    infer = [r for r in rows if r.get("script") == "inference"]
+    envs = sorted({f"torch {r.get('torch')}, diffsynth {r.get('diffsynth')}, peft {r.get('peft', '?')}"
+                   for r in rows})
+    lines = [f"# Benchmarks on {gpu}, {date}", "",
+             "Generated by `benchmarks/train_step.py` / `benchmarks/inference.py` "
+             "(columns: `benchmarks/README.md`).", ""]
+    lines += [f"Environment: {e}" for e in envs]
+    if any(r.get("tiny") for r in rows):
+        lines += ["", "**Tiny smoke-test rows: the numbers are not meaningful timings.**"]
+    matmul = sorted({r.get("matmul_tflops") for r in rows if r.get("matmul_tflops")})
+    if matmul:
+        lines += ["", "Measured matmul rate (MFU denominator): " + ", ".join(f"{m:.0f} TFLOP/s" for m in matmul)]
+    if train:
+        lines += ["", "## LoRA training step", ""] + _train_table(train)
+    if infer:
+        lines += ["", "## Edit inference", ""] + _inference_table(infer)
+    return "\n".join(lines) + "\n"

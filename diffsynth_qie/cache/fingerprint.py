@@ -1,0 +1,97 @@
+"""Content hashes that decide whether a cached entry is still valid.
+
+A cache entry is reused only when its hash matches the row's current hash, so the
+hash covers everything the cached tensors depend on: the bytes of every file the
+row reads (target, sources, mask, ref_gt), the prompt alternatives, the resize
+settings, the preset, the stored dtype and a fingerprint of the encoder weights
+(text encoder, VAE, tokenizer/processor settings). Change any of these and the row
+is recomputed; nothing else is.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..data.images import image_bytes_hash
+from ..data.rows import EditRow
+
+log = logging.getLogger(__name__)
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")).hexdigest()
+
+
+class FileHasher:
+    """``image_bytes_hash`` memoised per path (inverse rows and shared references read the
+    same files). Thread-safe enough for a thread pool: a race only hashes a file twice."""
+
+    def __init__(self, hash_fn: Callable[[str | os.PathLike], str] = image_bytes_hash):
+        self._hash_fn = hash_fn
+        self._memo: dict[str, str] = {}
+
+    def __call__(self, path: str | os.PathLike) -> str:
+        key = str(path)
+        if key not in self._memo:
+            self._memo[key] = self._hash_fn(path)
+        return self._memo[key]
+
+
+def row_content_hash(row: EditRow, settings: Mapping[str, Any], file_hash: Callable[[Path], str]) -> str:
+    """sha256 over the row's file bytes, prompts, identity fields and the cache ``settings``."""
+    payload = {
+        "settings": dict(settings),
+        "row_id": row.row_id,
+        "dataset": row.dataset,
+        "inverse": row.inverse,
+        "prompts": list(row.prompts),
+        "files": {name: file_hash(path) for name, path in row.image_paths().items()},
+    }
+    return _sha(payload)
+
+
+def encoder_fingerprint(pipe) -> str:
+    """Fingerprint of what turns pixels and text into cached tensors: text encoder, VAE,
+    tokenizer and processor.
+
+    Uses the files the loader recorded (``pipe.qie_model_paths``, fingerprinted by
+    ``models.loading.weights_fingerprint`` from safetensors headers and sizes, so the
+    same model in another directory gives the same value). For a pipeline built some
+    other way it hashes the modules' parameters (name, shape, dtype and two sums each:
+    cheap even for the 7B encoder on a GPU), the vocabulary size and the processor's
+    image settings.
+    """
+    from ..models.loading import weights_fingerprint
+
+    paths = getattr(pipe, "qie_model_paths", None) or {}
+    parts: dict[str, Any] = {}
+    for name in ("text_encoder", "vae", "tokenizer", "processor"):
+        local = paths.get(name)
+        if isinstance(local, list) and local:
+            parts[name] = weights_fingerprint(local)
+        elif name in ("text_encoder", "vae"):
+            parts[name] = _module_fingerprint(getattr(pipe, name, None))
+        elif name == "tokenizer":
+            tok = getattr(pipe, "tokenizer", None)
+            parts[name] = len(tok) if tok is not None else None
+        else:
+            image_proc = getattr(getattr(pipe, "processor", None), "image_processor", None)
+            parts[name] = image_proc.to_dict() if image_proc is not None else None
+    return _sha(parts)
+
+
+def _module_fingerprint(module) -> str | None:
+    import torch
+
+    if module is None:
+        return None
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            t64 = t.detach().double()
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t64.sum().item():.6e}:{(t64 * t64).sum().item():.6e}".encode())
+    return h.hexdigest()

@@ -1,0 +1,544 @@
+"""The phase-1 embedding cache on disk: the contract between `qie cache` and `qie train`.
+
+Why our own format: DiffSynth's split training pickles whole input dicts
+(including PIL images and *caching-time* training flags) and reads them with
+``weights_only=False``. This cache holds tensors only (safetensors) plus JSON,
+never pickles, and never stores a training-time flag (``zero_cond_t``, gradient
+checkpointing, CFG dropout...): those are decided by the trainer.
+
+Layout of ``<cache_dir>``::
+
+    manifest.json            written last, atomically, by rank 0 when a run finishes
+    shared.safetensors       size-keyed white-image latents: "sub_noise/<H>x<W>" (pixel size)
+    shards/<name>.safetensors   tensors of up to ``shard_size`` entries
+    shards/<name>.json          sidecar: EntryMeta of each entry in that shard
+    skipped.jsonl            rows rejected by validation, one JSON object per line
+    parts/                   work in progress of unfinished runs (per-rank reports,
+                             white latents not yet merged); empty after finalisation
+
+``manifest.json``::
+
+    {"format_version": 1, "preset": "2511", "encoder_fingerprint": "...",
+     "resize": {"max_pixels": ..., "edit_max_pixels": ..., "divisor": 16},
+     "dtype": "bfloat16", "created": "...", "metadata": "<path>",
+     "shards": ["<name>.safetensors", ...],
+     "entries": [{"id": ..., "row_id": ..., "hash": ..., "shard": ...}, ...],  # metadata order
+     "missing": [row ids with no entry], "num_skipped": N}
+
+Inside a shard every tensor key is ``<EntryMeta.key>/<name>`` with names
+``prompt_emb.<k>``, ``prompt_mask.<k>`` (one per prompt alternative),
+``empty_prompt_emb``, ``empty_prompt_mask``, ``target_latents``,
+``edit_latents.<j>``, and optionally ``back_mask``, ``ref_gt_latents``,
+``lbm_source_latents``. Shapes carry no batch dimension (the trainer's collate
+adds it): prompt embeddings ``[L, D]`` with masks ``[L]`` (int64, unpadded so all
+ones; kept so the trainer can pad and mask uniformly), latents ``[16, h, w]`` with
+``h, w`` = pixel size / 8, ``back_mask`` ``[1, h, w]`` float32 in [0, 1] (area
+average, so partly covered latent pixels are fractional).
+
+Readers: ``CacheStore.open(cache_dir)`` then ``len``, ``entry_ids``, ``meta(i)``
+(no tensor I/O) and ``load(i) -> CacheEntry`` (opens the shard lazily with
+``safe_open``; safe in DataLoader workers, nothing is held open across calls).
+
+Writers (``cache/writer.py``): ``ShardWriter`` per rank, ``scan_shards`` for
+resume, ``finalize_store`` on rank 0 at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+from ..utils.atomic import atomic_save, atomic_write_json
+
+if TYPE_CHECKING:  # torch is imported lazily so `qie --help` stays fast
+    import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SHARED_NAME = "shared.safetensors"
+SHARDS_DIR = "shards"
+PARTS_DIR = "parts"
+SKIPPED_NAME = "skipped.jsonl"
+
+LBM_NONE, LBM_EDIT0, LBM_OWN = "none", "edit0", "own"
+
+
+def sub_noise_key(height: int, width: int) -> str:
+    """Key of the white-image latents for a ``height x width`` *pixel* image in shared.safetensors."""
+    return f"sub_noise/{int(height)}x{int(width)}"
+
+
+@dataclass
+class EntryMeta:
+    """Everything about an entry that needs no tensor read (bucketing, sampling, filtering).
+
+    Shapes are latent shapes ``(16, h, w)``; ``target_size`` is the pixel ``(H, W)``.
+    """
+
+    entry_id: str
+    row_id: str
+    dataset: str
+    inverse: bool
+    content_hash: str
+    prompts: list[str]
+    prompt_lengths: list[int]
+    empty_prompt_length: int
+    prompt_dim: int
+    target_size: tuple[int, int]
+    target_shape: tuple[int, int, int]
+    edit_shapes: list[tuple[int, int, int]]
+    has_back_mask: bool
+    ref_gt_shape: Optional[tuple[int, int, int]]
+    lbm_source: str  # LBM_NONE | LBM_EDIT0 (same tensor as edit_latents[0]) | LBM_OWN
+    sub_noise_key: str
+    sub_noise_ref_gt_key: Optional[str]
+    dtype: str
+    sources: dict[str, Any] = field(default_factory=dict)  # relative input paths, for humans/debugging
+    shard: str = ""  # shard file name under shards/, set by ShardWriter
+    key: str = ""  # tensor key prefix inside the shard, set by ShardWriter
+
+    @property
+    def n_edit(self) -> int:
+        return len(self.edit_shapes)
+
+    @property
+    def n_prompts(self) -> int:
+        return len(self.prompt_lengths)
+
+    @property
+    def has_ref_gt(self) -> bool:
+        return self.ref_gt_shape is not None
+
+    @property
+    def has_lbm_source(self) -> bool:
+        return self.lbm_source != LBM_NONE
+
+    @property
+    def image_tokens(self) -> int:
+        """DiT image tokens (2x2 latent patches) of the target plus all reference images."""
+        return sum((s[1] // 2) * (s[2] // 2) for s in [self.target_shape, *self.edit_shapes])
+
+    @property
+    def text_tokens(self) -> int:
+        """Longest prompt alternative (what a batch must be padded to)."""
+        return max(self.prompt_lengths)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "EntryMeta":
+        d = dict(d)
+        d["target_size"] = tuple(d["target_size"])
+        d["target_shape"] = tuple(d["target_shape"])
+        d["edit_shapes"] = [tuple(s) for s in d["edit_shapes"]]
+        d["ref_gt_shape"] = tuple(d["ref_gt_shape"]) if d.get("ref_gt_shape") else None
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class CacheEntry:
+    """The tensors of one dataset row (no batch dimension; see the module docstring).
+
+    ``sub_noise`` is always set (white latents at the target's size);
+    ``sub_noise_ref_gt`` is set whenever ``ref_gt_latents`` is (the same tensor as
+    ``sub_noise`` when the sizes match). ``lbm_source_latents`` is the first
+    reference image resized to the target's pixel size and encoded (LBM's
+    main-stream prior), None for text-to-image rows.
+    """
+
+    entry_id: str
+    row_id: str
+    dataset: str
+    inverse: bool
+    prompt_embs: list["torch.Tensor"]
+    prompt_masks: list["torch.Tensor"]
+    empty_prompt_emb: "torch.Tensor"
+    empty_prompt_mask: "torch.Tensor"
+    target_latents: "torch.Tensor"
+    edit_latents: list["torch.Tensor"]
+    sub_noise: "torch.Tensor"
+    back_mask: Optional["torch.Tensor"] = None
+    ref_gt_latents: Optional["torch.Tensor"] = None
+    sub_noise_ref_gt: Optional["torch.Tensor"] = None
+    lbm_source_latents: Optional["torch.Tensor"] = None
+
+    @property
+    def n_edit(self) -> int:
+        return len(self.edit_latents)
+
+    def own_tensors(self) -> dict[str, "torch.Tensor"]:
+        """Per-entry tensors by shard name (shared white latents and an lbm source equal
+        to ``edit_latents[0]`` excluded: those are stored once elsewhere)."""
+        out: dict[str, torch.Tensor] = {}
+        for k, (emb, mask) in enumerate(zip(self.prompt_embs, self.prompt_masks)):
+            out[f"prompt_emb.{k}"] = emb
+            out[f"prompt_mask.{k}"] = mask
+        out["empty_prompt_emb"] = self.empty_prompt_emb
+        out["empty_prompt_mask"] = self.empty_prompt_mask
+        out["target_latents"] = self.target_latents
+        for j, lat in enumerate(self.edit_latents):
+            out[f"edit_latents.{j}"] = lat
+        if self.back_mask is not None:
+            out["back_mask"] = self.back_mask
+        if self.ref_gt_latents is not None:
+            out["ref_gt_latents"] = self.ref_gt_latents
+        if self.lbm_source_latents is not None and lbm_source_mode(self) == LBM_OWN:
+            out["lbm_source_latents"] = self.lbm_source_latents
+        return out
+
+
+def lbm_source_mode(entry: CacheEntry) -> str:
+    """How an entry's LBM source is stored: not at all, as edit_latents[0], or its own tensor."""
+    import torch
+
+    src = entry.lbm_source_latents
+    if src is None:
+        return LBM_NONE
+    if entry.edit_latents and (src is entry.edit_latents[0] or (
+            src.shape == entry.edit_latents[0].shape and torch.equal(src, entry.edit_latents[0]))):
+        return LBM_EDIT0
+    return LBM_OWN
+
+
+def check_finite(row_id: str, tensors: dict[str, "torch.Tensor"]) -> None:
+    """Refuse to write NaN/Inf (typically fp16 overflow or a broken checkpoint)."""
+    import torch
+
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(
+                f"row {row_id!r}: cached tensor {name!r} contains NaN/Inf; check the input images and "
+                f"the encoder weights, or cache with --dtype float32")
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class CacheStore:
+    """Read-only view of a finalised cache directory. Cheap to pickle into DataLoader workers
+    (holds only paths and JSON-derived metadata; shards are opened per ``load``)."""
+
+    def __init__(self, cache_dir: Path, manifest: dict, metas: list[EntryMeta]):
+        self.cache_dir = Path(cache_dir)
+        self.manifest = manifest
+        self._metas = metas
+        self._index = {m.entry_id: i for i, m in enumerate(metas)}
+        self._shared: dict[str, torch.Tensor] = {}
+        self._shared_pid = -1
+
+    @classmethod
+    def open(cls, cache_dir: str | os.PathLike) -> "CacheStore":
+        cache_dir = Path(cache_dir)
+        path = cache_dir / MANIFEST_NAME
+        if not path.is_file():
+            raise ValueError(
+                f"{cache_dir} holds no finished cache ({MANIFEST_NAME} missing): run `qie cache --cache_dir "
+                f"{cache_dir} ...` (an interrupted run resumes where it stopped)")
+        manifest = json.loads(path.read_text())
+        check_format_version(manifest.get("format_version"), path)
+        by_shard: dict[str, dict[str, EntryMeta]] = {}
+        for shard in manifest["shards"]:
+            sidecar = cache_dir / SHARDS_DIR / _sidecar_name(shard)
+            if not sidecar.is_file() or not (cache_dir / SHARDS_DIR / shard).is_file():
+                raise ValueError(f"{cache_dir}: shard {shard} listed in {MANIFEST_NAME} is missing; "
+                                 f"re-run `qie cache` with the same --cache_dir to repair it")
+            data = json.loads(sidecar.read_text())
+            check_format_version(data.get("format_version"), sidecar)
+            by_shard[shard] = {e["entry_id"]: EntryMeta.from_json(e) for e in data["entries"]}
+        metas = [by_shard[e["shard"]][e["id"]] for e in manifest["entries"]]
+        if manifest.get("missing"):
+            log.warning("cache %s lacks %d row(s) of its metadata (e.g. %s); re-run `qie cache` to complete it",
+                        cache_dir, len(manifest["missing"]), manifest["missing"][:3])
+        return cls(cache_dir, manifest, metas)
+
+    # -- cheap metadata
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    @property
+    def entry_ids(self) -> list[str]:
+        return [m.entry_id for m in self._metas]
+
+    @property
+    def preset(self) -> str:
+        return self.manifest["preset"]
+
+    @property
+    def encoder_fingerprint(self) -> str:
+        return self.manifest["encoder_fingerprint"]
+
+    def index_of(self, entry_id: str) -> int:
+        return self._index[entry_id]
+
+    def meta(self, i: int) -> EntryMeta:
+        return self._metas[i]
+
+    # -- tensors
+    def shared(self, key: str) -> "torch.Tensor":
+        """A tensor from shared.safetensors (kept in memory per process: a few sizes only)."""
+        from safetensors import safe_open
+
+        if self._shared_pid != os.getpid():  # a forked worker must not share a parent's handles
+            self._shared, self._shared_pid = {}, os.getpid()
+        if key not in self._shared:
+            with safe_open(str(self.cache_dir / SHARED_NAME), framework="pt", device="cpu") as f:
+                self._shared[key] = f.get_tensor(key)
+        return self._shared[key]
+
+    def load(self, i: int) -> CacheEntry:
+        from safetensors import safe_open
+
+        m = self._metas[i]
+        with safe_open(str(self.cache_dir / SHARDS_DIR / m.shard), framework="pt", device="cpu") as f:
+            def get(name: str):
+                return f.get_tensor(f"{m.key}/{name}")
+
+            edit = [get(f"edit_latents.{j}") for j in range(m.n_edit)]
+            lbm = None
+            if m.lbm_source == LBM_EDIT0:
+                lbm = edit[0]
+            elif m.lbm_source == LBM_OWN:
+                lbm = get("lbm_source_latents")
+            entry = CacheEntry(
+                entry_id=m.entry_id, row_id=m.row_id, dataset=m.dataset, inverse=m.inverse,
+                prompt_embs=[get(f"prompt_emb.{k}") for k in range(m.n_prompts)],
+                prompt_masks=[get(f"prompt_mask.{k}") for k in range(m.n_prompts)],
+                empty_prompt_emb=get("empty_prompt_emb"), empty_prompt_mask=get("empty_prompt_mask"),
+                target_latents=get("target_latents"), edit_latents=edit,
+                sub_noise=self.shared(m.sub_noise_key),
+                back_mask=get("back_mask") if m.has_back_mask else None,
+                ref_gt_latents=get("ref_gt_latents") if m.has_ref_gt else None,
+                sub_noise_ref_gt=self.shared(m.sub_noise_ref_gt_key) if m.sub_noise_ref_gt_key else None,
+                lbm_source_latents=lbm,
+            )
+        return entry
+
+
+def check_format_version(version: Any, path: Path) -> None:
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: cache format_version {version!r}, but this diffsynth-qie reads format_version "
+            f"{FORMAT_VERSION}; re-run `qie cache` with the same --cache_dir (it rebuilds the old entries)")
+
+
+def _sidecar_name(shard: str) -> str:
+    return shard[: -len(".safetensors")] + ".json"
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class ShardWriter:
+    """Buffers one rank's entries and writes them ``shard_size`` at a time.
+
+    Order per flush: new white latents (``parts/``), then the shard tensors, then its
+    sidecar; each file atomically. A sidecar therefore only exists next to a complete
+    shard whose white latents are on disk, so an interrupted run loses at most the
+    entries still buffered.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike, rank: int, shard_size: int, known_shared: Iterable[str] = ()):
+        if shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        self.cache_dir = Path(cache_dir)
+        self.rank = rank
+        self.shard_size = shard_size
+        self.token = f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
+        self._seq = 0
+        self._entries: list[tuple[CacheEntry, EntryMeta]] = []
+        self._known_shared = set(known_shared)
+        self._pending_shared: dict[str, torch.Tensor] = {}
+        self.written: list[EntryMeta] = []
+
+    def has_shared(self, key: str) -> bool:
+        return key in self._known_shared or key in self._pending_shared
+
+    def add_shared(self, key: str, tensor: "torch.Tensor") -> None:
+        if not self.has_shared(key):
+            check_finite(key, {key: tensor})
+            self._pending_shared[key] = tensor
+
+    def add(self, entry: CacheEntry, meta: EntryMeta) -> None:
+        check_finite(meta.row_id, entry.own_tensors())
+        for key in filter(None, [meta.sub_noise_key, meta.sub_noise_ref_gt_key]):
+            assert self.has_shared(key), f"white latents {key} must be added before entries using them"
+        self._entries.append((entry, meta))
+        if len(self._entries) >= self.shard_size:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self._pending_shared:
+            part = self.cache_dir / PARTS_DIR / f"shared-r{self.rank:04d}-{self.token}-{self._seq:05d}.safetensors"
+            tensors = {k: _storable(v) for k, v in self._pending_shared.items()}
+            atomic_save(part, lambda tmp: save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
+            self._known_shared |= set(self._pending_shared)
+            self._pending_shared = {}
+        if not self._entries:
+            return
+        name = f"r{self.rank:04d}-{self.token}-{self._seq:05d}.safetensors"
+        self._seq += 1
+        tensors: dict[str, torch.Tensor] = {}
+        metas = []
+        for k, (entry, meta) in enumerate(self._entries):
+            meta = dataclasses.replace(meta, shard=name, key=f"e{k:05d}", lbm_source=lbm_source_mode(entry))
+            for tname, t in entry.own_tensors().items():
+                tensors[f"{meta.key}/{tname}"] = _storable(t)
+            metas.append(meta)
+        shard_dir = self.cache_dir / SHARDS_DIR
+        atomic_save(shard_dir / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
+        atomic_write_json(shard_dir / _sidecar_name(name), {
+            "format_version": FORMAT_VERSION, "shard": name, "entries": [m.to_json() for m in metas]})
+        self.written.extend(metas)
+        self._entries = []
+
+
+def _storable(t: "torch.Tensor") -> "torch.Tensor":
+    # clone: slices of a batched VAE output share storage, which save_file refuses
+    return t.detach().to("cpu").contiguous().clone()
+
+
+def scan_shards(cache_dir: str | os.PathLike) -> list[EntryMeta]:
+    """Every entry of every complete shard on disk (finalised or not) with the current
+    format version: what a resumed run may reuse. Shards of another version are ignored
+    (and removed by the next ``finalize_store``)."""
+    shard_dir = Path(cache_dir) / SHARDS_DIR
+    out: list[EntryMeta] = []
+    if not shard_dir.is_dir():
+        return out
+    for sidecar in sorted(shard_dir.glob("*.json")):
+        try:
+            data = json.loads(sidecar.read_text())
+        except (OSError, json.JSONDecodeError):
+            log.warning("ignoring unreadable shard sidecar %s", sidecar)
+            continue
+        if data.get("format_version") != FORMAT_VERSION or not (shard_dir / data.get("shard", "")).is_file():
+            continue
+        out.extend(EntryMeta.from_json(e) for e in data["entries"])
+    return out
+
+
+def known_shared_keys(cache_dir: str | os.PathLike) -> set[str]:
+    """White-latent keys already on disk (shared.safetensors and unmerged parts)."""
+    from safetensors import safe_open
+
+    cache_dir = Path(cache_dir)
+    keys: set[str] = set()
+    for path in [cache_dir / SHARED_NAME, *sorted((cache_dir / PARTS_DIR).glob("shared-*.safetensors"))]:
+        if path.is_file():
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                keys |= set(f.keys())
+    return keys
+
+
+def finalize_store(cache_dir: str | os.PathLike, wanted: list[tuple[str, str]], manifest_fields: dict,
+                   missing: list[str] = ()) -> dict:
+    """Make ``cache_dir`` a finished store holding exactly ``wanted`` (entry_id, content_hash), in that order.
+
+    Run by one process (rank 0) after every rank has written its shards. Picks, for each
+    wanted entry, a shard entry with the same hash; rewrites shards that also hold
+    stale entries (compaction, new names); merges the white latents the chosen entries
+    use into shared.safetensors; writes manifest.json (atomically, last); then deletes
+    everything the manifest does not reference. A crash at any point leaves either the
+    old manifest with its files or the new one.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cache_dir = Path(cache_dir)
+    shard_dir = cache_dir / SHARDS_DIR
+    candidates: dict[tuple[str, str], EntryMeta] = {}
+    for m in scan_shards(cache_dir):
+        candidates.setdefault((m.entry_id, m.content_hash), m)
+    chosen: list[EntryMeta] = []
+    absent = list(missing)
+    for entry_id, h in wanted:
+        m = candidates.get((entry_id, h))
+        if m is None:
+            absent.append(entry_id)
+        else:
+            chosen.append(m)
+    by_shard: dict[str, list[EntryMeta]] = {}
+    for m in chosen:
+        by_shard.setdefault(m.shard, []).append(m)
+
+    # compaction: a shard keeps its file only if every entry in it is chosen
+    shard_sizes: dict[str, int] = {}
+    for sidecar in shard_dir.glob("*.json") if shard_dir.is_dir() else []:
+        try:
+            data = json.loads(sidecar.read_text())
+            shard_sizes[data["shard"]] = len(data["entries"])
+        except (OSError, json.JSONDecodeError, KeyError):
+            pass
+    final_meta: dict[tuple[str, str], EntryMeta] = {}
+    token = f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
+    for n, (shard, metas) in enumerate(sorted(by_shard.items())):
+        if shard_sizes.get(shard) == len(metas):
+            final_meta.update({(m.entry_id, m.content_hash): m for m in metas})
+            continue
+        name = f"c-{token}-{n:05d}.safetensors"
+        tensors, new_metas = {}, []
+        with safe_open(str(shard_dir / shard), framework="pt", device="cpu") as f:
+            for k, m in enumerate(metas):
+                nm = dataclasses.replace(m, shard=name, key=f"e{k:05d}")
+                for old_key in f.keys():
+                    if old_key.startswith(m.key + "/"):
+                        tensors[nm.key + old_key[len(m.key):]] = f.get_tensor(old_key)
+                new_metas.append(nm)
+        atomic_save(shard_dir / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
+        atomic_write_json(shard_dir / _sidecar_name(name), {
+            "format_version": FORMAT_VERSION, "shard": name, "entries": [m.to_json() for m in new_metas]})
+        final_meta.update({(m.entry_id, m.content_hash): m for m in new_metas})
+        log.info("compacted shard %s: kept %d of %d entries", shard, len(metas), shard_sizes.get(shard, 0))
+    chosen = [final_meta[(m.entry_id, m.content_hash)] for m in chosen]
+
+    # shared white latents: only the sizes still referenced
+    needed = {k for m in chosen for k in (m.sub_noise_key, m.sub_noise_ref_gt_key) if k}
+    shared: dict[str, torch.Tensor] = {}
+    sources = [cache_dir / SHARED_NAME, *sorted((cache_dir / PARTS_DIR).glob("shared-*.safetensors"))]
+    for path in sources:
+        if path.is_file():
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for k in f.keys():
+                    if k in needed and k not in shared:
+                        shared[k] = f.get_tensor(k)
+    lacking = needed - set(shared)
+    assert not lacking, f"white latents {sorted(lacking)} referenced but not on disk"
+    atomic_save(cache_dir / SHARED_NAME, lambda tmp: save_file(shared, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
+
+    shards = sorted({m.shard for m in chosen})
+    manifest = {
+        **manifest_fields,
+        "format_version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "shards": shards,
+        "entries": [{"id": m.entry_id, "row_id": m.row_id, "hash": m.content_hash, "shard": m.shard} for m in chosen],
+        "missing": absent,
+    }
+    atomic_write_json(cache_dir / MANIFEST_NAME, manifest)
+
+    keep = set(shards) | {_sidecar_name(s) for s in shards}
+    removed = 0
+    for path in shard_dir.iterdir() if shard_dir.is_dir() else []:
+        if path.name not in keep:
+            path.unlink(missing_ok=True)
+            removed += path.suffix == ".safetensors"
+    for path in sorted((cache_dir / PARTS_DIR).glob("shared-*.safetensors")) + sorted(
+            (cache_dir / PARTS_DIR).glob(".*")):  # merged white latents, temp files of killed writes
+        path.unlink(missing_ok=True)
+    if removed:
+        log.info("removed %d stale shard file(s)", removed)
+    if absent:
+        log.warning("cache is missing %d row(s) (e.g. %s)", len(absent), absent[:3])
+    return manifest

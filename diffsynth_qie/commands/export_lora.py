@@ -1,0 +1,36 @@
+"""`qie export-lora`: convert a LoRA (any format we read) to ComfyUI or diffusers key names.
+
+The key names and alpha handling of each target are documented, with the sources
+they were checked against, in ``diffsynth_qie/models/lora_io.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger(__name__)
+
+# Mirrors lora_io.EXPORT_FORMATS; kept here so `qie --help` does not import torch.
+FORMATS = ("comfyui", "diffusers")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
+                        help="comfyui: diffusion_model.<module>.lora_A/lora_B.weight + .alpha "
+                             "(+ .set_weight for full module weights); diffusers: "
+                             "transformer.<module>.lora_A/lora_B.weight with alpha folded in")
+    parser.add_argument("--drop_full_weights", action="store_true",
+                        help="diffusers only: export just the LoRA part when the file also holds fully "
+                             "trained module weights (diffusers cannot load those)")
+    parser.add_argument("in_path", metavar="IN", help="LoRA file (ours, DiffSynth/PEFT, diffusers, ComfyUI or kohya)")
+    parser.add_argument("out_path", metavar="OUT", help="output .safetensors file (written atomically)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..models.lora_io import export_lora
+
+    if args.drop_full_weights and args.fmt != "diffusers":
+        raise ValueError("--drop_full_weights only applies to --format diffusers "
+                         "(ComfyUI loads full module weights as .set_weight patches)")
+    export_lora(args.in_path, args.out_path, args.fmt, drop_full_weights=args.drop_full_weights)
+    return 0

@@ -1,0 +1,58 @@
+"""`qie train`: phase 2 of split training — a LoRA on the DiT alone, from the `qie cache` output.
+
+Works as a single process (``qie train ...``) and under ``accelerate launch`` (DDP or
+DeepSpeed ZeRO-2/3, configs in ``deepspeed_configs/``)::
+
+    accelerate launch --config_file deepspeed_configs/zero2.yaml -m diffsynth_qie.cli train \\
+        --cache_dir cache --output_dir out --model 2511 --batch_size 2 --gradient_accumulation_steps 8
+
+Every flag comes from the dataclasses in ``diffsynth_qie/training/config.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger(__name__)
+
+# (dataclass name in training.config, RunConfig attribute, flag-group title)
+GROUPS = (
+    ("TrainConfig", "train", "run"),
+    ("LoRAConfig", "lora", "LoRA"),
+    ("OptimConfig", "optim", "optimizer and learning rate"),
+    ("TimestepConfig", "timesteps", "timestep sampling"),
+    ("LossConfig", "loss", "loss"),
+    ("LBMConfig", "lbm", "latent bridge matching (--loss lbm)"),
+)
+
+
+def _dataclass(cls_name: str):
+    """A config dataclass by name: training/config.py, or LBMConfig from training/lbm.py (torch-free)."""
+    from ..training import config as tc, lbm
+
+    return getattr(tc, cls_name, None) or getattr(lbm, cls_name)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..utils.config_cli import add_dataclass_args
+
+    for cls_name, _, title in GROUPS:
+        add_dataclass_args(parser, _dataclass(cls_name), title=title)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The :class:`RunConfig` the flags describe."""
+    from ..training import config as tc
+    from ..utils.config_cli import dataclass_from_args
+
+    parts = {attr: dataclass_from_args(_dataclass(cls_name), args) for cls_name, attr, _ in GROUPS}
+    return tc.RunConfig(**parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..training.loop import train
+
+    result = train(config_from_args(args))
+    log.info("LoRA written to %s (%d steps, %.2f steps/s); load it with `qie edit --lora %s`",
+             result.lora_path, result.steps, result.steps_per_second, result.lora_path)
+    return 0

@@ -1,0 +1,210 @@
+"""Image loading, mask loading and pixel-budget resizing for dataset rows.
+
+Why a module of its own: every consumer (cache writer, `qie edit`, the UI,
+validation) must see *the same pixels* for the same file, or cached latents and
+inference inputs drift apart. So decoding rules live in one place:
+
+- EXIF orientation is applied (phones store portrait photos as rotated
+  landscape pixels plus a tag).
+- Transparency is composited on **white** (the same white the LBM `sub_noise`
+  latents encode), grayscale/CMYK/palette become RGB, 16-bit images are scaled
+  to 8 bit instead of being clipped to white.
+- Truncated files are an error: ``Image.LOAD_TRUNCATED_IMAGES`` is never set,
+  and every image is fully decoded with ``.load()`` so a half-downloaded JPEG is
+  reported instead of silently training on grey stripes.
+
+Masks: white (>= 128 after conversion to 8-bit gray) marks the *edit region*;
+everything else is kept. Masks are binarised to exactly {0, 255}.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+#: Gray level at and above which a mask pixel counts as "edit region".
+MASK_THRESHOLD = 128
+
+_SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
+
+
+def _open_fully(path: str | os.PathLike) -> Image.Image:
+    """Open and fully decode ``path`` with EXIF orientation applied.
+
+    Raises FileNotFoundError for a missing file and ValueError (naming the path)
+    for anything PIL cannot decode completely. Decoding errors come from many
+    layers (OSError for truncation, SyntaxError for broken headers, zlib/struct
+    errors for corrupt PNG chunks), so this boundary catches them all and turns
+    them into one user-facing error type.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"image file not found: {path}")
+    try:
+        with Image.open(path) as im:
+            im.load()  # full decode: raises on truncated data
+            im = ImageOps.exif_transpose(im)
+            im.load()
+    except Exception as e:  # noqa: BLE001 - corrupt input may fail anywhere in PIL
+        raise ValueError(f"cannot read image {path}: {type(e).__name__}: {e}. "
+                         "Re-export or re-download the file, or remove the row.") from e
+    return im
+
+
+def _to_8bit_gray(im: Image.Image) -> Image.Image:
+    """Single-channel high-bit-depth or float image -> mode "L".
+
+    PIL decodes 16-bit PNG/TIFF to "I;16*" or "I" (int32 holding 0..65535), so
+    both are treated as 16-bit and divided by 257 (65535 -> 255). Float ("F")
+    images are taken as [0, 1] when their max is <= 1, else as [0, 255].
+    """
+    arr = np.asarray(im)
+    if im.mode in _SIXTEEN_BIT_MODES:
+        out = np.rint(arr.astype(np.float64) / 257.0)
+    else:  # "F"
+        a = arr.astype(np.float64)
+        out = np.rint(a * 255.0) if a.size and np.nanmax(a) <= 1.0 else np.rint(a)
+    return Image.fromarray(np.clip(np.nan_to_num(out), 0, 255).astype(np.uint8), mode="L")
+
+
+def _has_alpha(im: Image.Image) -> bool:
+    return im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (im.mode == "P" and "transparency" in im.info)
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """Convert any decoded PIL image to 8-bit "RGB" (alpha composited on white)."""
+    if im.mode == "RGB":
+        return im
+    if im.mode in _SIXTEEN_BIT_MODES or im.mode == "F":
+        return _to_8bit_gray(im).convert("RGB")
+    if _has_alpha(im):
+        rgba = im.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    try:
+        return im.convert("RGB")  # L, 1, P, CMYK, YCbCr, ...
+    except ValueError as e:
+        raise ValueError(f"unsupported image mode {im.mode!r}: {e}") from e
+
+
+def load_rgb(path: str | os.PathLike) -> Image.Image:
+    """Load ``path`` as an 8-bit RGB image (EXIF-rotated, alpha on white)."""
+    im = _open_fully(path)
+    try:
+        return to_rgb(im)
+    except ValueError as e:
+        raise ValueError(f"cannot convert image {path} to RGB: {e}") from e
+
+
+def binarize_mask(mask: Image.Image) -> Image.Image:
+    """Threshold an "L" image at MASK_THRESHOLD to exactly {0, 255}."""
+    assert mask.mode == "L", mask.mode
+    arr = np.asarray(mask)
+    return Image.fromarray(np.where(arr >= MASK_THRESHOLD, 255, 0).astype(np.uint8), mode="L")
+
+
+def to_mask(im: Image.Image) -> Image.Image:
+    """Convert a decoded image to a binary "L" mask (255 = edit region).
+
+    An image with a *non-opaque* alpha channel (a painted layer exported from an
+    editor: transparent = untouched) uses its alpha as the mask. Otherwise the
+    mask is the gray level (luminance) of the image, so black/white masks in any
+    mode — RGB, palette, 1-bit, 16-bit — mean the same thing.
+    """
+    if _has_alpha(im):
+        alpha = im.convert("RGBA").getchannel("A")
+        if alpha.getextrema() != (255, 255):
+            return binarize_mask(alpha)
+        im = im.convert("RGBA").convert("RGB")
+    if im.mode in _SIXTEEN_BIT_MODES or im.mode == "F":
+        gray = _to_8bit_gray(im)
+    else:
+        gray = im.convert("L")
+    return binarize_mask(gray)
+
+
+def load_mask(path: str | os.PathLike) -> Image.Image:
+    """Load ``path`` as a binary mode-"L" mask: 255 = edit region, 0 = keep."""
+    im = _open_fully(path)
+    try:
+        return to_mask(im)
+    except ValueError as e:
+        raise ValueError(f"cannot convert mask {path} to grayscale: {e}") from e
+
+
+def fit_to_budget(width: int, height: int, max_pixels: int, divisor: int = 16,
+                  *, upscale: bool = False) -> tuple[int, int]:
+    """Target size for a ``width`` x ``height`` image under a pixel budget.
+
+    Returns ``(w2, h2)`` with ``w2 * h2 <= max_pixels``, both sides multiples of
+    ``divisor`` and at least ``divisor``, and the aspect ratio kept as closely as
+    rounding *down* to the divisor allows (rounding down never breaks the
+    budget). Images already under the budget are not enlarged unless
+    ``upscale`` (they are only trimmed to the divisor), matching DiffSynth's
+    dynamic-resolution behaviour. Extreme aspect ratios are clamped: the short
+    side stays >= ``divisor`` and the long side shrinks to keep the budget.
+    """
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    if divisor <= 0:
+        raise ValueError(f"divisor must be positive, got {divisor}")
+    if max_pixels < divisor * divisor:
+        raise ValueError(f"max_pixels={max_pixels} is smaller than one {divisor}x{divisor} block; "
+                         f"use max_pixels >= {divisor * divisor}")
+    scale = math.sqrt(max_pixels / (width * height))
+    if not upscale:
+        scale = min(scale, 1.0)
+    w2 = max(divisor, int(width * scale + 1e-9) // divisor * divisor)
+    h2 = max(divisor, int(height * scale + 1e-9) // divisor * divisor)
+    # Only reachable after clamping a side up to `divisor`: shrink the long side.
+    if w2 * h2 > max_pixels:
+        if w2 >= h2:
+            w2 = max(divisor, max_pixels // h2 // divisor * divisor)
+        else:
+            h2 = max(divisor, max_pixels // w2 // divisor * divisor)
+    assert w2 * h2 <= max_pixels and w2 % divisor == 0 and h2 % divisor == 0, (w2, h2)
+    return w2, h2
+
+
+def resize_mask(mask: Image.Image, size: tuple[int, int], *, threshold: bool = True) -> Image.Image:
+    """Resize an "L" mask to ``size`` = (w, h).
+
+    Bilinear (which PIL antialiases when shrinking, i.e. area-like) followed by
+    the same MASK_THRESHOLD as :func:`load_mask`, so a mask stays binary and a
+    region keeps its place at any scale; NEAREST would drop thin strokes when
+    shrinking. ``threshold=False`` keeps the soft coverage (0..255), e.g. for a
+    latent-resolution loss weight.
+    """
+    if mask.mode != "L":
+        raise ValueError(f"resize_mask expects a mode 'L' mask, got mode {mask.mode!r}")
+    out = mask if mask.size == tuple(size) else mask.resize(tuple(size), Image.BILINEAR)
+    return binarize_mask(out) if threshold else out
+
+
+def resize_to(img: Image.Image, size: tuple[int, int]) -> Image.Image:
+    """Resize to ``size`` = (w, h): LANCZOS for RGB images, :func:`resize_mask` for "L" masks.
+
+    Plain resize, no crop: target, mask and ``ref_gt`` of a row stay aligned
+    pixel for pixel. The aspect distortion from :func:`fit_to_budget` rounding
+    is below ``divisor / side``.
+    """
+    size = (int(size[0]), int(size[1]))
+    if img.mode == "L":
+        return resize_mask(img, size)
+    if img.mode != "RGB":
+        raise ValueError(f"resize_to expects an RGB image or an L mask, got mode {img.mode!r}; "
+                         "load it with load_rgb() or load_mask() first")
+    return img if img.size == size else img.resize(size, Image.LANCZOS)
+
+
+def image_bytes_hash(path: str | os.PathLike) -> str:
+    """sha256 hex digest of the file's bytes (cache invalidation key)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

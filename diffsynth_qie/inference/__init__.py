@@ -1,0 +1,15 @@
+"""Inference: the ``Editor`` API, flow-matching and LBM bridge samplers, mask blending.
+
+``Editor`` is the one entry point the CLI (``qie edit``), training validation, the UI
+and benchmarks share; ``samplers`` holds the sampling loops and the pure bridge math
+that the LBM loss reuses; ``masking`` the mask semantics.
+"""
+from .editor import EditRequest, EditResult, Editor, parse_device_map, parse_dtype
+from .samplers import (Conditioning, bridge_interpolate, bridge_sigmas, bridge_step, bridge_target,
+                       dit_velocity, predict_velocity, sample_bridge, sample_flow_match)
+
+__all__ = [
+    "EditRequest", "EditResult", "Editor", "parse_device_map", "parse_dtype",
+    "Conditioning", "bridge_interpolate", "bridge_sigmas", "bridge_step", "bridge_target",
+    "dit_velocity", "predict_velocity", "sample_bridge", "sample_flow_match",
+]

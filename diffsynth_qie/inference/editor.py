@@ -1,0 +1,346 @@
+"""``Editor``: the one inference API (CLI, training validation, UI, benchmarks).
+
+It drives DiffSynth's components itself instead of calling
+``QwenImagePipeline.__call__``: the text encoder and VAE through our thin
+``models/encoding.py`` wrappers (DiffSynth's own units), the DiT through our batched
+``dit_forward``. That buys three things DiffSynth's pipeline lacks:
+
+- true CFG as one batch of 2 (positive + negative) instead of two passes;
+- LBM bridge sampling with a main and a white-prior sub-stream in one batch;
+- per-component devices (``device_map``) and model-level CPU offload: tensors are
+  moved at component boundaries, which we own.
+
+With no mask, no LoRA and no LBM the result equals ``QwenImagePipeline.__call__``
+(``edit_image_auto_resize=False``, same seed) up to float rounding of the batched
+forward (tests/test_inference.py pins the latents).
+
+Devices
+-------
+- Default: every component on one device (CUDA when available), bf16 on GPU, fp32 on CPU.
+- ``device_map={"text_encoder": "cuda:1", "dit": "cuda:0", "vae": "cuda:0"}``: each
+  component lives on its own device (weights are loaded on the CPU, then moved).
+- ``cpu_offload=True``: components stay on the CPU and each is moved to its device
+  only while it runs (model-level offload; peak GPU memory = the largest component,
+  the DiT: ≈40 GB bf16 for the real model). For GPUs smaller than the DiT use
+  DiffSynth's layer-level VRAM management instead: build the pipe with
+  ``load_pipeline(..., model_config_kwargs={c: {"offload_device": "cpu", ...}},
+  vram_limit=...)`` and wrap it with ``Editor(pipe)``; the editor calls
+  ``pipe.load_models_to_device`` like DiffSynth's pipeline does (untested on GPU here).
+
+Not thread-safe: one editor per worker (the UI runs generations on one thread).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+from PIL import Image
+
+from ..data.images import fit_to_budget, resize_to, to_rgb
+from ..models.encoding import decode_latents, encode_image, encode_prompt, white_latents
+from .masking import LatentMaskBlend, blend_pixels, check_strength, latent_keep_weight
+from .samplers import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+COMPONENTS = ("text_encoder", "dit", "vae")
+DEFAULT_MAX_PIXELS = 1024 * 1024
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass
+class EditRequest:
+    """One edit. Sizes are pixels; the output size must be a multiple of 16."""
+
+    images: Sequence[Image.Image]            # 1..n reference images; the first is the one being edited
+    prompt: str
+    negative_prompt: str = ""
+    mask: Optional[Image.Image] = None       # white (>=128) = may change; None = whole image
+    steps: int = 40                          # flow-matching steps (ignored with lbm_steps)
+    cfg: float = 4.0                         # true CFG scale; 1 = no negative pass
+    seed: int = 0
+    height: Optional[int] = None             # default: first image fitted to max_pixels
+    width: Optional[int] = None
+    max_pixels: int = DEFAULT_MAX_PIXELS     # output budget when height/width are not given
+    ref_max_pixels: Optional[int] = DEFAULT_MAX_PIXELS  # per reference image (downscale only); None = as given
+    mask_blend: float = 1.0                  # 0 = ignore the mask, 1 = outside kept exactly
+    mask_feather: float = 0.0                # pixel-blend feather (Gaussian radius, px) inside the mask
+    lbm_steps: Optional[int] = None          # None = flow matching; N >= 1 = LBM bridge sampling
+    lbm_noise: float = 0.005                 # LBM bridge noise s
+    lbm_cfg: float = 1.0                     # CFG for LBM (off by default)
+    progress: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
+
+
+@dataclass
+class EditResult:
+    image: Image.Image                       # the edit (LBM: main stream)
+    sub_image: Optional[Image.Image]         # LBM sub-stream (white prior) result; None for flow matching
+    latents: Tensor                          # final latents [B, 16, h, w] on CPU (LBM: B=2, main then sub)
+    width: int
+    height: int
+    seconds: float
+
+
+# --- devices ------------------------------------------------------------------------
+def parse_device_map(spec: str | Mapping[str, str] | None) -> dict[str, str]:
+    """``"text_encoder=cuda:1,dit=cuda:0,vae=cuda:0"`` (or a dict) -> validated dict (partial allowed)."""
+    if spec is None or spec == "":
+        return {}
+    if isinstance(spec, str):
+        items = {}
+        for part in spec.split(","):
+            if not part.strip():
+                continue
+            if "=" not in part:
+                raise ValueError(f"device_map entry {part!r} is not component=device "
+                                 "(e.g. text_encoder=cuda:1,dit=cuda:0,vae=cuda:0)")
+            name, dev = (s.strip() for s in part.split("=", 1))
+            items[name] = dev
+        spec = items
+    out = {}
+    for name, dev in spec.items():
+        if name not in COMPONENTS:
+            raise ValueError(f"device_map names unknown component {name!r}; valid: {', '.join(COMPONENTS)}")
+        try:
+            device = torch.device(dev)
+        except RuntimeError as e:
+            raise ValueError(f"device_map[{name!r}] = {dev!r} is not a torch device ({e})") from e
+        if device.type == "cuda":
+            count = torch.cuda.device_count()
+            if (device.index or 0) >= count:
+                raise ValueError(f"device_map[{name!r}] = {dev!r} but {count} CUDA device(s) are visible")
+        out[name] = str(device)
+    return out
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _module_device(module) -> torch.device | None:
+    param = next(iter(module.parameters()), None) if module is not None else None
+    return param.device if param is not None else None
+
+
+# --- sizes --------------------------------------------------------------------------
+def output_size(request: EditRequest, first: Image.Image) -> tuple[int, int]:
+    """(width, height): explicit (multiples of 16) or the first image fitted to ``max_pixels``."""
+    if (request.height is None) != (request.width is None):
+        raise ValueError(f"give both height and width or neither (got height={request.height}, "
+                         f"width={request.width})")
+    if request.height is None:
+        return fit_to_budget(*first.size, request.max_pixels, 16)
+    for name, value in (("height", request.height), ("width", request.width)):
+        if value < 16 or value % 16:
+            raise ValueError(f"{name}={value} must be a positive multiple of 16 (e.g. {max(16, value // 16 * 16)})")
+    return int(request.width), int(request.height)
+
+
+def reference_size(image: Image.Image, ref_max_pixels: int | None) -> tuple[int, int]:
+    """A reference image's encoding size: fitted to the budget (downscale only), multiple of 16."""
+    budget = ref_max_pixels if ref_max_pixels is not None else image.size[0] * image.size[1]
+    return fit_to_budget(*image.size, max(budget, 256), 16)
+
+
+def _check_request(request: EditRequest) -> None:
+    if not request.images:
+        raise ValueError("an edit needs at least one reference image")
+    for i, im in enumerate(request.images):
+        if not isinstance(im, Image.Image):
+            raise ValueError(f"images[{i}] is a {type(im).__name__}, not a PIL image; load it with data.images.load_rgb")
+    if request.lbm_steps is None and request.steps < 1:
+        raise ValueError(f"steps must be >= 1, got {request.steps}")
+    if request.lbm_steps is not None and (int(request.lbm_steps) != request.lbm_steps or request.lbm_steps < 1):
+        raise ValueError(f"lbm_steps must be a positive integer (1-4 typical), got {request.lbm_steps!r}")
+    check_strength(request.mask_blend)
+    if request.mask_feather < 0:
+        raise ValueError(f"mask_feather must be >= 0 pixels, got {request.mask_feather}")
+    if request.lbm_noise < 0:
+        raise ValueError(f"lbm_noise must be >= 0, got {request.lbm_noise}")
+
+
+# --- the editor ---------------------------------------------------------------------
+class Editor:
+    """Edit images with a loaded ``QwenImagePipeline`` (text encoder + DiT + VAE)."""
+
+    def __init__(self, pipe, device_map: Mapping[str, str] | str | None = None, cpu_offload: bool = False,
+                 zero_cond_t: bool | None = None, offload_device: str = "cpu"):
+        self.pipe = pipe
+        self.preset = getattr(pipe, "qie_preset", None)
+        self.zero_cond_t = bool(self.preset.zero_cond_t if zero_cond_t is None and self.preset else zero_cond_t)
+        self.multi_image_prompt = self.preset.multi_image_prompt if self.preset is not None else True
+        self.cpu_offload = bool(cpu_offload)
+        self.offload_device = torch.device(offload_device)
+        self.dtype = pipe.torch_dtype
+        mapping = parse_device_map(device_map)
+        self.devices: dict[str, torch.device] = {}
+        for name in COMPONENTS:
+            if name in mapping:
+                device = torch.device(mapping[name])
+            elif getattr(pipe, "vram_management_enabled", False) or self.cpu_offload:
+                device = torch.device(pipe.device)
+            else:
+                device = _module_device(getattr(pipe, name, None)) or torch.device(pipe.device)
+            self.devices[name] = device
+        for name in COMPONENTS:
+            module = getattr(pipe, name, None)
+            if module is None:
+                continue
+            target = self.offload_device if self.cpu_offload else self.devices[name]
+            if _module_device(module) != target and not getattr(pipe, "vram_management_enabled", False):
+                module.to(device=target)
+        self._loras = None
+        log.debug("editor devices %s, dtype %s, zero_cond_t %s, cpu_offload %s",
+                  {k: str(v) for k, v in self.devices.items()}, self.dtype, self.zero_cond_t, self.cpu_offload)
+
+    @classmethod
+    def from_preset(cls, model: str = "tiny", model_dir=None, device: str | None = None,
+                    torch_dtype: str | torch.dtype | None = None, device_map: Mapping[str, str] | str | None = None,
+                    cpu_offload: bool = False, zero_cond_t: bool | None = None) -> "Editor":
+        """Load ``model`` (edit, 2509, 2511, tiny; tiny is built on first use) and wrap it.
+
+        dtype ``None``/"auto": bf16 when any component runs on a GPU, fp32 on CPU.
+        With a ``device_map`` or ``cpu_offload`` the weights are loaded on the CPU first.
+        """
+        from ..models.loading import default_device, load_pipeline
+
+        device = str(torch.device(device)) if device else default_device()
+        mapping = parse_device_map(device_map)
+        devices = {name: mapping.get(name, device) for name in COMPONENTS}
+        dtype = parse_dtype(torch_dtype)
+        if dtype is None:
+            on_gpu = any(not d.startswith("cpu") for d in devices.values())
+            dtype = torch.bfloat16 if on_gpu else torch.float32
+        split = len(set(devices.values())) > 1
+        load_device = "cpu" if (cpu_offload or split) else device
+        pipe = load_pipeline(model, model_dir=model_dir, device=load_device, torch_dtype=dtype,
+                             zero_cond_t=zero_cond_t)
+        pipe.device = devices["dit"]  # where the pipeline's own intermediate tensors live
+        return cls(pipe, device_map=devices, cpu_offload=cpu_offload)
+
+    # --- LoRA ---------------------------------------------------------------------
+    def set_loras(self, loras: Sequence[tuple[str, float]]):
+        """Make exactly ``loras`` [(path, scale), ...] active on the DiT (``[]`` = base model).
+
+        Merged into the weights (no per-step cost); switching restores the base weights
+        bit-exactly first, without reloading the model. Returns the load reports.
+        """
+        if self._loras is None:
+            from ..models.lora_io import LoraManager
+
+            self._loras = LoraManager(self.pipe.dit)
+        return self._loras.set_loras([(str(p), float(s)) for p, s in loras])
+
+    @property
+    def active_loras(self) -> list:
+        return [] if self._loras is None else self._loras.active
+
+    # --- devices ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _running(self, name: str):
+        """While ``name`` runs: it is on its device (offload) and ``pipe.device`` points there."""
+        device = self.devices[name]
+        if self.cpu_offload:
+            for other in COMPONENTS:
+                module = getattr(self.pipe, other, None)
+                if module is not None:
+                    module.to(device=device if other == name else self.offload_device)
+        saved = self.pipe.device
+        self.pipe.device = device
+        try:
+            yield device
+        finally:
+            self.pipe.device = saved
+
+    def _encode_images(self, images: Sequence[Image.Image]) -> list[Tensor]:
+        with self._running("vae"):
+            return [encode_image(self.pipe, im) for im in images]
+
+    def _encode_prompt(self, prompt: str, refs: Sequence[Image.Image]) -> Tensor:
+        with self._running("text_encoder"):
+            return encode_prompt(self.pipe, prompt, refs, multi_image=self.multi_image_prompt)
+
+    def _white(self, width: int, height: int) -> Tensor:
+        """LBM's sub-stream prior: VAE latents of a pure white image at the output size."""
+        with self._running("vae"):
+            return white_latents(self.pipe, width, height)
+
+    def _decode(self, latents: Tensor) -> Image.Image:
+        with self._running("vae"):
+            return decode_latents(self.pipe, latents)
+
+    # --- editing ------------------------------------------------------------------
+    @torch.no_grad()
+    def edit(self, request: EditRequest) -> EditResult:
+        """Run one edit: flow matching (``lbm_steps=None``) or LBM bridge sampling."""
+        start = time.perf_counter()
+        _check_request(request)
+        images = [to_rgb(im) for im in request.images]
+        width, height = output_size(request, images[0])
+        refs = [resize_to(im, reference_size(im, request.ref_max_pixels)) for im in images]
+        lbm = request.lbm_steps is not None
+        cfg = request.lbm_cfg if lbm else request.cfg
+
+        prompt_emb = self._encode_prompt(request.prompt, refs)
+        negative_emb = self._encode_prompt(request.negative_prompt, refs) if uses_cfg(cfg) else None
+        edit_latents = self._encode_images(refs)
+        need_source = lbm or (request.mask is not None and request.mask_blend > 0)
+        z_src = None
+        if need_source:  # the first reference at the output size
+            z_src = edit_latents[0] if refs[0].size == (width, height) else \
+                self._encode_images([resize_to(images[0], (width, height))])[0]
+        z_white = self._white(width, height) if lbm else None
+
+        dit_device = self.devices["dit"]
+        to_dit = lambda t: t.to(device=dit_device, dtype=self.dtype)  # noqa: E731
+        cond = Conditioning(
+            prompt_embs=[to_dit(prompt_emb)], edit_latents=[[to_dit(e) for e in edit_latents]],
+            negative_embs=None if negative_emb is None else [to_dit(negative_emb)], zero_cond_t=self.zero_cond_t,
+        )
+        shape = (1, 16, height // 8, width // 8)
+        with self._running("dit"):
+            self.pipe.load_models_to_device(["dit"])  # DiffSynth VRAM management, else no-op
+            if lbm:
+                prior = torch.stack([to_dit(z_src), to_dit(z_white)])
+                cond = cond.repeat(2)
+                keep = self._latent_blend(request, z_src=to_dit(z_src).expand_as(prior) if z_src is not None else None,
+                                          prior=prior)
+                generator = torch.Generator("cpu").manual_seed(int(request.seed))
+                latents = sample_bridge(dit_velocity(self.pipe.dit, cond, cfg, self.dtype), prior,
+                                        int(request.lbm_steps), request.lbm_noise, generator, keep, request.progress)
+            else:
+                noise = seeded_noise(shape, request.seed, self.dtype, dit_device)
+                keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
+                latents = sample_flow_match(dit_velocity(self.pipe.dit, cond, cfg, self.dtype), noise,
+                                            int(request.steps), keep, request.progress)
+
+        decoded = [self._decode(x) for x in latents]
+        self.pipe.load_models_to_device([])
+        if request.mask is not None and request.mask_blend > 0:
+            decoded = [blend_pixels(im, images[0], request.mask, request.mask_blend, request.mask_feather)
+                       for im in decoded]
+        seconds = time.perf_counter() - start
+        log.info("edited %dx%d (%s) in %.2f s", width, height,
+                 f"LBM {request.lbm_steps} step(s)" if lbm else f"{request.steps} steps, cfg {cfg:g}", seconds)
+        return EditResult(image=decoded[0], sub_image=decoded[1] if lbm else None,
+                          latents=latents.detach().float().cpu(), width=width, height=height, seconds=seconds)
+
+    def _latent_blend(self, request: EditRequest, z_src: Tensor | None, prior: Tensor) -> LatentMaskBlend | None:
+        if request.mask is None or request.mask_blend <= 0:
+            return None
+        assert z_src is not None
+        weight = latent_keep_weight(request.mask, tuple(prior.shape[-2:]), request.mask_blend)
+        return LatentMaskBlend(z_src=z_src, prior=prior, weight=weight.to(device=prior.device, dtype=prior.dtype))
+

@@ -1,0 +1,231 @@
+"""Samplers: Qwen-Image flow matching (with true CFG in one batch) and the LBM bridge.
+
+Both samplers take a *velocity function* ``velocity(x [B,16,h,w], timesteps [B]) -> v``
+rather than a DiT, so the same loop runs the real model (:func:`dit_velocity`), a
+toy model in the LBM tests, or a DiT under training (validation). Convention
+(DiffSynth's): σ = 1 at the prior (noise, or the LBM source), σ = 0 at the data;
+``v = dx/dσ`` and the DiT sees ``timestep = 1000·σ``.
+
+- **Flow matching** reuses DiffSynth's ``FlowMatchScheduler("Qwen-Image")``
+  (``set_timesteps(steps, dynamic_shift_len=(H/16)·(W/16))`` and ``step``): the very
+  schedule ``QwenImagePipeline.__call__`` uses, so results match it (tests pin it).
+- **True CFG** runs the positive and negative prompt as ONE batch of 2B through
+  :func:`~diffsynth_qie.models.forward.dit_forward` (DiffSynth runs two sequential
+  batch-1 passes); ``v = v_neg + cfg·(v_pos − v_neg)``. Like DiffSynth, any
+  ``cfg != 1`` uses the negative pass; ``cfg == 1`` skips it.
+- **Bridge (LBM)**: σ_k = linspace(1, 1/N, N), Euler ``x ← x + (σ_{k+1} − σ_k)·v`` with
+  σ_{N+1} = 0 and ``s·√(σ_{k+1}(1−σ_{k+1}))·ε`` re-injected after every step but the
+  last. :func:`bridge_sigmas`, :func:`bridge_step`, :func:`bridge_interpolate` and
+  :func:`bridge_target` are the pure math the LBM loss shares.
+
+Timesteps are cast to the pipeline dtype before the DiT sees them, exactly as
+DiffSynth's pipeline and its training loss do (bf16 rounds 1000·σ), so LoRAs see
+the same values at training and inference.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..models.forward import dit_forward
+
+Tensor = torch.Tensor
+#: (x [B, 16, h, w], timesteps [B] on the 0..1000 scale) -> velocity [B, 16, h, w]
+VelocityFn = Callable[[Tensor, Tensor], Tensor]
+#: (x, σ) -> x with the kept (unmasked) region reset; see ``masking.LatentMaskBlend``
+KeepFn = Callable[[Tensor, float], Tensor]
+#: progress(step, total), step counts from 1
+ProgressFn = Callable[[int, int], None]
+
+
+# --- conditioning + DiT velocity --------------------------------------------------
+@dataclass
+class Conditioning:
+    """Per-sample DiT conditioning, everything already on the DiT's device/dtype.
+
+    ``prompt_embs[b]`` is ``[L_b, D]`` (valid tokens only); ``negative_embs`` the same
+    for the negative prompt (needed only when cfg != 1); ``edit_latents[b]`` the list
+    of reference latents ``[16, h_i, w_i]`` of sample b.
+    """
+
+    prompt_embs: list[Tensor]
+    edit_latents: list[list[Tensor]]
+    negative_embs: Optional[list[Tensor]] = None
+    zero_cond_t: bool = False
+
+    def __post_init__(self):
+        if len(self.edit_latents) != len(self.prompt_embs):
+            raise ValueError(f"conditioning has {len(self.prompt_embs)} prompts but {len(self.edit_latents)} "
+                             "reference lists; give one per sample")
+        if self.negative_embs is not None and len(self.negative_embs) != len(self.prompt_embs):
+            raise ValueError(f"conditioning has {len(self.prompt_embs)} prompts but "
+                             f"{len(self.negative_embs)} negative prompts")
+
+    def __len__(self) -> int:
+        return len(self.prompt_embs)
+
+    def repeat(self, n: int) -> "Conditioning":
+        """The same conditioning for ``n`` times as many samples (LBM's two streams)."""
+        return Conditioning(self.prompt_embs * n, self.edit_latents * n,
+                            None if self.negative_embs is None else self.negative_embs * n, self.zero_cond_t)
+
+
+def uses_cfg(cfg: float) -> bool:
+    """DiffSynth's rule (``cfg_guided_model_fn``): any scale other than 1 runs the negative pass."""
+    return float(cfg) != 1.0
+
+
+def predict_velocity(dit, x: Tensor, timesteps: Tensor, cond: Conditioning, cfg: float = 1.0) -> Tensor:
+    """Velocity ``[B, 16, h, w]`` for a batch, with true CFG as one batch of 2B.
+
+    The 2B batch stacks [positive samples..., negative samples...]; prompts of
+    different lengths are padded and masked by ``dit_forward``.
+    """
+    batch = x.shape[0]
+    if len(cond) != batch:
+        raise ValueError(f"conditioning holds {len(cond)} samples but the latents hold {batch}")
+    timesteps = timesteps.reshape(-1).expand(batch) if timesteps.numel() == 1 else timesteps.reshape(-1)
+    if not uses_cfg(cfg):
+        out = dit_forward(dit, x, timesteps, cond.prompt_embs, cond.edit_latents, zero_cond_t=cond.zero_cond_t)
+        return torch.stack(out)
+    if cond.negative_embs is None:
+        raise ValueError(f"cfg={cfg} needs negative prompt embeddings (encode the negative prompt, "
+                         "even an empty one), or use cfg=1")
+    out = dit_forward(dit, torch.cat([x, x]), torch.cat([timesteps, timesteps]),
+                      cond.prompt_embs + cond.negative_embs, cond.edit_latents + cond.edit_latents,
+                      zero_cond_t=cond.zero_cond_t)
+    pos, neg = torch.stack(out[:batch]), torch.stack(out[batch:])
+    return neg + cfg * (pos - neg)
+
+
+def dit_velocity(dit, cond: Conditioning, cfg: float = 1.0, timestep_dtype: torch.dtype | None = None) -> VelocityFn:
+    """A :data:`VelocityFn` driving ``dit``; timesteps are cast to ``timestep_dtype`` (the pipe dtype)."""
+
+    def velocity(x: Tensor, timesteps: Tensor) -> Tensor:
+        t = timesteps.to(device=x.device, dtype=timestep_dtype or x.dtype)
+        return predict_velocity(dit, x, t, cond, cfg)
+
+    return velocity
+
+
+# --- flow matching ----------------------------------------------------------------
+def flow_match_scheduler(steps: int, latent_h: int, latent_w: int):
+    """DiffSynth's Qwen-Image scheduler set up as ``QwenImagePipeline.__call__`` does."""
+    from diffsynth.diffusion import FlowMatchScheduler
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    scheduler = FlowMatchScheduler("Qwen-Image")
+    height, width = latent_h * 8, latent_w * 8
+    scheduler.set_timesteps(steps, denoising_strength=1.0, dynamic_shift_len=(height // 16) * (width // 16))
+    return scheduler
+
+
+@torch.no_grad()
+def sample_flow_match(velocity: VelocityFn, noise: Tensor, steps: int, keep: KeepFn | None = None,
+                      progress: ProgressFn | None = None) -> Tensor:
+    """Integrate from ``noise`` [B, 16, h, w] (σ = 1) to σ = 0 with DiffSynth's schedule and Euler step.
+
+    ``keep(x, σ)`` runs on the initial latents and after every step with the σ the
+    latents are now at (the mask's latent blend).
+    """
+    scheduler = flow_match_scheduler(steps, noise.shape[-2], noise.shape[-1])
+    sigmas = [float(s) for s in scheduler.sigmas] + [0.0]
+    x = noise
+    if keep is not None:
+        x = keep(x, sigmas[0])
+    total = len(scheduler.timesteps)
+    for i, timestep in enumerate(scheduler.timesteps):
+        v = velocity(x, timestep.reshape(1).expand(x.shape[0]))
+        # BasePipeline.step without inpaint: x + v·(σ_next − σ) in the latents' dtype.
+        x = scheduler.step(v, scheduler.timesteps[i], x)
+        if keep is not None:
+            x = keep(x, sigmas[i + 1])
+        if progress is not None:
+            progress(i + 1, total)
+    return x
+
+
+# --- latent bridge (LBM) ----------------------------------------------------------
+def bridge_sigmas(n: int) -> Tensor:
+    """σ_k = linspace(1, 1/n, n) (float32): the LBM sampler's σ grid, also the default training grid."""
+    if int(n) != n or n < 1:
+        raise ValueError(f"LBM steps must be a positive integer, got {n!r}")
+    return torch.linspace(1.0, 1.0 / n, int(n), dtype=torch.float32)
+
+
+def _as_batch(sigma, like: Tensor) -> Tensor | float:
+    """A python float stays a float; a [B] tensor becomes [B, 1, 1, 1] on ``like``'s device/dtype."""
+    if isinstance(sigma, Tensor) and sigma.numel() > 1:
+        return sigma.to(device=like.device, dtype=like.dtype).reshape(-1, *([1] * (like.ndim - 1)))
+    return float(sigma)
+
+
+def bridge_noise_scale(sigma, bridge_noise: float):
+    """s·√(σ(1−σ)): the bridge's noise standard deviation at σ (0 at both ends)."""
+    if isinstance(sigma, Tensor):
+        return bridge_noise * torch.sqrt((sigma * (1 - sigma)).clamp_min(0))
+    return bridge_noise * math.sqrt(max(sigma * (1 - sigma), 0.0))
+
+
+def bridge_interpolate(z_target: Tensor, z_prior: Tensor, sigma, noise: Tensor | None = None,
+                       bridge_noise: float = 0.0) -> Tensor:
+    """x_σ = (1−σ)·z_T + σ·z_prior + s·√(σ(1−σ))·ε; σ a float or a per-sample [B] tensor."""
+    s = _as_batch(sigma, z_target)
+    x = (1 - s) * z_target + s * z_prior
+    if noise is not None and bridge_noise:
+        x = x + bridge_noise_scale(s, bridge_noise) * noise
+    return x
+
+
+def bridge_target(z_target: Tensor, z_prior: Tensor) -> Tensor:
+    """The bridge's velocity dx/dσ: v* = z_prior − z_T (what the DiT regresses)."""
+    return z_prior - z_target
+
+
+def bridge_step(x: Tensor, v: Tensor, sigma, sigma_next, noise: Tensor | None = None,
+                bridge_noise: float = 0.0) -> Tensor:
+    """One Euler step x + (σ_next − σ)·v, then re-inject s·√(σ_next(1−σ_next))·ε (zero at σ_next = 0)."""
+    s, s_next = _as_batch(sigma, x), _as_batch(sigma_next, x)
+    x = x + (s_next - s) * v
+    if noise is not None and bridge_noise:
+        x = x + bridge_noise_scale(s_next, bridge_noise) * noise
+    return x
+
+
+@torch.no_grad()
+def sample_bridge(velocity: VelocityFn, prior: Tensor, steps: int, bridge_noise: float = 0.005,
+                  generator: torch.Generator | None = None, keep: KeepFn | None = None,
+                  progress: ProgressFn | None = None) -> Tensor:
+    """Few-step LBM sampling from ``prior`` [B, 16, h, w] (σ = 1) to σ = 0.
+
+    Re-injected noise is drawn on the CPU from ``generator`` (device-independent
+    results), one draw of the whole batch per intermediate step.
+    """
+    sigmas = bridge_sigmas(steps).tolist() + [0.0]
+    x = prior
+    if keep is not None:
+        x = keep(x, sigmas[0])
+    for k in range(steps):
+        sigma, sigma_next = sigmas[k], sigmas[k + 1]
+        timesteps = torch.full((x.shape[0],), 1000.0 * sigma, dtype=torch.float32)
+        v = velocity(x, timesteps)
+        noise = None
+        if sigma_next > 0 and bridge_noise:
+            noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(device=x.device, dtype=x.dtype)
+        x = bridge_step(x, v, sigma, sigma_next, noise, bridge_noise)
+        if keep is not None:
+            x = keep(x, sigma_next)
+        if progress is not None:
+            progress(k + 1, steps)
+    return x
+
+
+def seeded_noise(shape: Sequence[int], seed: int, dtype: torch.dtype, device=None) -> Tensor:
+    """Gaussian noise exactly as DiffSynth's ``BasePipeline.generate_noise`` draws it (CPU generator)."""
+    generator = torch.Generator("cpu").manual_seed(int(seed))
+    noise = torch.randn(tuple(shape), generator=generator, device="cpu", dtype=dtype)
+    return noise.to(device=device) if device is not None else noise

@@ -1,0 +1,382 @@
+"""Build DiffSynth ``QwenImagePipeline``s from a preset, from the hub or a local directory.
+
+Why a layer over ``QwenImagePipeline.from_pretrained``: DiffSynth silently downloads
+whatever it cannot find (and falls back to ModelScope ``Qwen/Qwen-Image`` for an
+omitted tokenizer), retrying for ~20 s when the hub is unreachable. Here every file
+is checked *before* DiffSynth runs: local files are used by path; files missing
+with no way to download them raise one clear error naming what to download and
+where. Only components that are asked for are loaded (training phase 2 loads the
+DiT alone; tokenizer/processor come only with the text encoder).
+
+Where files are looked for, per component:
+
+1. ``model_dir`` (if given): the preset's relative pattern inside it, i.e. the
+   layout of ``modelscope download --model Qwen/Qwen-Image-Edit-2511 --local_dir DIR``.
+2. otherwise DiffSynth's own download folder ``$DIFFSYNTH_MODEL_BASE_PATH/<model_id>``
+   (default ``./models/<model_id>``) and ModelScope's cache
+   (``$MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``);
+3. otherwise DiffSynth downloads it, unless ``DIFFSYNTH_SKIP_DOWNLOAD`` is true or
+   the hub is unreachable, in which case :func:`load_pipeline` fails fast.
+
+The ``tiny`` preset lives in ``$QIE_HOME/models/Qwen-Image-Edit-tiny`` by default
+(``QIE_HOME`` defaults to ``~/.cache/diffsynth-qie``) and is built there on first use.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+from urllib.parse import urlparse
+
+from .presets import Preset, Source, get_preset
+
+log = logging.getLogger(__name__)
+
+MODEL_COMPONENTS = ("dit", "text_encoder", "vae")
+HUB_CHECK_TIMEOUT_S = 3.0
+
+
+# --- locations -------------------------------------------------------------------
+def qie_home() -> Path:
+    """Root for our own downloads/builds: ``$QIE_HOME``, default ``~/.cache/diffsynth-qie``."""
+    return Path(os.environ.get("QIE_HOME") or Path.home() / ".cache" / "diffsynth-qie").expanduser()
+
+
+def default_tiny_dir() -> Path:
+    return qie_home() / "models" / "Qwen-Image-Edit-tiny"
+
+
+def diffsynth_model_base() -> Path:
+    """The folder DiffSynth downloads into (``ModelConfig.reset_local_model_path``)."""
+    return Path(os.environ.get("DIFFSYNTH_MODEL_BASE_PATH") or "./models")
+
+
+def _modelscope_cache_dirs(model_id: str) -> list[Path]:
+    root = Path(os.environ.get("MODELSCOPE_CACHE") or Path.home() / ".cache" / "modelscope" / "hub").expanduser()
+    # modelscope >= 1.x stores snapshots under models/<owner>/<name>; older ones under <owner>/<name>.
+    return [root / "models" / model_id, root / model_id]
+
+
+def _skip_download() -> bool:
+    return os.environ.get("DIFFSYNTH_SKIP_DOWNLOAD", "").strip().lower() == "true"
+
+
+# --- resolution ------------------------------------------------------------------
+@dataclass
+class ResolvedModels:
+    """What ``QwenImagePipeline.from_pretrained`` needs, plus where each piece came from."""
+
+    model_configs: list = field(default_factory=list)  # diffsynth ModelConfig for DiT/text encoder/VAE
+    model_components: list[str] = field(default_factory=list)  # component name of each model_configs entry
+    tokenizer_config: Any = None
+    processor_config: Any = None
+
+    def configs(self) -> dict[str, Any]:
+        """Component name -> its ``ModelConfig`` (tokenizer/processor included when resolved)."""
+        out = dict(zip(self.model_components, self.model_configs))
+        for name in ("tokenizer", "processor"):
+            if getattr(self, f"{name}_config") is not None:
+                out[name] = getattr(self, f"{name}_config")
+        return out
+
+    def paths(self) -> dict[str, list[str]]:
+        """Component -> local files/folders; hub components appear once DiffSynth has downloaded them."""
+        out = {}
+        for name, config in self.configs().items():
+            if config.path is not None:
+                out[name] = [str(p) for p in config.path] if isinstance(config.path, list) else [str(config.path)]
+        return out
+
+
+def _find_local(root: Path, source: Source) -> list[str] | None:
+    """Files (weights) or the folder (tokenizer/processor) for ``source`` under ``root``; None if absent/incomplete."""
+    if source.is_folder:
+        folder = root / source.pattern.rstrip("/")
+        return [str(folder)] if folder.is_dir() and any(folder.iterdir()) else None
+    files = sorted(glob.glob(str(root / source.pattern)))
+    files = [f for f in files if not f.endswith(".index.json")]
+    if not files or not _shards_complete(files):
+        return None
+    return files
+
+
+def _shards_complete(files: list[str]) -> bool:
+    """For sharded weights, every shard listed in the ``*.safetensors.index.json`` is present."""
+    folder = Path(files[0]).parent
+    present = {Path(f).name for f in files}
+    for index in folder.glob("*.safetensors.index.json"):
+        try:
+            needed = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, json.JSONDecodeError):
+            return False
+        if needed & present and not needed <= present:
+            return False
+    return True
+
+
+def _required_components(components: Iterable[str]) -> list[str]:
+    components = list(components)
+    bad = [c for c in components if c not in MODEL_COMPONENTS]
+    if bad:
+        raise ValueError(f"unknown component(s) {bad}; valid components: {', '.join(MODEL_COMPONENTS)}")
+    if not components:
+        raise ValueError("components is empty; ask for at least one of " + ", ".join(MODEL_COMPONENTS))
+    needed = [c for c in MODEL_COMPONENTS if c in components]
+    if "text_encoder" in needed:  # prompts need the tokenizer (text-only) and the processor (with images)
+        needed += ["tokenizer", "processor"]
+    return needed
+
+
+def _download_hint(preset: Preset, model_dir: str | os.PathLike | None) -> str:
+    if preset.is_tiny:
+        return f"Build it with: qie make-tiny --out {model_dir or default_tiny_dir()}"
+    target = model_dir or f"./models/{preset.repo_id}"
+    return (f"Download it with: modelscope download --model {preset.repo_id} --local_dir {target}\n"
+            f"then pass --model_dir {target} (model_dir=... in Python)")
+
+
+def resolve_model_configs(preset: str | Preset, model_dir: str | os.PathLike | None = None,
+                          components: Sequence[str] = MODEL_COMPONENTS) -> ResolvedModels:
+    """DiffSynth ``ModelConfig``s for ``components`` of ``preset`` (+ tokenizer/processor with the text encoder).
+
+    With ``model_dir`` every file must be there (FileNotFoundError naming each missing
+    one and the download command). Without it, files already downloaded are used by
+    path; the rest become ``ModelConfig(model_id, origin_file_pattern)`` for DiffSynth
+    to download — after checking that a download can happen at all.
+    """
+    preset = get_preset(preset)
+    needed = _required_components(components)
+    if preset.is_tiny and model_dir is None:
+        raise ValueError("the tiny preset needs model_dir (load_pipeline defaults it to "
+                         f"{default_tiny_dir()}); build one with `qie make-tiny --out DIR`")
+    found: list[tuple[str, Source, list[str] | None]] = []
+    missing: list[str] = []
+    for name in needed:
+        source = preset.source(name)
+        if model_dir is not None:
+            paths = _find_local(Path(model_dir), source)
+            if paths is None:
+                missing.append(f"{name}: {Path(model_dir) / source.pattern}")
+        else:
+            # DiffSynth's download folder and ModelScope's cache, for the component's own
+            # repo and for the preset's repo (every Edit repo holds all five components).
+            repos = list(dict.fromkeys((source.model_id, preset.repo_id)))
+            roots = [diffsynth_model_base() / r for r in repos] + [d for r in repos for d in _modelscope_cache_dirs(r)]
+            paths = next((p for p in (_find_local(r, source) for r in roots) if p is not None), None)
+            if paths is None:
+                missing.append(f"{name}: {source.pattern} of {source.model_id} "
+                               f"(looked in {(diffsynth_model_base() / source.model_id).resolve()})")
+        found.append((name, source, paths))
+
+    # Decide before importing diffsynth (~6 s), so a hopeless load fails at once.
+    listing = "".join(f"\n  - {m}" for m in missing)
+    if model_dir is not None and missing:
+        raise FileNotFoundError(
+            f"model_dir {model_dir} lacks files of the {preset.name} preset:{listing}\n"
+            f"{_download_hint(preset, model_dir)}")
+    if missing:
+        reason = _why_no_download()
+        if reason:
+            raise FileNotFoundError(
+                f"{preset.name} ({preset.repo_id}) weights are not downloaded and {reason}. Missing:{listing}\n"
+                f"{_download_hint(preset, None)}\n"
+                f"(or put the <model_id>/ folders under $DIFFSYNTH_MODEL_BASE_PATH, default ./models)")
+        log.info("will download from the hub: %s", "; ".join(missing))
+
+    from diffsynth.core import ModelConfig
+
+    resolved = ResolvedModels()
+    for name, source, paths in found:
+        if paths is None:  # left to DiffSynth's downloader
+            config = ModelConfig(model_id=source.model_id, origin_file_pattern=source.pattern)
+        else:
+            config = ModelConfig(path=paths[0] if len(paths) == 1 else paths)
+        _attach(resolved, name, config)
+    return resolved
+
+
+def _attach(resolved: ResolvedModels, name: str, config) -> None:
+    if name == "tokenizer":
+        resolved.tokenizer_config = config
+    elif name == "processor":
+        resolved.processor_config = config
+    else:
+        resolved.model_configs.append(config)
+        resolved.model_components.append(name)
+
+
+# --- can we download? ------------------------------------------------------------
+def _hub_address() -> tuple[str, int]:
+    """Host/port a download would connect to first (the proxy if one is set)."""
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        if os.environ.get(var):
+            url = urlparse(os.environ[var] if "://" in os.environ[var] else "http://" + os.environ[var])
+            return url.hostname or "", url.port or 80
+    if os.environ.get("DIFFSYNTH_DOWNLOAD_SOURCE", "").lower() == "huggingface":
+        url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    else:
+        url = urlparse(os.environ.get("MODELSCOPE_ENDPOINT") or os.environ.get("MODELSCOPE_DOMAIN")
+                       or "https://www.modelscope.cn")
+        if not url.hostname:  # MODELSCOPE_DOMAIN may be a bare host name
+            url = urlparse("https://" + (os.environ.get("MODELSCOPE_DOMAIN") or "www.modelscope.cn"))
+    return url.hostname or "", url.port or (443 if url.scheme != "http" else 80)
+
+
+def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
+    """One TCP connect to the hub (DNS included) bounded by ``timeout`` seconds."""
+    host, port = _hub_address()
+    result: list[bool] = []
+
+    def probe():
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                result.append(True)
+        except OSError:
+            result.append(False)
+
+    # A daemon thread bounds a hanging DNS lookup too (create_connection's timeout doesn't).
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
+
+
+def _why_no_download() -> str | None:
+    if _skip_download():
+        return "DIFFSYNTH_SKIP_DOWNLOAD is set"
+    host, port = _hub_address()
+    if not hub_reachable():
+        return f"the model hub ({host}:{port}) is unreachable"
+    return None
+
+
+# --- loading ---------------------------------------------------------------------
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str):
+    """bf16 on GPUs; fp32 on CPU, where bf16 matmuls are ~100x slower without avx512_bf16."""
+    import torch
+
+    return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+
+
+def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | None = None,
+                  components: Sequence[str] = MODEL_COMPONENTS, device: str | None = None,
+                  torch_dtype=None, zero_cond_t: bool | None = None,
+                  model_config_kwargs: dict[str, dict] | None = None, vram_limit: float | None = None):
+    """A ``QwenImagePipeline`` for the preset, built by DiffSynth's own ``from_pretrained``.
+
+    ``components`` picks the weights: ``("dit",)`` loads only the DiT (training phase 2),
+    leaving ``pipe.text_encoder``/``pipe.vae``/tokenizer/processor ``None``.
+    ``device`` defaults to CUDA when available; ``torch_dtype`` to bf16 on GPU, fp32 on CPU.
+    ``zero_cond_t`` overrides the preset's flag. The preset (with the override) is
+    attached as ``pipe.qie_preset`` — later code reads ``zero_cond_t`` from there.
+    ``model_config_kwargs`` maps a component to extra ``ModelConfig`` fields (e.g.
+    ``{"text_encoder": {"offload_device": "cpu", "offload_dtype": torch.bfloat16}}``
+    for DiffSynth's VRAM management on small GPUs).
+    """
+    preset = get_preset(preset_or_name, zero_cond_t=zero_cond_t)
+    if preset.is_tiny:
+        from .tiny import ensure_tiny, register_tiny_model_configs
+
+        register_tiny_model_configs()
+        model_dir = model_dir if model_dir is not None else ensure_tiny(default_tiny_dir())
+    resolved = resolve_model_configs(preset, model_dir=model_dir, components=components)
+    from diffsynth.pipelines.qwen_image import QwenImagePipeline
+
+    device = device or default_device()
+    torch_dtype = torch_dtype or default_dtype(device)
+    if model_config_kwargs:
+        _apply_model_config_kwargs(resolved, model_config_kwargs)
+    try:
+        pipe = QwenImagePipeline.from_pretrained(
+            torch_dtype=torch_dtype, device=device, model_configs=resolved.model_configs,
+            # Explicit None (not DiffSynth's default) so nothing falls back to a hub download.
+            tokenizer_config=resolved.tokenizer_config, processor_config=resolved.processor_config,
+            vram_limit=vram_limit,
+        )
+    except ValueError as e:
+        if "Cannot detect the model type" not in str(e):
+            raise
+        raise ValueError(f"{e}\nThese weights are not a {preset.name} ({preset.repo_id}) checkpoint "
+                         "DiffSynth knows; check --model/--model_dir (a tiny model needs --model tiny)") from e
+    pipe.qie_preset = preset
+    # Component -> local files actually loaded (after any download): what the cache
+    # layer fingerprints (``weights_fingerprint(pipe.qie_model_paths["text_encoder"])``).
+    pipe.qie_model_paths = resolved.paths()
+    log.info("loaded %s (%s) on %s/%s", preset.name, ", ".join(components), device, str(torch_dtype).replace("torch.", ""))
+    return pipe
+
+
+def _apply_model_config_kwargs(resolved: ResolvedModels, kwargs: dict[str, dict]) -> None:
+    unknown = set(kwargs) - set(resolved.model_components)
+    if unknown:
+        raise ValueError(f"model_config_kwargs names components not being loaded: {sorted(unknown)}; "
+                         f"loading: {resolved.model_components}")
+    for name, config in zip(resolved.model_components, resolved.model_configs):
+        for key, value in kwargs.get(name, {}).items():
+            if not hasattr(config, key):
+                raise ValueError(f"model_config_kwargs[{name!r}] has unknown ModelConfig field {key!r}")
+            setattr(config, key, value)
+
+
+# --- fingerprints ----------------------------------------------------------------
+_FULL_READ_LIMIT = 16 * 1024 * 1024
+_SAMPLE_BYTES = 64 * 1024
+
+
+def weights_fingerprint(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> str:
+    """Cheap content fingerprint of weight files: sha256 over safetensors headers, sizes and samples.
+
+    A safetensors header lists every tensor's name, dtype, shape and byte offsets, so
+    with the file size it changes whenever weights are re-exported, re-sharded or
+    converted; three 64 KiB samples of the tensor data (start, middle, end) tell
+    apart checkpoints with the same layout (e.g. two fine-tunes) — all without
+    reading gigabytes. Folders are walked; small other files (tokenizer JSON) are
+    hashed whole. A file counts with its name and its folder's name
+    (``transformer/...``), not where that folder is, so the same model in two places
+    has the same fingerprint; the order of ``paths`` doesn't matter.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[tuple[str, Path]] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            files += [(str(f.relative_to(p.parent)), f) for f in sorted(p.rglob("*")) if f.is_file()]
+        elif p.is_file():
+            files.append((f"{p.parent.name}/{p.name}", p))  # "transformer/x" vs "vae/x"
+        else:
+            raise FileNotFoundError(f"cannot fingerprint {p}: no such file or directory")
+    entries = sorted((name, _file_digest(f)) for name, f in files)  # order of ``paths`` doesn't matter
+    return hashlib.sha256("\n".join(f"{n}\0{d}" for n, d in entries).encode()).hexdigest()
+
+
+def _file_digest(f: Path) -> str:
+    digest = hashlib.sha256()
+    size = f.stat().st_size
+    digest.update(f"{size}\0".encode())
+    with open(f, "rb") as fh:
+        if size <= 2 * _SAMPLE_BYTES or (f.suffix != ".safetensors" and size <= _FULL_READ_LIMIT):
+            digest.update(fh.read())
+            return digest.hexdigest()
+        start = 0
+        if f.suffix == ".safetensors":
+            head = fh.read(8)
+            start = 8 + int.from_bytes(head, "little")
+            digest.update(head + fh.read(max(min(start, size) - 8, 0)))
+        for offset in (start, (start + size) // 2, size - _SAMPLE_BYTES):
+            fh.seek(max(min(offset, size - _SAMPLE_BYTES), 0))
+            digest.update(fh.read(_SAMPLE_BYTES))
+    return digest.hexdigest()

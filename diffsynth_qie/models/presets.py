@@ -1,0 +1,138 @@
+"""Registry of the Qwen-Image-Edit models we support, with their per-model flags.
+
+A preset says where each component comes from (a ModelScope model id + file pattern,
+mirroring DiffSynth-Studio's own examples, or the same relative path inside a local
+``--model_dir``) and how the model must be driven:
+
+- ``zero_cond_t``: 2511 checkpoints were trained with the reference images' tokens
+  modulated at timestep 0; 2509 and the original Edit must not use it.
+- ``multi_image_prompt``: 2509/2511 encode prompts with DiffSynth's multi-image
+  template ("Picture 1: ..."), i.e. ``edit_image`` is passed as a list even for one
+  image; the original Edit takes a single image.
+- ``lora_target_modules``: default LoRA targets on the DiT.
+
+This module is pure data (no torch, no diffsynth) so the CLI can list presets fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# DiffSynth's usual Qwen-Image LoRA targets (examples/qwen_image/model_training/lora/*.sh).
+DEFAULT_LORA_TARGETS: tuple[str, ...] = (
+    "to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
+    "img_mlp.net.2", "img_mod.1", "txt_mlp.net.2", "txt_mod.1",
+)
+# The 2511 default also adapts the DiT's input/output projections: the nn.Linear
+# modules QwenImageDiT.img_in, .txt_in and .proj_out (top-level, so each matches once).
+LORA_TARGETS_2511: tuple[str, ...] = DEFAULT_LORA_TARGETS + ("img_in", "txt_in", "proj_out")
+
+# The components a pipeline can be built from, in the order DiffSynth loads them.
+COMPONENTS: tuple[str, ...] = ("dit", "text_encoder", "vae", "tokenizer", "processor")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one component's files live.
+
+    ``pattern`` is DiffSynth's ``origin_file_pattern``: a glob for weight files or a
+    folder ending in ``/`` for tokenizer/processor. With ``--model_dir`` the same
+    pattern is resolved inside that directory (the repos' own layout).
+    """
+
+    model_id: str
+    pattern: str
+
+    @property
+    def is_folder(self) -> bool:
+        return self.pattern.endswith("/")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    # Model repo that a ``modelscope download --local_dir`` fetches for --model_dir.
+    repo_id: str
+    dit: Source
+    text_encoder: Source
+    vae: Source
+    tokenizer: Source
+    processor: Source
+    zero_cond_t: bool = False
+    multi_image_prompt: bool = False
+    lora_target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    is_tiny: bool = False
+
+    def source(self, component: str) -> Source:
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown component {component!r}; valid: {', '.join(COMPONENTS)}")
+        return getattr(self, component)
+
+
+def _real(name: str, repo_id: str, description: str, **flags) -> Preset:
+    # Mirrors DiffSynth-Studio's examples: the DiT from the Edit repo, text encoder,
+    # VAE and tokenizer from Qwen/Qwen-Image (identical weights in every Edit repo),
+    # the processor from Qwen/Qwen-Image-Edit.
+    return Preset(
+        name=name, description=description, repo_id=repo_id,
+        dit=Source(repo_id, "transformer/diffusion_pytorch_model*.safetensors"),
+        text_encoder=Source("Qwen/Qwen-Image", "text_encoder/model*.safetensors"),
+        vae=Source("Qwen/Qwen-Image", "vae/diffusion_pytorch_model.safetensors"),
+        tokenizer=Source("Qwen/Qwen-Image", "tokenizer/"),
+        processor=Source("Qwen/Qwen-Image-Edit", "processor/"),
+        **flags,
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    "edit": _real("edit", "Qwen/Qwen-Image-Edit", "Qwen-Image-Edit (original, single reference image)"),
+    "2509": _real("2509", "Qwen/Qwen-Image-Edit-2509", "Qwen-Image-Edit-2509 (multi-image)",
+                  multi_image_prompt=True),
+    "2511": _real("2511", "Qwen/Qwen-Image-Edit-2511", "Qwen-Image-Edit-2511 (multi-image, zero_cond_t)",
+                  zero_cond_t=True, multi_image_prompt=True, lora_target_modules=LORA_TARGETS_2511),
+    # The tiny model (models/tiny.py) in the same layout; a local directory only.
+    # It behaves like 2509 (multi-image template) so tests cover that path; tests
+    # turn zero_cond_t on explicitly.
+    "tiny": Preset(
+        name="tiny", description="tiny random Qwen-Image-Edit for tests and CPU demos",
+        repo_id="(built locally by `qie make-tiny`)",
+        dit=Source("", "transformer/diffusion_pytorch_model.safetensors"),
+        text_encoder=Source("", "text_encoder/model.safetensors"),
+        vae=Source("", "vae/diffusion_pytorch_model.safetensors"),
+        tokenizer=Source("", "tokenizer/"),
+        processor=Source("", "processor/"),
+        multi_image_prompt=True, is_tiny=True,
+    ),
+}
+
+ALIASES: dict[str, str] = {
+    "qwen-image-edit": "edit", "qwen/qwen-image-edit": "edit", "original": "edit",
+    "qwen-image-edit-2509": "2509", "qwen/qwen-image-edit-2509": "2509", "edit-2509": "2509",
+    "qwen-image-edit-2511": "2511", "qwen/qwen-image-edit-2511": "2511", "edit-2511": "2511",
+    "qwen-image-edit-tiny": "tiny",
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def get_preset(name: str | Preset, zero_cond_t: bool | None = None) -> Preset:
+    """Return the preset called ``name`` (or an alias), with an explicit ``zero_cond_t`` override.
+
+    ``zero_cond_t=None`` keeps the preset's own value (on for 2511 only).
+    """
+    if isinstance(name, Preset):
+        preset = name
+    else:
+        key = str(name).strip()
+        key = key if key in PRESETS else ALIASES.get(key.lower(), key.lower())
+        if key not in PRESETS:
+            raise ValueError(
+                f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)} "
+                f"(aliases: {', '.join(sorted(ALIASES))})")
+        preset = PRESETS[key]
+    if zero_cond_t is not None and bool(zero_cond_t) != preset.zero_cond_t:
+        preset = dataclasses.replace(preset, zero_cond_t=bool(zero_cond_t))
+    return preset

@@ -1,0 +1,251 @@
+"""Checkpoints: a canonical LoRA plus everything needed to resume exactly, written atomically.
+
+Layout of ``<output_dir>``::
+
+    checkpoint-<step>/
+        lora.safetensors      canonical LoRA (models/lora_io.py): loads in `qie edit --lora`
+                              and DiffSynth's pipe.load_lora. For a schedule-free optimizer
+                              it holds the average x (see optim.schedule_free_eval).
+        trainable.safetensors the raw trainable tensors (training point y, PEFT names);
+                              not under DeepSpeed, whose engine checkpoint holds them
+        state/                accelerator.save_state: optimizer, LR scheduler, RNG states;
+                              under DeepSpeed the engine checkpoint (frozen weights excluded)
+        trainer_state.json    step, data position, seed, world size, config, what was saved
+    lora.safetensors          the final LoRA (written when training ends)
+
+A checkpoint is written into ``.checkpoint-<step>.tmp/`` and renamed when complete, so
+``checkpoint-*`` directories are always whole; ``--resume latest`` picks the newest.
+Nothing here gathers the frozen DiT: under ZeRO-3 only the trainable parameters are
+gathered (``deepspeed.zero.GatheredParameters``), never ``accelerator.get_state_dict``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..utils.atomic import atomic_save, atomic_write_json
+from .data import DataPosition
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+PREFIX = "checkpoint-"
+LORA_NAME = "lora.safetensors"
+TRAINABLE_NAME = "trainable.safetensors"
+STATE_DIR = "state"
+TRAINER_STATE = "trainer_state.json"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    """The loop's own resumable state (optimizer & co. live in ``state/``)."""
+
+    step: int = 0
+    position: DataPosition = field(default_factory=DataPosition)
+    seed: int = 0
+    world_size: int = 1
+    batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"format_version": FORMAT_VERSION, "step": self.step, "position": self.position.to_json(),
+                "seed": self.seed, "world_size": self.world_size, "batch_size": self.batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps, **self.extra}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrainerState":
+        known = {"format_version", "step", "position", "seed", "world_size", "batch_size", "gradient_accumulation_steps"}
+        return cls(step=int(d["step"]), position=DataPosition.from_json(d["position"]), seed=int(d["seed"]),
+                   world_size=int(d["world_size"]), batch_size=int(d["batch_size"]),
+                   gradient_accumulation_steps=int(d["gradient_accumulation_steps"]),
+                   extra={k: v for k, v in d.items() if k not in known})
+
+
+# --- finding checkpoints --------------------------------------------------------------
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    out = Path(output_dir)
+    found = []
+    for p in out.iterdir() if out.is_dir() else []:
+        m = _CKPT_RE.match(p.name)
+        if m and (p / TRAINER_STATE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(resume: Optional[str], output_dir: str | os.PathLike) -> Optional[Path]:
+    """The checkpoint directory ``--resume`` names; ``latest`` with none yet means a fresh start."""
+    if not resume:
+        return None
+    if resume == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            log.info("--resume latest: no checkpoint in %s yet, starting from step 0", output_dir)
+            return None
+        return found[-1]
+    path = Path(resume)
+    if not (path / TRAINER_STATE).is_file():
+        raise ValueError(f"--resume {resume}: not a complete checkpoint (no {TRAINER_STATE}); give a "
+                         f"{PREFIX}<step> directory or 'latest'")
+    return path
+
+
+def read_trainer_state(ckpt: str | os.PathLike) -> TrainerState:
+    data = json.loads((Path(ckpt) / TRAINER_STATE).read_text())
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{ckpt}: checkpoint format_version {data.get('format_version')!r}, this version "
+                         f"reads {FORMAT_VERSION}; resume with the diffsynth-qie version that wrote it")
+    return TrainerState.from_json(data)
+
+
+# --- gathering trainable weights ------------------------------------------------------
+def gather_trainable(module, accelerator) -> Optional[dict[str, torch.Tensor]]:
+    """CPU copies of the trainable parameters on the main process (None elsewhere).
+
+    Under ZeRO-3 every rank must call this (the gather is collective); only the
+    trainable parameters are gathered.
+    """
+    named = module.trainable_named_parameters()
+    params = [p for _, p in named]
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {n: p.detach().to("cpu", copy=True) for n, p in named} if accelerator.is_main_process else None
+    if not accelerator.is_main_process:
+        return None
+    return {n: p.detach().to("cpu", copy=True) for n, p in named}
+
+
+def save_lora_file(path: str | os.PathLike, module, state: dict[str, torch.Tensor],
+                   extra_metadata: Optional[dict] = None) -> Path:
+    """Write ``state`` (from :func:`gather_trainable`) as a canonical LoRA file, atomically."""
+    from ..models.lora_io import save_lora
+
+    return save_lora(path, module.export_lora_state_dict(state), metadata={**module.lora_metadata(),
+                                                                          **(extra_metadata or {})})
+
+
+# --- save / load ----------------------------------------------------------------------
+def install_state_hooks(accelerator, module) -> None:
+    """Keep accelerate's save_state/load_state from writing or reading the whole DiT.
+
+    Without DeepSpeed, ``save_state`` would store ``model.state_dict()`` — every frozen
+    weight. The hooks drop the model from accelerate's lists; :func:`save_checkpoint`
+    stores the trainable tensors itself (``trainable.safetensors``). Under DeepSpeed
+    the engine checkpoint is kept, with ``exclude_frozen_parameters=True``.
+    """
+    def on_save(models, weights, output_dir):
+        weights.clear()
+
+    def on_load(models, input_dir):
+        models.clear()
+
+    accelerator.register_save_state_pre_hook(on_save)
+    accelerator.register_load_state_pre_hook(on_load)
+
+
+def _uses_deepspeed(accelerator) -> bool:
+    return getattr(accelerator.state, "deepspeed_plugin", None) is not None
+
+
+def save_checkpoint(accelerator, module, optimizer, engine, output_dir: str | os.PathLike, state: TrainerState,
+                    keep_last: int = 0, metadata: Optional[dict] = None) -> Path:
+    """Write ``checkpoint-<step>`` (all ranks call this) and prune old ones; returns its path.
+
+    ``module`` is the unwrapped training module, ``optimizer`` the optimizer as built
+    (for schedule-free eval/train), ``engine`` the DeepSpeed engine or None.
+    """
+    from .optim import schedule_free_eval
+
+    out = Path(output_dir)
+    final = out / f"{PREFIX}{state.step}"
+    tmp = out / f".{PREFIX}{state.step}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+
+    # The LoRA users load: for a schedule-free optimizer, its average x.
+    with schedule_free_eval(optimizer, engine) as held:
+        lora_state = gather_trainable(module, accelerator)
+        if accelerator.is_main_process:
+            save_lora_file(tmp / LORA_NAME, module, lora_state, {**(metadata or {}), "step": state.step,
+                                                                 "weights": held})
+    # The resumable state: the training point y, exactly as the optimizer left it.
+    if _uses_deepspeed(accelerator):
+        accelerator.save_state(str(tmp / STATE_DIR), exclude_frozen_parameters=True)
+    else:
+        accelerator.save_state(str(tmp / STATE_DIR))
+        raw = gather_trainable(module, accelerator)
+        if accelerator.is_main_process:
+            from safetensors.torch import save_file
+
+            atomic_save(tmp / TRAINABLE_NAME, lambda p: save_file({k: v.contiguous() for k, v in raw.items()}, str(p)))
+    if accelerator.is_main_process:
+        state.extra["weights_in_lora"] = held
+        atomic_write_json(tmp / TRAINER_STATE, state.to_json())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        log.info("saved %s (LoRA: %s)", final, held)
+        if keep_last > 0:
+            for old in list_checkpoints(out)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, module, ckpt: str | os.PathLike) -> TrainerState:
+    """Restore optimizer, scheduler, RNG and trainable weights from ``ckpt`` (all ranks call this)."""
+    ckpt = Path(ckpt)
+    trainer_state = read_trainer_state(ckpt)
+    if _uses_deepspeed(accelerator):
+        accelerator.load_state(str(ckpt / STATE_DIR), load_module_strict=False)
+    else:
+        from safetensors.torch import load_file
+
+        raw = load_file(str(ckpt / TRAINABLE_NAME))
+        own = {n: p for n, p in module.trainable_named_parameters()}
+        if set(raw) != set(own):
+            missing, extra = sorted(set(own) - set(raw)), sorted(set(raw) - set(own))
+            raise ValueError(f"--resume {ckpt}: its trainable tensors differ from this run's (missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}); resume with the same --lora_* / --full_finetune_modules")
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(raw[n].to(device=p.device, dtype=p.dtype))
+        accelerator.load_state(str(ckpt / STATE_DIR))
+    log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpt, trainer_state.step,
+             trainer_state.position.epoch, trainer_state.position.batch)
+    return trainer_state
+
+
+def save_final_lora(accelerator, module, optimizer, engine, output_dir: str | os.PathLike,
+                    metadata: Optional[dict] = None) -> Path:
+    """``<output_dir>/lora.safetensors`` from the current weights (all ranks call this)."""
+    from .optim import schedule_free_eval
+
+    path = Path(output_dir) / LORA_NAME
+    with schedule_free_eval(optimizer, engine) as held:
+        lora_state = gather_trainable(module, accelerator)
+        if accelerator.is_main_process:
+            save_lora_file(path, module, lora_state, {**(metadata or {}), "weights": held})
+            log.info("saved the final LoRA to %s (%s)", path, held)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def checkpoint_summary(ckpt: str | os.PathLike) -> dict[str, Any]:
+    """Small JSON-able description of a checkpoint (for logs and tests)."""
+    ckpt = Path(ckpt)
+    return {"path": str(ckpt), **read_trainer_state(ckpt).to_json()}

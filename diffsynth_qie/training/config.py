@@ -1,0 +1,233 @@
+"""Typed configuration of phase-2 training, one small dataclass per area.
+
+``qie train`` turns every field into a flag (``utils/config_cli.py``), so the field
+name *is* the flag name (``lora_rank`` -> ``--lora_rank``). Values that depend on
+other choices (the optimizer's learning rate, the preset's LoRA targets and
+``zero_cond_t``) default to ``None`` and are filled in by :meth:`RunConfig.resolved`;
+nothing is ever read back from the cache except tensors (``zero_cond_t``,
+checkpointing and dropout are training-time decisions).
+
+Room for other losses: :attr:`LossConfig.loss` picks the loss function from the
+registry in ``losses.py``; the LBM engineer adds ``"lbm"`` there and an ``LBMConfig``
+as :attr:`RunConfig.lbm` (typed ``Any`` here so this module doesn't import it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+OptimizerName = Literal["adamw", "prodigy_sf"]
+ScheduleName = Literal["constant", "cosine"]
+MixedPrecision = Literal["auto", "no", "bf16", "fp16"]
+
+# Per-optimizer defaults applied by OptimConfig.resolved() (None fields only).
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Typical LoRA settings for Qwen-Image (DiffSynth's examples use 1e-4).
+    "adamw": {"learning_rate": 1e-4, "weight_decay": 0.01, "betas": (0.9, 0.999), "max_grad_norm": 1.0},
+    # ProdigyPlusScheduleFree estimates the step size itself: lr is a multiplier (1.0),
+    # no weight decay unless asked, and gradient clipping would defeat its d-estimate.
+    "prodigy_sf": {"learning_rate": 1.0, "weight_decay": 0.0, "betas": (0.9, 0.99), "max_grad_norm": 0.0},
+}
+
+
+def _help(text: str, **extra: Any) -> dict:
+    return {"help": text, **extra}
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA on the DiT (PEFT, injected with DiffSynth's add_lora_to_model), optional full fine-tuning."""
+
+    lora_rank: int = field(default=32, metadata=_help("LoRA rank; 0 trains no LoRA (then --full_finetune_modules is required)"))
+    lora_alpha: Optional[float] = field(default=None, metadata=_help(
+        "LoRA alpha (scale alpha/rank); default: the rank, i.e. scale 1 as in DiffSynth"))
+    lora_target_modules: Optional[list[str]] = field(default=None, metadata=_help(
+        "module name suffixes to adapt (PEFT matching); default: the preset's list "
+        "(2511 adds img_in, txt_in, proj_out)", metavar="NAME"))
+    lora_checkpoint: Optional[str] = field(default=None, metadata=_help(
+        "start from this LoRA file (any format qie edit --lora reads); its rank must equal --lora_rank",
+        metavar="FILE"))
+    full_finetune_modules: Optional[list[str]] = field(default=None, metadata=_help(
+        "DiT modules trained fully (dotted paths or prefixes, e.g. norm_out time_text_embed); "
+        "saved as full weights inside lora.safetensors", metavar="MODULE"))
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, learning-rate schedule and gradient clipping."""
+
+    optimizer: Optional[OptimizerName] = field(default=None, metadata=_help(
+        "adamw, or prodigy_sf (ProdigyPlusScheduleFree: lr 1.0, no clipping, eval()/train() around saves); "
+        "default: prodigy_sf with --loss lbm, else adamw"))
+    learning_rate: Optional[float] = field(default=None, metadata=_help(
+        "peak learning rate; default 1e-4 for adamw, 1.0 for prodigy_sf"))
+    weight_decay: Optional[float] = field(default=None, metadata=_help("default 0.01 for adamw, 0 for prodigy_sf"))
+    betas: Optional[tuple[float, float]] = field(default=None, metadata=_help(
+        "beta1 beta2; default 0.9 0.999 for adamw, 0.9 0.99 for prodigy_sf", metavar="BETA"))
+    warmup_steps: int = field(default=0, metadata=_help("linear warmup over this many optimizer steps"))
+    lr_schedule: ScheduleName = field(default="constant", metadata=_help("after warmup: constant or cosine decay"))
+    min_lr_ratio: float = field(default=0.0, metadata=_help("cosine: final learning rate as a fraction of the peak"))
+    max_grad_norm: Optional[float] = field(default=None, metadata=_help(
+        "clip the gradient norm (0 = off); default 1.0 for adamw, 0 for prodigy_sf (which refuses clipping). "
+        "Under DeepSpeed the config's gradient_clipping applies instead"))
+
+    def resolved(self) -> "OptimConfig":
+        """A copy with every ``None`` replaced by the optimizer's default."""
+        optimizer = self.optimizer or "adamw"  # RunConfig.resolved picks it by loss first
+        defaults = OPTIMIZER_DEFAULTS[optimizer]
+        values = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in defaults.items()}
+        values["optimizer"] = optimizer
+        values["betas"] = tuple(values["betas"])
+        return dataclasses.replace(self, **values)
+
+
+@dataclass
+class TimestepConfig:
+    """Which noise levels σ training sees (per sample, from DiffSynth's Qwen-Image schedule)."""
+
+    timestep_sampling: Literal["uniform", "logit_normal"] = field(default="uniform", metadata=_help(
+        "uniform over the scheduler's 1000 training timesteps (DiffSynth), or logit-normal (SD3) over "
+        "the same shifted schedule"))
+    logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
+    logit_std: float = field(default=1.0, metadata=_help("logit_normal: standard deviation"))
+    min_timestep_boundary: float = field(default=0.0, metadata=_help(
+        "sample only from this fraction of the schedule onwards (0 = σ≈1, 1 = σ≈0), as DiffSynth"))
+    max_timestep_boundary: float = field(default=1.0, metadata=_help("... up to this fraction"))
+
+
+@dataclass
+class LossConfig:
+    """Which loss, and how samples and pixels are weighted."""
+
+    loss: Literal["sft", "lbm"] = field(default="sft", metadata=_help(
+        "sft: flow-matching fine-tuning; lbm: latent bridge matching (needs the LBM loss)"))
+    loss_weighting: Literal["diffsynth", "none"] = field(default="diffsynth", metadata=_help(
+        "per-sample weight of the loss by σ: DiffSynth's bell-shaped training_weight, or none (1)"))
+    mask_loss_weights: Optional[tuple[float, float]] = field(default=None, metadata=_help(
+        "INSIDE OUTSIDE: weights of the loss inside/outside the row's back_mask (edit region), "
+        "normalised per sample so the mask's size does not change the loss scale; rows without a "
+        "mask are unweighted", metavar="W"))
+
+
+@dataclass
+class TrainConfig:
+    """Run: data, model, batch, precision, schedule of saves/validation/logging."""
+
+    cache_dir: Optional[str] = field(default=None, metadata=_help("phase-1 cache (`qie cache --cache_dir`)", metavar="DIR"))
+    output_dir: Optional[str] = field(default=None, metadata=_help(
+        "where checkpoints, lora.safetensors, loss.jsonl and validation images go", metavar="DIR"))
+    model: str = field(default="2511", metadata=_help("model preset: edit, 2509, 2511 or tiny"))
+    model_dir: Optional[str] = field(default=None, metadata=_help(
+        "local model directory (the preset's repo layout); only the DiT is loaded", metavar="DIR"))
+    zero_cond_t: Optional[bool] = field(default=None, metadata=_help(
+        "2511's zero-timestep modulation of reference tokens; default: the preset's value (never the cache's)"))
+    batch_size: int = field(default=1, metadata=_help("samples per micro-batch per process (equal shapes are grouped)"))
+    gradient_accumulation_steps: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
+    max_steps: int = field(default=0, metadata=_help("optimizer steps to train; 0 = use --num_epochs"))
+    num_epochs: int = field(default=1, metadata=_help("passes over the cache when --max_steps is 0"))
+    mixed_precision: MixedPrecision = field(default="auto", metadata=_help(
+        "auto = bf16 on GPU, no (fp32) on CPU; under accelerate launch the launcher's setting wins"))
+    gradient_checkpointing: bool = field(default=True, metadata=_help("recompute DiT blocks in backward (saves memory)"))
+    cfg_dropout: float = field(default=0.1, metadata=_help(
+        "probability per sample of training with the cached empty-prompt embedding"))
+    save_every: int = field(default=500, metadata=_help("checkpoint every N optimizer steps (0 = only at the end)"))
+    keep_last: int = field(default=3, metadata=_help("keep the newest N checkpoints (0 = keep all)"))
+    validate_every: int = field(default=0, metadata=_help("render held-out edits every N steps (0 = off)"))
+    num_validation: int = field(default=2, metadata=_help(
+        "cache entries held out of training for validation (only when --validate_every > 0)"))
+    validation_steps: int = field(default=8, metadata=_help("sampler steps per validation image"))
+    validation_cfg_scale: float = field(default=1.0, metadata=_help(
+        "classifier-free guidance at validation (1 = off; >1 adds one forward with the empty prompt)"))
+    seed: int = field(default=0, metadata=_help("seed of LoRA init, data order, dropout, noise and σ"))
+    resume: Optional[str] = field(default=None, metadata=_help(
+        "continue from a checkpoint directory, or 'latest' in --output_dir", metavar="PATH|latest"))
+    log_every: int = field(default=1, metadata=_help("write loss.jsonl / WandB every N optimizer steps"))
+    report_to: Literal["none", "wandb"] = field(default="none", metadata=_help(
+        "also log to WandB (honours WANDB_PROJECT, WANDB_NAME, WANDB_MODE); loss.jsonl is always written"))
+    num_workers: int = field(default=0, metadata=_help("DataLoader worker processes reading the cache"))
+    device: Optional[str] = field(default=None, metadata=_help(
+        "single-process device override (default: accelerate's choice: this rank's GPU, else CPU)"))
+
+
+@dataclass
+class RunConfig:
+    """Everything `qie train` needs: the area configs side by side."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    timesteps: TimestepConfig = field(default_factory=TimestepConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    lbm: Any = None  # LBMConfig, added by the LBM loss
+
+    def resolved(self, preset=None) -> "RunConfig":
+        """Check values and fill the defaults that depend on other choices.
+
+        ``preset`` (``models.presets.Preset``) supplies the LoRA targets and
+        ``zero_cond_t`` when they are not set explicitly.
+        """
+        validate(self)
+        train, lora = self.train, self.lora
+        if preset is not None:
+            if train.zero_cond_t is None:
+                train = dataclasses.replace(train, zero_cond_t=preset.zero_cond_t)
+            if lora.lora_target_modules is None:
+                lora = dataclasses.replace(lora, lora_target_modules=list(preset.lora_target_modules))
+        if lora.lora_alpha is None:
+            lora = dataclasses.replace(lora, lora_alpha=float(lora.lora_rank))
+        optim = self.optim
+        if optim.optimizer is None:  # LBM trains with ProdigyPlusScheduleFree unless told otherwise
+            optim = dataclasses.replace(optim, optimizer="prodigy_sf" if self.loss.loss == "lbm" else "adamw")
+        return dataclasses.replace(self, train=train, lora=lora, optim=optim.resolved())
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ``ValueError`` naming the bad flag and the fix."""
+    t, lo, o, ts, ls = cfg.train, cfg.lora, cfg.optim, cfg.timesteps, cfg.loss
+    if not t.cache_dir:
+        raise ValueError("no cache given; pass --cache_dir DIR (made by `qie cache`)")
+    if not t.output_dir:
+        raise ValueError("no output directory given; pass --output_dir DIR")
+    positive = {"batch_size": t.batch_size, "gradient_accumulation_steps": t.gradient_accumulation_steps,
+                "log_every": t.log_every, "validation_steps": t.validation_steps}
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    non_negative = {"max_steps": t.max_steps, "num_epochs": t.num_epochs, "save_every": t.save_every,
+                    "keep_last": t.keep_last, "validate_every": t.validate_every, "num_validation": t.num_validation,
+                    "num_workers": t.num_workers, "warmup_steps": o.warmup_steps, "lora_rank": lo.lora_rank}
+    for name, value in non_negative.items():
+        if value < 0:
+            raise ValueError(f"--{name} must be >= 0, got {value}")
+    if t.max_steps == 0 and t.num_epochs == 0:
+        raise ValueError("nothing to train: set --max_steps N or --num_epochs N")
+    if not 0.0 <= t.cfg_dropout <= 1.0:
+        raise ValueError(f"--cfg_dropout is a probability in [0, 1], got {t.cfg_dropout}")
+    if lo.lora_rank == 0 and not lo.full_finetune_modules:
+        raise ValueError("--lora_rank 0 trains nothing; give a rank > 0 or --full_finetune_modules")
+    if lo.lora_rank == 0 and lo.lora_checkpoint:
+        raise ValueError("--lora_checkpoint needs a LoRA to load into; set --lora_rank to the file's rank")
+    if lo.lora_alpha is not None and lo.lora_alpha <= 0:
+        raise ValueError(f"--lora_alpha must be > 0, got {lo.lora_alpha}")
+    if o.learning_rate is not None and not o.learning_rate > 0:
+        raise ValueError(f"--learning_rate must be > 0, got {o.learning_rate}")
+    if o.max_grad_norm is not None and o.max_grad_norm < 0:
+        raise ValueError(f"--max_grad_norm must be >= 0 (0 = off), got {o.max_grad_norm}")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ValueError(f"--min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if o.betas is not None and (len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas)):
+        raise ValueError(f"--betas takes two values in [0, 1), got {list(o.betas)}")
+    if not 0.0 <= ts.min_timestep_boundary < ts.max_timestep_boundary <= 1.0:
+        raise ValueError("need 0 <= --min_timestep_boundary < --max_timestep_boundary <= 1, got "
+                         f"{ts.min_timestep_boundary} and {ts.max_timestep_boundary}")
+    if ts.logit_std <= 0 or not math.isfinite(ts.logit_mean):
+        raise ValueError(f"--logit_std must be > 0 (got {ts.logit_std}) and --logit_mean finite")
+    if ls.mask_loss_weights is not None:
+        w = tuple(ls.mask_loss_weights)
+        if len(w) != 2 or min(w) < 0 or max(w) == 0:
+            raise ValueError(f"--mask_loss_weights takes INSIDE OUTSIDE, two non-negative numbers not both 0; got {list(w)}")

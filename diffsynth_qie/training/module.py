@@ -1,0 +1,205 @@
+"""``QIETrainingModule``: the DiT with LoRA, as the one ``nn.Module`` accelerate/DeepSpeed wrap.
+
+Extends DiffSynth's ``DiffusionTrainingModule`` (its PEFT injection
+``add_lora_to_model``, ``trainable_modules``/``trainable_param_names`` and
+``transfer_data_to_device``). What we do differently from DiffSynth's Qwen-Image
+training module: it holds *only* the DiT (phase 2 never loads the encoders), its
+``forward`` takes a real batch and returns ``(loss, metrics)`` from the configured
+loss (``losses.LOSSES``), and ``zero_cond_t`` comes from the run's config (resolved
+from the preset), never from cached inputs.
+
+LoRA targets are PEFT name suffixes (``to_q`` matches every ``...attn.to_q``); a
+target that matches no module is an error, not a silent no-op. The exported LoRA is
+``models/lora_io.py``'s canonical format, which DiffSynth's ``pipe.load_lora`` and our
+loader both read.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+
+from diffsynth.diffusion.training_module import DiffusionTrainingModule
+
+from .config import RunConfig
+from .data import TENSOR_KEYS
+from .losses import get_loss
+
+log = logging.getLogger(__name__)
+
+ADAPTER = "default"  # PEFT's adapter name, as DiffSynth uses it
+
+
+def _is_zero3_param(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_id")
+
+
+def canonical_param_name(name: str) -> str:
+    """A trainable parameter's name in a LoRA file: no ``dit.`` prefix, no PEFT ``base_layer``."""
+    if name.startswith("dit."):
+        name = name[len("dit."):]
+    return name.replace(".base_layer.", ".")
+
+
+class QIETrainingModule(DiffusionTrainingModule):
+    """The DiT with LoRA injected (and optional fully trained modules), everything else frozen.
+
+    ``config`` must be resolved (``RunConfig.resolved(preset)``): targets, alpha and
+    ``zero_cond_t`` filled in.
+    """
+
+    def __init__(self, dit: torch.nn.Module, config: RunConfig, preset_name: str = ""):
+        super().__init__()
+        lo = config.lora
+        assert lo.lora_alpha is not None and config.train.zero_cond_t is not None, "pass a resolved RunConfig"
+        self.config = config
+        self.preset_name = preset_name
+        self.loss_fn = get_loss(config.loss.loss)
+        dit.requires_grad_(False)
+        if lo.lora_rank > 0:
+            targets = list(lo.lora_target_modules or [])
+            if not targets:
+                raise ValueError("--lora_target_modules is empty; name at least one module (e.g. to_q to_k to_v)")
+            dit = self.add_lora_to_model(dit, target_modules=targets, lora_rank=lo.lora_rank, lora_alpha=lo.lora_alpha)
+            self._check_targets(dit, targets)
+        self.dit = dit
+        if lo.full_finetune_modules:
+            self._unfreeze(lo.full_finetune_modules)
+        if lo.lora_checkpoint:
+            self.load_lora_checkpoint(lo.lora_checkpoint)
+        names = self.trainable_param_names()
+        log.info("trainable: %d tensors, %.3f M parameters (%d LoRA modules, rank %d, alpha %g)",
+                 len(names), sum(getattr(p, "ds_numel", p.numel()) for p in self.trainable_modules()) / 1e6,
+                 len(self.lora_module_names()), lo.lora_rank, lo.lora_alpha)
+
+    # --- construction helpers ------------------------------------------------------
+    @staticmethod
+    def _check_targets(dit: torch.nn.Module, targets: Iterable[str]) -> None:
+        wrapped = [n for n, m in dit.named_modules() if hasattr(m, "lora_A")]
+        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in wrapped)]
+        if unmatched:
+            raise ValueError(f"LoRA target module(s) {unmatched} match no module of the DiT; check "
+                             f"--lora_target_modules (e.g. to_q, img_mlp.net.2, img_in)")
+
+    def _unfreeze(self, modules: Iterable[str]) -> None:
+        params = dict(self.dit.named_parameters())
+        wrapped = {n for n, m in self.dit.named_modules() if hasattr(m, "lora_A")}
+        for prefix in modules:
+            chosen = [n for n in params if "lora_" not in n and (n == prefix or n.startswith(prefix + ".")
+                                                                  or canonical_param_name(n).startswith(prefix + "."))]
+            if not chosen:
+                raise ValueError(f"--full_finetune_modules {prefix!r} matches no DiT parameter "
+                                 "(give a module path such as norm_out or transformer_blocks.0.img_mod)")
+            both = sorted({n.rsplit(".base_layer.", 1)[0] for n in chosen if ".base_layer." in n} & wrapped)
+            if both:
+                raise ValueError(f"module(s) {both} are both LoRA targets and in --full_finetune_modules; "
+                                 "remove them from one of the two lists")
+            for n in chosen:
+                params[n].requires_grad_(True)
+
+    def upcast_trainable(self, dtype: torch.dtype = torch.float32) -> None:
+        """Keep trainable weights in ``dtype`` (fp32 for AdamW states) while the frozen DiT
+        stays in its load dtype. Not used under DeepSpeed, which keeps fp32 masters itself."""
+        for p in self.trainable_modules():
+            p.data = p.data.to(dtype)
+
+    # --- names ---------------------------------------------------------------------
+    def lora_module_names(self) -> list[str]:
+        """DiT module paths that carry a LoRA (canonical names)."""
+        return sorted(n for n, m in self.dit.named_modules() if hasattr(m, "lora_A"))
+
+    def trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
+    def compute_device_dtype(self) -> tuple[torch.device, torch.dtype]:
+        """Where and in which dtype batches go: those of the frozen DiT weights."""
+        frozen = [p for p in self.dit.parameters() if not p.requires_grad and p.is_floating_point()]
+        p = (frozen or list(self.dit.parameters()))[0]
+        return p.device, p.dtype
+
+    # --- LoRA in/out ---------------------------------------------------------------
+    def export_lora_state_dict(self, state: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+        """Trainable tensors with DiT-relative names (``<module>.lora_A.default.weight``,
+        full weights as ``<module>.weight``) for ``lora_io.save_lora``.
+
+        ``state`` is a {module parameter name: tensor} dict of the trainable parameters
+        (e.g. gathered under ZeRO-3); default: this process's own parameters.
+        """
+        if state is None:
+            state = {n: p.detach() for n, p in self.trainable_named_parameters()}
+        trainable = self.trainable_param_names()
+        unknown = set(state) - trainable
+        assert not unknown, f"not trainable: {sorted(unknown)[:5]}"
+        return {canonical_param_name(n): t for n, t in state.items()}
+
+    def lora_metadata(self) -> dict:
+        lo = self.config.lora
+        return {"rank": lo.lora_rank, "alpha": lo.lora_alpha, "lora_target_modules": list(lo.lora_target_modules or []),
+                "preset": self.preset_name, "zero_cond_t": bool(self.config.train.zero_cond_t),
+                "full_finetune_modules": list(lo.full_finetune_modules or [])}
+
+    @torch.no_grad()
+    def load_lora_checkpoint(self, path: str) -> None:
+        """Start from an existing LoRA (any format ``lora_io`` reads): its delta becomes the
+        initial value of this run's LoRA. Keys the run cannot hold, or a rank mismatch, are
+        errors; modules this run adapts but the file lacks keep their fresh init (logged)."""
+        from ..models.lora_io import load_lora_state, peft_state_dict
+
+        lo = self.config.lora
+        state = load_lora_state(path).resolve(n for n, _ in self.dit.named_modules())
+        ranks = state.ranks
+        if state.modules and ranks != {lo.lora_rank}:
+            raise ValueError(f"--lora_checkpoint {path} has rank {sorted(ranks)}, but --lora_rank is {lo.lora_rank}; "
+                             f"pass --lora_rank {sorted(ranks)[0]}")
+        wanted = peft_state_dict(state, peft_scale=lo.lora_alpha / lo.lora_rank if lo.lora_rank else 1.0,
+                                 adapter_name=ADAPTER)
+        own = {canonical_param_name(n): (n, p) for n, p in self.named_parameters() if p.requires_grad}
+        extra = sorted(set(wanted) - set(own))
+        if extra:
+            raise ValueError(f"--lora_checkpoint {path} has {len(extra)} tensor(s) this run does not train "
+                             f"(e.g. {extra[:4]}); add their modules to --lora_target_modules / "
+                             "--full_finetune_modules or start without the checkpoint")
+        for key, value in wanted.items():
+            name, param = own[key]
+            if _is_zero3_param(param):
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    self._copy_checked(path, key, param, value)
+            else:
+                self._copy_checked(path, key, param, value)
+        missing = sorted(set(own) - set(wanted))
+        log.info("initialised %d tensor(s) from %s%s", len(wanted), path,
+                 f"; {len(missing)} trainable tensor(s) not in it keep their init" if missing else "")
+
+    @staticmethod
+    def _copy_checked(path: str, key: str, param: torch.Tensor, value: torch.Tensor) -> None:
+        if tuple(param.shape) != tuple(value.shape):
+            raise ValueError(f"--lora_checkpoint {path}: {key} has shape {tuple(value.shape)}, "
+                             f"the model expects {tuple(param.shape)}")
+        param.copy_(value.to(device=param.device, dtype=param.dtype))
+
+    # --- forward -------------------------------------------------------------------
+    def to_compute(self, batch: dict) -> dict:
+        """Move a collated batch's tensors to the DiT's device and dtype (others untouched)."""
+        device, dtype = self.compute_device_dtype()
+        out = dict(batch)
+        for k in TENSOR_KEYS:
+            if k in out:
+                out[k] = self.transfer_data_to_device(out[k], device, dtype)
+        return out
+
+    def forward(self, batch: Optional[dict] = None, generator: Optional[torch.Generator] = None, *,
+                predict: Optional[dict] = None):
+        """``(loss, metrics)`` of the configured loss on ``batch`` (see ``losses.py``).
+
+        With ``predict`` (keyword arguments of ``models.forward.dit_forward`` minus the
+        DiT) it returns the DiT's velocity predictions instead: validation goes through
+        the same wrapped module, so DDP/DeepSpeed hooks (ZeRO-3 parameter gathering) run.
+        """
+        if predict is not None:
+            from ..models.forward import dit_forward
+
+            return dit_forward(self.dit, **predict)
+        return self.loss_fn(self.dit, self.to_compute(batch), self.config, generator)

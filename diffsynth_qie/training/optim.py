@@ -1,0 +1,156 @@
+"""Optimizers, the learning-rate schedule, the clipping guard and schedule-free eval/train.
+
+Not DiffSynth's ``runner.py`` defaults: it builds ``torch.optim.lr_scheduler.ConstantLR``
+with PyTorch's defaults, which silently trains the first 5 steps at lr/3. Here the
+schedule is an explicit ``LambdaLR``: linear warmup, then constant or cosine.
+
+ProdigyPlusScheduleFree keeps two points: ``y`` where gradients are taken (what the
+module holds while training) and the average ``x`` that should be evaluated and saved.
+``optimizer.eval()`` moves the parameters to ``x`` and ``train()`` back. Under
+DeepSpeed ZeRO the optimizer only sees ZeRO's flat fp32 partitions, so ``eval()`` moves
+those and *not* the module's bf16 weights; :func:`schedule_free_eval` therefore copies
+the fp32 partitions back into the module weights after ``eval()`` and again after
+``train()`` (DeepSpeed's own ``update_lp_params`` / stage-3 re-partition), so
+validation and saved LoRAs use ``x`` under ZeRO as well.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from .config import OptimConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW or ProdigyPlusScheduleFree over ``params`` (``config`` resolved)."""
+    config = config.resolved()
+    params = list(params)
+    if not params:
+        raise ValueError("no trainable parameters: check --lora_rank / --lora_target_modules / --full_finetune_modules")
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=config.learning_rate, betas=tuple(config.betas),
+                                 weight_decay=config.weight_decay)
+    if config.optimizer == "prodigy_sf":
+        try:
+            from prodigyplus.prodigy_plus_schedulefree import ProdigyPlusScheduleFree
+        except ImportError as e:
+            raise ValueError("--optimizer prodigy_sf needs `pip install prodigy-plus-schedule-free` "
+                             "(or the project's [train] extra)") from e
+        optimizer = ProdigyPlusScheduleFree(params, lr=config.learning_rate, betas=tuple(config.betas),
+                                            weight_decay=config.weight_decay)
+        optimizer.train()
+        return optimizer
+    raise ValueError(f"unknown --optimizer {config.optimizer!r}; use adamw or prodigy_sf")
+
+
+def is_schedule_free(optimizer: Any) -> bool:
+    """True for schedule-free optimizers (``eval()``/``train()`` move the parameters)."""
+    return "ScheduleFree" in type(optimizer).__name__ and callable(getattr(optimizer, "eval", None))
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "constant",
+              min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the peak learning rate for the optimizer step with index ``step`` (0-based).
+
+    Warmup: ``(step+1)/warmup_steps`` (the first step already moves; peak at step
+    ``warmup_steps-1``). Cosine: from 1 at the end of warmup to ``min_lr_ratio`` at
+    the last step ``total_steps-1``.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        span = max(1, total_steps - 1 - warmup_steps)
+        progress = min(1.0, max(0.0, (step - warmup_steps) / span))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown --lr_schedule {schedule!r}; use constant or cosine")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, total_steps: int
+                       ) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` with :func:`lr_factor`; step it once per optimizer step."""
+    if config.optimizer == "prodigy_sf" and config.lr_schedule == "cosine":
+        log.warning("--lr_schedule cosine with a schedule-free optimizer: schedule-free methods are meant to "
+                    "run at a constant rate (after warmup); the cosine decay is applied anyway")
+
+    def factor(step: int) -> float:
+        return lr_factor(step, config.warmup_steps, total_steps, config.lr_schedule, config.min_lr_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def deepspeed_gradient_clipping(ds_config: Optional[dict]) -> float:
+    """The gradient_clipping a DeepSpeed config will apply (accelerate turns a missing key into 1.0)."""
+    if ds_config is None:
+        return 0.0
+    value = ds_config.get("gradient_clipping", "auto")
+    if value == "auto" or value is None:
+        return 1.0
+    return float(value)
+
+
+def check_clipping(config: OptimConfig, ds_config: Optional[dict] = None) -> None:
+    """Refuse gradient clipping with a schedule-free Prodigy (it defeats the step-size estimate)."""
+    config = config.resolved()
+    if config.optimizer != "prodigy_sf":
+        return
+    if config.max_grad_norm and config.max_grad_norm > 0:
+        raise ValueError(f"--optimizer prodigy_sf must not clip gradients, but --max_grad_norm is "
+                         f"{config.max_grad_norm}; pass --max_grad_norm 0")
+    clip = deepspeed_gradient_clipping(ds_config)
+    if clip > 0:
+        raise ValueError(f"--optimizer prodigy_sf must not clip gradients, but the DeepSpeed config sets "
+                         f"gradient_clipping to {clip} (a missing key becomes 1.0); set \"gradient_clipping\": 0 "
+                         "(deepspeed_configs/*lbm* do)")
+
+
+@torch.no_grad()
+def sync_deepspeed_module_weights(engine: Any) -> bool:
+    """Copy ZeRO's fp32 master partitions into the module's (bf16) weights. True if done."""
+    zero_opt = getattr(engine, "optimizer", None)
+    if zero_opt is None:
+        return False
+    if hasattr(zero_opt, "update_lp_params"):  # ZeRO-1/2 and the BF16 optimizer
+        zero_opt.update_lp_params()
+        return True
+    if hasattr(zero_opt, "_reassign_or_swap_out_partitioned_parameters"):  # ZeRO-3
+        for sub_group_id in range(len(zero_opt.fp16_groups)):
+            if zero_opt.fp16_partitioned_groups_flat[sub_group_id] is None:
+                raise ValueError("schedule-free eval() with ZeRO-3 NVMe parameter offload is not supported; "
+                                 "use AdamW or a config without offload_param to nvme")
+            zero_opt._reassign_or_swap_out_partitioned_parameters(sub_group_id)
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def schedule_free_eval(optimizer: Any, engine: Any = None) -> Iterator[str]:
+    """Inside: the module holds the schedule-free average ``x``; yields a description of
+    what the module holds (logged with every save).
+
+    ``optimizer`` is the optimizer as built (not accelerate's wrapper); a no-op for
+    ordinary optimizers. ``engine`` is the DeepSpeed engine when training under
+    DeepSpeed (its fp32 partitions are what ``eval()`` moves).
+    """
+    opt = optimizer
+    if not is_schedule_free(opt):
+        yield "trained weights"
+        return
+    opt.eval()
+    synced = engine is not None and sync_deepspeed_module_weights(engine)
+    if engine is not None and not synced:
+        log.warning("could not copy the schedule-free average into the DeepSpeed module weights: "
+                    "validation and saved LoRAs use the training point y, not the average x")
+    try:
+        yield "schedule-free average x" if (engine is None or synced) else "schedule-free training point y"
+    finally:
+        opt.train()
+        if engine is not None and synced:
+            sync_deepspeed_module_weights(engine)

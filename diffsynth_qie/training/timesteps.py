@@ -1,0 +1,70 @@
+"""Per-sample noise levels for flow-matching training, on DiffSynth's Qwen-Image schedule.
+
+DiffSynth's ``FlowMatchSFTLoss`` draws *one* timestep per step (batch size 1) from
+``FlowMatchScheduler("Qwen-Image").set_timesteps(1000, training=True)`` and weights the
+loss with ``scheduler.training_weight``. We keep the same tables — the 1000 shifted
+training σ's (mu = 0.8, terminal shift 0.02), their timesteps (σ·1000) and the
+bell-shaped weights — but draw an index *per sample*:
+
+- ``uniform``: index uniform in ``[min_boundary·N, max_boundary·N)`` (DiffSynth's rule);
+- ``logit_normal``: u = sigmoid(N(mean, std)) on the *unshifted* time axis (u = 1 is pure
+  noise), mapped to the nearest table index, so the schedule's shift still applies
+  (SD3's density over the Qwen-Image grid).
+
+Index 0 is σ≈1 (noise), index N-1 is σ≈0.02 (data); DiffSynth convention throughout.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .config import TimestepConfig
+
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+@dataclass(frozen=True)
+class TimestepDraw:
+    """One draw for a batch: everything per sample, shape ``[B]`` (float32, CPU)."""
+
+    index: torch.Tensor      # int64 indices into the schedule table
+    sigmas: torch.Tensor     # noise level σ in (0, 1]
+    timesteps: torch.Tensor  # σ·1000, what the DiT is conditioned on
+    weights: torch.Tensor    # per-sample loss weight
+
+
+@functools.lru_cache(maxsize=4)
+def training_schedule(template: str = "Qwen-Image") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sigmas, timesteps, weights) of DiffSynth's training schedule, each ``[1000]``."""
+    from diffsynth.diffusion.flow_match import FlowMatchScheduler
+
+    scheduler = FlowMatchScheduler(template)
+    scheduler.set_timesteps(NUM_TRAIN_TIMESTEPS, training=True)
+    return (scheduler.sigmas.float().clone(), scheduler.timesteps.float().clone(),
+            scheduler.linear_timesteps_weights.float().clone())
+
+
+def sample_indices(batch_size: int, config: TimestepConfig, generator: torch.Generator | None = None,
+                   num: int = NUM_TRAIN_TIMESTEPS) -> torch.Tensor:
+    """``[B]`` schedule indices drawn per sample (see the module docstring)."""
+    lo = int(config.min_timestep_boundary * num)
+    hi = max(lo + 1, int(config.max_timestep_boundary * num))
+    if config.timestep_sampling == "uniform":
+        return torch.randint(lo, hi, (batch_size,), generator=generator)
+    if config.timestep_sampling == "logit_normal":
+        u = torch.sigmoid(config.logit_mean + config.logit_std * torch.randn(batch_size, generator=generator))
+        # table index i sits at unshifted time 1 - i/num
+        index = torch.round((1.0 - u) * num).long()
+        return index.clamp(lo, hi - 1)
+    raise ValueError(f"unknown --timestep_sampling {config.timestep_sampling!r}; use uniform or logit_normal")
+
+
+def draw_timesteps(batch_size: int, config: TimestepConfig, generator: torch.Generator | None = None,
+                   weighting: str = "diffsynth") -> TimestepDraw:
+    """Per-sample σ, timesteps and loss weights for a batch."""
+    sigmas, timesteps, weights = training_schedule()
+    index = sample_indices(batch_size, config, generator, num=len(sigmas))
+    w = weights[index] if weighting == "diffsynth" else torch.ones(batch_size)
+    return TimestepDraw(index=index, sigmas=sigmas[index], timesteps=timesteps[index], weights=w)

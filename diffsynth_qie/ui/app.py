@@ -1,0 +1,105 @@
+"""The Gradio layout: widgets wired to :mod:`diffsynth_qie.ui.handlers`, nothing else.
+
+Every decision (mask extraction, LoRA containment, limits, errors) lives in the
+handler layer so it is unit-tested without a browser; this module only lays out
+widgets, converts their values to :class:`GenerateInputs` and turns exceptions into
+``gr.Error`` messages.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import gradio as gr
+
+from .config import UIConfig
+from .handlers import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, NO_LORA, GenerateInputs, UIHandlers, user_message
+
+log = logging.getLogger(__name__)
+
+INTRO = """# Qwen-Image-Edit · mask edit
+Upload an image, **paint the region that may change** (painted = edit region, like a white
+pixel in `qie edit --mask`; nothing painted = the whole image may change), describe the edit,
+press **Generate**."""
+
+
+def build_ui(handlers: UIHandlers) -> gr.Blocks:
+    """The whole UI; queued so that one generation runs at a time."""
+    with gr.Blocks(title="Qwen-Image-Edit mask edit", analytics_enabled=False) as demo:
+        gr.Markdown(INTRO)
+        model_status = gr.Markdown(handlers.model_status(), elem_id="model-status")
+        with gr.Row():
+            with gr.Column(scale=3):
+                editor = gr.ImageEditor(
+                    label="Image and mask (paint the region to edit)", type="filepath", image_mode="RGBA",
+                    sources=["upload", "clipboard"], transforms=(), layers=False, format="png",
+                    brush=gr.Brush(colors=["rgba(255, 0, 255, 0.6)"], color_mode="fixed"),
+                    elem_id="editor")
+                references = gr.Gallery(label="Extra reference images (optional)", type="filepath",
+                                        interactive=True, columns=4, height=160, file_types=["image"],
+                                        elem_id="references")
+                prompt = gr.Textbox(label="Prompt", lines=2, placeholder="what should change", elem_id="prompt")
+                negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="negative-prompt")
+            with gr.Column(scale=2):
+                mode = gr.Radio([("Flow matching", MODE_FLOW), (f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM)],
+                                value=MODE_FLOW, label="Sampler", elem_id="mode")
+                steps = gr.Slider(1, 100, value=40, step=1, label="Steps", elem_id="steps")
+                lbm_steps = gr.Slider(1, LBM_MAX_STEPS, value=1, step=1, label="LBM steps", visible=False,
+                                      elem_id="lbm-steps")
+                cfg = gr.Slider(1.0, 10.0, value=4.0, step=0.5, label="CFG", elem_id="cfg")
+                seed = gr.Number(value=0, precision=0, label="Seed (-1 = random)", elem_id="seed")
+                mask_blend = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Mask blend strength",
+                                       elem_id="mask-blend")
+                with gr.Row(equal_height=True):
+                    lora = gr.Dropdown(handlers.lora_choices(), value=NO_LORA, label="LoRA", scale=5,
+                                       elem_id="lora")
+                    refresh = gr.Button("Refresh", scale=1, min_width=80, elem_id="lora-refresh")
+                lora_scale = gr.Slider(-2.0, 2.0, value=1.0, step=0.05, label="LoRA scale", elem_id="lora-scale")
+                lora_status = gr.Markdown(handlers.lora_status(), elem_id="lora-status")
+                generate = gr.Button("Generate", variant="primary", elem_id="generate")
+        status = gr.Markdown("", elem_id="status")
+        with gr.Row():
+            output = gr.Image(label="Output", type="pil", format="png", interactive=False,
+                              buttons=["download", "fullscreen"], elem_id="output")
+            sub_output = gr.Image(label="LBM sub-stream output", type="pil", format="png", interactive=False,
+                                  buttons=["download", "fullscreen"], visible=False, elem_id="output-sub")
+
+        def refresh_loras(current: str | None):
+            choices = handlers.lora_choices()
+            return (gr.update(choices=choices, value=current if current in choices else NO_LORA),
+                    handlers.lora_status())
+
+        def switch_mode(selected: str):
+            lbm = selected == MODE_LBM
+            return gr.update(visible=not lbm), gr.update(visible=lbm), gr.update(visible=lbm)
+
+        def run(editor_value: Any, refs: Any, prompt_text: str, negative_text: str, mode_value: str,
+                steps_value: float, lbm_value: float, cfg_value: float, seed_value: float, blend: float,
+                lora_name: str, scale: float, progress=gr.Progress()):
+            inputs = GenerateInputs(
+                editor=editor_value, references=refs, prompt=prompt_text, negative_prompt=negative_text,
+                mode=mode_value, steps=steps_value, lbm_steps=lbm_value, cfg=cfg_value, seed=seed_value,
+                mask_blend=blend, lora=lora_name, lora_scale=scale)
+            try:
+                out = handlers.generate(inputs, lambda done, total, desc: progress((done, total), desc=desc))
+            except Exception as exc:  # user_message logs tracebacks of unexpected errors
+                raise gr.Error(user_message(exc), print_exception=False) from None
+            return out.image, out.sub_image, out.status, handlers.model_status()
+
+        refresh.click(refresh_loras, lora, [lora, lora_status], queue=False)
+        demo.load(refresh_loras, lora, [lora, lora_status], queue=False)
+        mode.change(switch_mode, mode, [steps, lbm_steps, sub_output], queue=False)
+        generate.click(run, [editor, references, prompt, negative, mode, steps, lbm_steps, cfg, seed,
+                             mask_blend, lora, lora_scale],
+                       [output, sub_output, status, model_status], concurrency_limit=1)
+    demo.queue(default_concurrency_limit=1)
+    return demo
+
+
+def launch(demo: gr.Blocks, config: UIConfig, **kwargs: Any):
+    """Serve ``demo`` per ``config`` (127.0.0.1 unless told otherwise; share is opt-in)."""
+    if config.share:
+        log.warning("--share: the UI gets a public gradio.live URL; anyone with it can run generations")
+    return demo.launch(server_name=config.host, server_port=config.port, share=config.share,
+                       max_file_size=config.max_upload_bytes, show_error=False, ssr_mode=False,
+                       footer_links=[], **kwargs)

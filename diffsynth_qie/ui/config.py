@@ -1,0 +1,42 @@
+"""The web UI's settings, one typed dataclass turned into ``app_gradio.py``'s flags.
+
+Pure data (no gradio, no torch), so ``python app_gradio.py --help`` stays fast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class UIConfig:
+    """Mask-edit web UI (app_gradio.py)."""
+
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "interface to bind; the default keeps the UI on this machine (use 0.0.0.0 to expose it)"})
+    port: int = field(default=7999, metadata={"help": "HTTP port"})
+    share: bool = field(default=False, metadata={
+        "help": "also open a public gradio.live tunnel (opt-in: anyone with the link can use your GPU)"})
+    model: str = field(default="tiny", metadata={
+        "help": "model preset: tiny, edit, 2509, 2511 (see `qie edit --help`)"})
+    model_dir: str | None = field(default=None, metadata={
+        "help": "local directory holding the model in its repo layout; for the tiny preset it is "
+                "built there if missing (default: the preset's usual location)"})
+    lora_dir: str = field(default="./outputs", metadata={
+        "help": "folder searched (recursively) for *.safetensors LoRAs; the training scripts' "
+                "OUTPUT_DIR default"})
+    max_upload_mb: float = field(default=20.0, metadata={
+        "help": "refuse any uploaded image file larger than this many megabytes"})
+    device: str | None = field(default=None, metadata={
+        "help": "torch device (default: cuda if available, else cpu)"})
+    preload: bool = field(default=False, metadata={
+        "help": "load the model at startup instead of on the first Generate"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a TCP port; give 1..65535")
+        if not self.max_upload_mb > 0:
+            raise ValueError(f"--max_upload_mb {self.max_upload_mb} must be > 0")
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 1024 * 1024)

@@ -1,0 +1,444 @@
+"""What the web UI's buttons do, as plain Python: testable without gradio or a browser.
+
+``ui/app.py`` only lays out widgets and forwards their values here; everything that
+can go wrong is decided in this module:
+
+- **Mask semantics** are those of ``qie edit --mask``: white = the region that may
+  change. In the image editor every painted pixel (any colour, any opacity, on any
+  layer) is white in the mask; unpainted pixels are black. No stroke at all means
+  "no mask": the whole image may change.
+- **LoRA picker containment**: the UI only ever sends a *name relative to the LoRA
+  folder*; :func:`resolve_lora` refuses absolute paths, ``..`` components and
+  symlinks whose target leaves the folder, so a crafted request cannot make the
+  server read an arbitrary file.
+- **Upload limit**: files larger than ``--max_upload_mb`` are refused with a
+  message. Gradio's ``max_file_size`` stops them at the upload route already; the
+  check here also covers API clients and the editor's re-encoded layers.
+- **One model, many LoRAs**: the base model is loaded once (lazily, on the first
+  Generate) and LoRAs are switched on it with ``Editor.set_loras``; ``load_count``
+  lets tests prove no reload happens.
+- **Errors** become one-line messages for the user (:func:`user_message`); unexpected
+  ones log their traceback on the server, never in the browser.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from .config import UIConfig
+
+if TYPE_CHECKING:  # heavy imports (torch, diffsynth) stay out of `app_gradio.py --help`
+    from ..inference.editor import Editor, EditResult
+
+log = logging.getLogger(__name__)
+
+NO_LORA = "(none)"
+LORA_SUFFIX = ".safetensors"
+MODE_FLOW = "flow"
+MODE_LBM = "lbm"
+MODES: tuple[str, ...] = (MODE_FLOW, MODE_LBM)
+LBM_MAX_STEPS = 4
+
+# progress(done, total, description)
+ProgressFn = Callable[[int, int, str], None]
+
+
+class UIError(ValueError):
+    """A problem the user can fix; its message is shown in the UI as is."""
+
+
+# --- images and masks ----------------------------------------------------------------
+def _file_of(item: Any) -> str | None:
+    """The file path behind a gradio value (path string, FileData-like dict), or None."""
+    if isinstance(item, (str, os.PathLike)):
+        return os.fspath(item)
+    if isinstance(item, Mapping) and isinstance(item.get("path"), str):
+        return item["path"]
+    return None
+
+
+def check_upload_size(item: Any, max_bytes: int, what: str = "image") -> None:
+    """Refuse a file-backed upload larger than ``max_bytes`` (in-memory images pass)."""
+    path = _file_of(item)
+    if path is None:
+        return
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise UIError(f"the uploaded {what} could not be read ({exc.strerror}); upload it again") from None
+    if size > max_bytes:
+        raise UIError(f"the uploaded {what} is {size / 2**20:.3g} MB; the limit is "
+                      f"{max_bytes / 2**20:.3g} MB (--max_upload_mb) — upload a smaller file")
+
+
+def to_pil(item: Any, what: str = "image") -> Image.Image | None:
+    """A PIL image from any gradio image value (PIL, numpy, path, FileData dict, (media, caption))."""
+    if item is None:
+        return None
+    if isinstance(item, (tuple, list)) and len(item) == 2 and not isinstance(item, np.ndarray):
+        item = item[0]  # gr.Gallery gives (media, caption)
+    if isinstance(item, Image.Image):
+        return item
+    if isinstance(item, np.ndarray):
+        arr = item
+        if arr.dtype != np.uint8:
+            arr = np.clip(arr, 0, 255).astype(np.uint8)
+        return Image.fromarray(arr)
+    path = _file_of(item)
+    if path is None:
+        raise UIError(f"unsupported {what} value of type {type(item).__name__}; upload a PNG/JPEG/WebP file")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im
+    except Image.DecompressionBombError:
+        raise UIError(f"the uploaded {what} has too many pixels; downscale it") from None
+    except (UnidentifiedImageError, OSError):
+        raise UIError(f"the uploaded {what} is not a readable image; upload a PNG/JPEG/WebP file") from None
+
+
+def flatten_rgb(image: Image.Image) -> Image.Image:
+    """RGB with transparent areas on white (what the model sees for a transparent upload)."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def painted_pixels(layer: Image.Image) -> np.ndarray:
+    """Boolean [H, W]: where a brush layer has paint.
+
+    With an alpha channel, painted = alpha > 0 (any opacity counts; the canvas writes
+    RGB 0 under alpha 0, so the colour says nothing). Without one (a layer converted
+    to RGB/L upstream) painted = any non-black pixel.
+    """
+    if "A" in layer.getbands():
+        return np.asarray(layer.getchannel("A")) > 0
+    arr = np.asarray(layer.convert("RGB"))
+    return arr.max(axis=-1) > 0
+
+
+def editor_parts(value: Any) -> tuple[Any, list[Any]]:
+    """(background, layers) of an ImageEditor value ``{"background", "layers", "composite"}``.
+
+    A bare image (API clients) is a background with no layers. Without a background
+    the composite stands in for it (gradio sends only a composite for pasted images).
+    """
+    if value is None:
+        return None, []
+    if isinstance(value, Mapping):
+        background = value.get("background")
+        if background is None:
+            background = value.get("composite")
+        return background, [x for x in (value.get("layers") or []) if x is not None]
+    return value, []
+
+
+def image_from_editor(value: Any, max_bytes: int | None = None) -> Image.Image:
+    """The image to edit (RGB) from the editor's value; UIError if none was uploaded."""
+    background, _ = editor_parts(value)
+    if background is None:
+        raise UIError("upload an image to edit first (drop it on the image editor)")
+    if max_bytes is not None:
+        check_upload_size(background, max_bytes, "image")
+    return flatten_rgb(to_pil(background))
+
+
+def mask_from_editor(value: Any, size: tuple[int, int] | None = None,
+                     max_bytes: int | None = None) -> Image.Image | None:
+    """The edit mask ("L", white = may change) from the editor's brush layers, or None.
+
+    All layers are united. Layers of another size than ``size`` (the image's, W×H)
+    are scaled to it with nearest-neighbour sampling so the mask stays binary.
+    Returns None when nothing is painted: then the whole image may change, as in
+    ``qie edit`` without ``--mask``.
+    """
+    _, layers = editor_parts(value)
+    union: np.ndarray | None = None
+    for i, item in enumerate(layers):
+        if max_bytes is not None:
+            check_upload_size(item, max_bytes, f"mask layer {i + 1}")
+        layer = to_pil(item, f"mask layer {i + 1}")
+        if size is not None and layer.size != tuple(size):
+            layer = layer.resize(tuple(size), Image.Resampling.NEAREST)
+        painted = painted_pixels(layer)
+        if union is None:
+            union = painted
+        elif union.shape != painted.shape:  # no target size given and layers disagree
+            raise UIError("the mask layers have different sizes; clear the mask and paint it again")
+        else:
+            union = union | painted
+    if union is None or not union.any():
+        return None
+    return Image.fromarray(union.astype(np.uint8) * 255, mode="L")
+
+
+def reference_images(items: Sequence[Any] | None, max_bytes: int | None = None) -> list[Image.Image]:
+    """Extra reference images (gallery value) as RGB images, each size-checked."""
+    out = []
+    for i, item in enumerate(items or []):
+        media = item[0] if isinstance(item, (tuple, list)) and len(item) == 2 else item
+        if max_bytes is not None:
+            check_upload_size(media, max_bytes, f"reference image {i + 1}")
+        out.append(flatten_rgb(to_pil(media, f"reference image {i + 1}")))
+    return out
+
+
+# --- LoRA picker -----------------------------------------------------------------------
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or path.is_relative_to(root)
+
+
+def list_loras(lora_dir: str | os.PathLike) -> list[str]:
+    """``*.safetensors`` under ``lora_dir`` (recursive), as sorted POSIX paths relative to it.
+
+    Hidden files and folders are skipped (atomic writes leave ``.name.XXXX.tmp.safetensors``
+    while saving). Symlinks are listed only if their target stays inside the folder,
+    so everything listed is also accepted by :func:`resolve_lora`.
+    """
+    root = Path(lora_dir).expanduser()
+    if not root.is_dir():
+        return []
+    root = root.resolve()
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if name.startswith(".") or not name.endswith(LORA_SUFFIX):
+                continue
+            path = Path(dirpath) / name
+            try:
+                real = path.resolve(strict=True)
+            except (OSError, RuntimeError):  # dangling or looping symlink
+                continue
+            if _inside(real, root) and real.is_file():
+                found.append(path.relative_to(root).as_posix())
+    return sorted(found)
+
+
+def resolve_lora(lora_dir: str | os.PathLike, name: str | None) -> Path | None:
+    """The real path of the LoRA ``name`` (relative to ``lora_dir``), or None for "no LoRA".
+
+    Refuses (UIError) absolute paths, drive letters, ``..`` components, names that are
+    not ``.safetensors``, and anything whose resolved path leaves ``lora_dir``
+    (symlinks included) — the picker must not become a way to read other files.
+    """
+    if name is None or not str(name).strip() or name == NO_LORA:
+        return None
+    name = str(name).strip()
+    shown = name if len(name) <= 120 else name[:117] + "..."
+    posix = PurePosixPath(name.replace("\\", "/"))
+    if "\x00" in name or posix.is_absolute() or PureWindowsPath(name).drive or PureWindowsPath(name).is_absolute():
+        raise UIError(f"LoRA {shown!r} is not a name inside the LoRA folder; pick one from the list")
+    if ".." in posix.parts:
+        raise UIError(f"LoRA {shown!r} points outside the LoRA folder ('..'); pick one from the list")
+    if posix.suffix != LORA_SUFFIX:
+        raise UIError(f"LoRA {shown!r} is not a {LORA_SUFFIX} file; pick one from the list")
+    root = Path(lora_dir).expanduser().resolve()
+    try:
+        real = (root / posix).resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise UIError(f"LoRA {shown!r} no longer exists; press the refresh button and pick again") from None
+    if not _inside(real, root):
+        raise UIError(f"LoRA {shown!r} links outside the LoRA folder; refusing to load it")
+    if not real.is_file():
+        raise UIError(f"LoRA {shown!r} is not a file; pick one from the list")
+    return real
+
+
+# --- errors ------------------------------------------------------------------------------
+def user_message(exc: BaseException) -> str:
+    """A one-line message for the browser; unexpected errors log their traceback here.
+
+    ``ValueError`` is this project's "user error" (it names the bad value and the fix),
+    so its text is shown as is. Anything else is a bug or an environment problem: the
+    user gets its type and a pointer to the server log, never a stack trace.
+    """
+    if isinstance(exc, ValueError):
+        log.warning("refused: %s", exc)
+        return str(exc)
+    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
+        log.error("generation ran out of memory", exc_info=exc)
+        return ("out of memory: try a smaller image, fewer reference images or steps, "
+                "or free memory on the device")
+    log.error("generation failed", exc_info=exc)
+    return (f"generation failed with an internal error ({type(exc).__name__}); "
+            "the details are in the server log")
+
+
+# --- the generate action -----------------------------------------------------------------
+@dataclass
+class GenerateInputs:
+    """The values of the UI's widgets when Generate is pressed."""
+
+    editor: Any                      # ImageEditor value {"background", "layers", "composite"}
+    prompt: str
+    negative_prompt: str = ""
+    references: Sequence[Any] | None = None   # gallery value: [(path, caption), ...]
+    steps: int = 40
+    cfg: float = 4.0
+    seed: int = 0                    # < 0 = random
+    mask_blend: float = 1.0
+    lora: str | None = None          # name relative to the LoRA folder, or NO_LORA
+    lora_scale: float = 1.0
+    mode: str = MODE_FLOW
+    lbm_steps: int = 1
+
+
+@dataclass
+class GenerateOutput:
+    image: Image.Image
+    sub_image: Image.Image | None    # LBM's sub-stream output; None in flow-matching mode
+    seed: int
+    status: str
+    result: "EditResult"
+
+
+def _int(value: Any, name: str, lo: int, hi: int) -> int:
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError):
+        raise UIError(f"{name} must be a whole number, got {value!r}") from None
+    if not math.isfinite(as_float) or as_float != int(as_float) or not lo <= as_float <= hi:
+        raise UIError(f"{name} must be a whole number in {lo}..{hi}, got {value!r}")
+    return int(as_float)
+
+
+def _float(value: Any, name: str, lo: float, hi: float) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise UIError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(out) or not lo <= out <= hi:
+        raise UIError(f"{name} must be in {lo:g}..{hi:g}, got {value!r}")
+    return out
+
+
+class UIHandlers:
+    """State behind one UI: the lazily loaded :class:`Editor` and the LoRA folder.
+
+    ``editor_factory`` (tests) replaces ``Editor.from_preset``. Generation is
+    serialised by a lock (the UI's queue already runs one at a time; the lock also
+    covers API callers), because LoRA switching mutates the model in place.
+    """
+
+    def __init__(self, config: UIConfig, editor_factory: Callable[[], "Editor"] | None = None):
+        self.config = config
+        self._factory = editor_factory or self._load_editor
+        self._editor: Editor | None = None
+        self._lock = threading.Lock()
+        self.load_count = 0
+        self.load_seconds: float | None = None
+
+    # model ------------------------------------------------------------------------------
+    def _load_editor(self) -> "Editor":
+        from ..inference.editor import Editor
+        from ..models.presets import get_preset
+
+        preset = get_preset(self.config.model)
+        if preset.is_tiny and self.config.model_dir:
+            from ..models.tiny import ensure_tiny
+
+            ensure_tiny(self.config.model_dir)
+        return Editor.from_preset(model=self.config.model, model_dir=self.config.model_dir,
+                                  device=self.config.device)
+
+    @property
+    def loaded(self) -> bool:
+        return self._editor is not None
+
+    def editor(self) -> "Editor":
+        """The one Editor of this UI, loaded on first use."""
+        if self._editor is None:
+            t0 = time.perf_counter()
+            log.info("loading model %r (model_dir=%s) ...", self.config.model, self.config.model_dir)
+            self._editor = self._factory()
+            self.load_count += 1
+            self.load_seconds = time.perf_counter() - t0
+            log.info("model %r loaded in %.1f s", self.config.model, self.load_seconds)
+        return self._editor
+
+    def model_status(self) -> str:
+        where = f" from `{self.config.model_dir}`" if self.config.model_dir else ""
+        if self._editor is None:
+            return (f"Model **{self.config.model}**{where}: not loaded yet — it loads on the first "
+                    "Generate (the first run takes longer).")
+        return f"Model **{self.config.model}**{where}: loaded in {self.load_seconds:.1f} s."
+
+    # LoRAs ------------------------------------------------------------------------------
+    def lora_choices(self) -> list[str]:
+        return [NO_LORA] + list_loras(self.config.lora_dir)
+
+    def lora_status(self) -> str:
+        root = Path(self.config.lora_dir).expanduser()
+        if not root.is_dir():
+            return f"LoRA folder `{self.config.lora_dir}` does not exist yet (training writes there)."
+        n = len(self.lora_choices()) - 1
+        return f"{n} LoRA file{'s' if n != 1 else ''} under `{self.config.lora_dir}`."
+
+    # generate ---------------------------------------------------------------------------
+    def generate(self, inputs: GenerateInputs, progress: ProgressFn | None = None) -> GenerateOutput:
+        """Validate everything, then run one edit. Raises UIError for user mistakes."""
+        from ..inference.editor import EditRequest
+
+        report = progress or (lambda done, total, desc: None)
+        limit = self.config.max_upload_bytes
+        prompt = (inputs.prompt or "").strip()
+        if not prompt:
+            raise UIError("type a prompt describing the edit")
+        if inputs.mode not in MODES:
+            raise UIError(f"unknown mode {inputs.mode!r}; valid: {', '.join(MODES)}")
+        lbm = inputs.mode == MODE_LBM
+        steps = _int(inputs.steps, "steps", 1, 1000)
+        lbm_steps = _int(inputs.lbm_steps, "LBM steps", 1, LBM_MAX_STEPS) if lbm else None
+        cfg = _float(inputs.cfg, "CFG", 0.0, 100.0)
+        mask_blend = _float(inputs.mask_blend, "mask blend", 0.0, 1.0)
+        lora_scale = _float(inputs.lora_scale, "LoRA scale", -10.0, 10.0)
+        seed = _int(inputs.seed, "seed", -1, 2**32 - 1) if inputs.seed is not None else 0
+        if seed < 0:
+            seed = secrets.randbelow(2**31)
+
+        image = image_from_editor(inputs.editor, limit)
+        mask = mask_from_editor(inputs.editor, size=image.size, max_bytes=limit)
+        refs = reference_images(inputs.references, limit)
+        lora = resolve_lora(self.config.lora_dir, inputs.lora)
+
+        with self._lock:
+            if not self.loaded:
+                report(0, 1, f"loading model {self.config.model} (first run only)")
+            editor = self.editor()
+            editor.set_loras([(lora, lora_scale)] if lora is not None else [])
+            total = lbm_steps if lbm else steps
+            report(0, total, "denoising")
+            t0 = time.perf_counter()
+            result = editor.edit(EditRequest(
+                images=[image, *refs], prompt=prompt, negative_prompt=inputs.negative_prompt or "",
+                mask=mask, steps=steps, cfg=cfg, seed=seed, mask_blend=mask_blend,
+                lbm_steps=lbm_steps, progress=lambda step, n: report(step, n, "denoising")))
+            seconds = time.perf_counter() - t0
+        if lbm and result.sub_image is None:
+            raise RuntimeError("the editor returned no sub-stream image in LBM mode")
+
+        parts = [f"Done in {seconds:.1f} s", f"seed {seed}",
+                 f"{'LBM, ' + str(lbm_steps) + ' step' + ('s' if lbm_steps != 1 else '') if lbm else f'flow matching, {steps} steps'}",
+                 f"{result.image.width}×{result.image.height}"]
+        parts.append(f"LoRA `{inputs.lora}` × {lora_scale:g}" if lora is not None else "no LoRA")
+        if mask is None:
+            parts.append("no mask painted: the whole image may change")
+        else:
+            coverage = float(np.asarray(mask).mean()) / 255.0
+            parts.append(f"mask covers {coverage:.0%} of the image")
+        return GenerateOutput(image=result.image, sub_image=result.sub_image if lbm else None,
+                              seed=seed, status=" · ".join(parts) + ".", result=result)

@@ -1,0 +1,1 @@
+"""Small shared helpers: logging setup, atomic file writes, dataclass <-> CLI flags."""

@@ -1,0 +1,91 @@
+# shellcheck shell=bash
+# Shared by Qwen-Image-Edit-2511.sh, Qwen-Image-Edit-2509.sh and Qwen-Image-Edit-LBM.sh:
+# environment defaults and the `accelerate launch` wrapper. All logic lives in Python
+# (`qie cache`, `qie train`, `qie edit`); this file only picks defaults.
+#
+# Environment (all optional):
+#   MODEL             tiny (default) | edit | 2509 | 2511, or a local directory holding the script's model
+#                     in the repo layout (transformer/ text_encoder/ vae/ tokenizer/ processor/)
+#   DATASET_BASE      base directory of the dataset's relative paths (default: the metadata file's directory)
+#   DATASET_METADATA  metadata .json/.jsonl/.csv (default with MODEL=tiny: generated demo data)
+#   CACHE_DIR         phase-1 cache (default: $OUTPUT_DIR/cache)
+#   OUTPUT_DIR        checkpoints, LoRA, logs, validation images (default: outputs/<run name>)
+#   NUM_GPUS          processes per node (default: number of visible GPUs, 1 on CPU)
+#   NNODES NODE_RANK MASTER_ADDR MASTER_PORT   multi-node rendezvous (defaults: 1 0 127.0.0.1 29500)
+#   DS_CONFIG         accelerate config YAML (default: deepspeed_configs/zero3.yaml on GPUs, none on CPU)
+#   CACHE_ARGS        extra flags for phase 1 (`qie cache`), e.g. "--max_pixels 589824"
+#   QIE_SKIP_SETUP=1  don't run scripts/setup.sh first
+# Extra command-line arguments of the launcher go to phase 2 (`qie train`).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+[ "${QIE_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
+VENV="${QIE_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+export PATH="$VENV/bin:$PATH"
+
+gpu_count() {
+  "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0
+}
+
+# launch_defaults RUN_NAME PRESET : fills MODEL, OUTPUT_DIR, CACHE_DIR, dataset, launcher settings.
+launch_defaults() {
+  local run_name="$1" preset="$2"
+  MODEL="${MODEL:-tiny}"
+  OUTPUT_DIR="${OUTPUT_DIR:-$ROOT/outputs/$run_name}"
+  CACHE_DIR="${CACHE_DIR:-$OUTPUT_DIR/cache}"
+  MODEL_ARGS=(--model "$MODEL")
+  if [ -d "$MODEL" ]; then MODEL_ARGS=(--model "$preset" --model_dir "$MODEL"); fi
+  if [ -z "${DATASET_METADATA:-}" ]; then
+    if [ "$MODEL" != tiny ]; then
+      echo "$run_name: set DATASET_METADATA (and DATASET_BASE) to train $MODEL; see README 'Your own data'." >&2
+      exit 2
+    fi
+    DATASET_METADATA="$ROOT/outputs/demo-data/metadata.json"
+    [ -f "$DATASET_METADATA" ] || "$PY" -m diffsynth_qie.cli make-demo-data --out "$ROOT/outputs/demo-data"
+  fi
+  DATASET_ARGS=(--dataset_metadata "$DATASET_METADATA")
+  [ -z "${DATASET_BASE:-}" ] || DATASET_ARGS+=(--dataset_base "$DATASET_BASE")
+
+  NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
+  MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"; MASTER_PORT="${MASTER_PORT:-29500}"
+  local gpus; gpus="$(gpu_count)"
+  NUM_GPUS="${NUM_GPUS:-$(( gpus > 0 ? gpus : 1 ))}"
+  if [ -z "${DS_CONFIG+x}" ]; then
+    if [ "$gpus" -gt 0 ]; then DS_CONFIG="$ROOT/deepspeed_configs/zero3.yaml"; else DS_CONFIG=""; fi
+  fi
+}
+
+# qie_launch SUBCOMMAND ARGS... : run a `qie` subcommand on every process of every node.
+qie_launch() {
+  if [ -z "$DS_CONFIG" ] && [ "$NNODES" = 1 ] && [ "$NUM_GPUS" = 1 ]; then
+    "$PY" -m diffsynth_qie.cli "$@"   # single process (CPU demo): no launcher needed
+    return
+  fi
+  local cfg=()
+  [ -z "$DS_CONFIG" ] || cfg=(--config_file "$DS_CONFIG")
+  accelerate launch "${cfg[@]}" \
+    --num_machines "$NNODES" --machine_rank "$NODE_RANK" \
+    --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
+    --num_processes "$(( NUM_GPUS * NNODES ))" \
+    -m diffsynth_qie.cli "$@"
+}
+
+# after_training OUTPUT_DIR [qie edit flags]: print the LoRA path and try it on the first dataset row,
+# writing OUTPUT_DIR/before_after.png (reference | without LoRA | with LoRA).
+after_training() {
+  local out="$1"; shift
+  local lora="$out/lora.safetensors"
+  if [ ! -f "$lora" ]; then echo "no LoRA at $lora" >&2; exit 1; fi
+  if [ "$NODE_RANK" = 0 ]; then
+    "$PY" -m diffsynth_qie.cli edit "${MODEL_ARGS[@]}" --dataset_metadata "$DATASET_METADATA" --row 0 \
+      --lora "$lora" --out "$out/after.png" --before_after "$out/before_after.png" "$@"
+  fi
+  echo
+  echo "LoRA:          $lora"
+  echo "checkpoints:   $out/checkpoint-*/"
+  echo "loss log:      $out/loss.jsonl"
+  echo "before/after:  $out/before_after.png"
+  echo "try it:        python app_gradio.py --model ${MODEL} --lora_dir $out"
+}

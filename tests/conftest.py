@@ -1,0 +1,41 @@
+"""Shared fixtures: one tiny model and one demo dataset per test session.
+
+Nothing here may reach a model hub: DIFFSYNTH_SKIP_DOWNLOAD makes DiffSynth fail
+fast instead of retrying ModelScope for ~20 s.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DIFFSYNTH_SKIP_DOWNLOAD", "True")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MODELSCOPE_CACHE", "/nonexistent-modelscope-cache")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Path of a tiny Qwen-Image-Edit built once per session (real repo layout)."""
+    from diffsynth_qie.models.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny-model") / "Qwen-Image-Edit-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def demo_data_dir(tmp_path_factory):
+    """A small synthetic editing dataset (DiffSynth metadata.json + images + masks)."""
+    from diffsynth_qie.data.demo import make_demo_data
+
+    return make_demo_data(tmp_path_factory.mktemp("demo-data"), num_pairs=8, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipe(tiny_model_dir):
+    """Full tiny pipeline (text encoder + DiT + VAE), fp32 on CPU. Treat as read-only."""
+    import torch
+
+    from diffsynth_qie.models.loading import load_pipeline
+
+    return load_pipeline("tiny", model_dir=tiny_model_dir, device="cpu", torch_dtype=torch.float32)

@@ -1,0 +1,298 @@
+"""The web UI's handler layer (no gradio, no browser): masks, LoRA picker, limits, generate."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffsynth_qie.ui.config import UIConfig
+from diffsynth_qie.ui.handlers import (MODE_LBM, NO_LORA, GenerateInputs, UIError, UIHandlers, check_upload_size,
+                                       image_from_editor, list_loras, mask_from_editor, resolve_lora, user_message)
+
+W, H = 96, 64  # multiples of 16: the editor keeps the size of such an image
+
+
+# --- helpers ------------------------------------------------------------------------
+def _layer(size, boxes, alpha=255, colour=(255, 0, 255), under=(0, 0, 0)):
+    """RGBA layer: ``boxes`` painted with ``colour``/``alpha``; elsewhere alpha 0 over ``under``."""
+    arr = np.zeros((size[1], size[0], 4), np.uint8)
+    arr[..., :3] = under
+    for x0, y0, x1, y1 in boxes:
+        arr[y0:y1, x0:x1, :3] = colour
+        arr[y0:y1, x0:x1, 3] = alpha
+    return Image.fromarray(arr, "RGBA")
+
+
+def _expected(size, boxes):
+    out = np.zeros((size[1], size[0]), bool)
+    for x0, y0, x1, y1 in boxes:
+        out[y0:y1, x0:x1] = True
+    return out
+
+
+def _photo(seed=0, size=(W, H)):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def _write_lora(path: Path, dit_file: Path, seed: int, rank: int = 4, targets=("to_q", "to_v")) -> Path:
+    """A real LoRA on the tiny DiT's module names (shapes read from its weights' header)."""
+    from safetensors import safe_open
+
+    from diffsynth_qie.models.lora_io import save_lora
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    with safe_open(str(dit_file), "pt") as f:
+        for key in f.keys():
+            module = key[: -len(".weight")]
+            if key.endswith(".weight") and module.rsplit(".", 1)[-1] in targets:
+                out_f, in_f = f.get_slice(key).get_shape()
+                sd[f"{module}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * 0.5
+                sd[f"{module}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.5
+    assert sd, "tiny DiT has no to_q/to_v modules"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_lora(path, sd)
+
+
+# --- masks from the image editor --------------------------------------------------------
+def test_mask_unites_layers_by_alpha_whatever_colour(tmp_path):
+    boxes_a, boxes_b = [(4, 4, 20, 12)], [(50, 30, 90, 60)]
+    # Layer A: opaque magenta; layer B: faint (alpha 40) dark paint; both carry colour under alpha 0.
+    a = _layer((W, H), boxes_a, under=(200, 200, 200))
+    b = _layer((W, H), boxes_b, alpha=40, colour=(10, 10, 10), under=(255, 255, 255))
+    b_path = tmp_path / "layer_b.png"
+    b.save(b_path)
+    value = {"background": _photo(), "layers": [np.asarray(a), str(b_path)], "composite": None}
+    mask = mask_from_editor(value, size=(W, H))
+    assert mask.mode == "L" and mask.size == (W, H)
+    arr = np.asarray(mask)
+    assert set(np.unique(arr)) == {0, 255}
+    np.testing.assert_array_equal(arr == 255, _expected((W, H), boxes_a + boxes_b))
+
+
+def test_mask_is_none_without_paint():
+    assert mask_from_editor(None) is None
+    assert mask_from_editor({"background": _photo(), "layers": [], "composite": None}) is None
+    empty = _layer((W, H), [], under=(255, 0, 0))  # colour but alpha 0 everywhere
+    assert mask_from_editor({"background": _photo(), "layers": [empty], "composite": None}) is None
+
+
+def test_mask_layer_of_other_size_is_scaled_to_the_image():
+    big = _layer((2 * W, 2 * H), [(0, 0, W, H)])  # top-left quarter at 2x
+    mask = np.asarray(mask_from_editor({"background": _photo(), "layers": [big]}, size=(W, H)))
+    np.testing.assert_array_equal(mask == 255, _expected((W, H), [(0, 0, W // 2, H // 2)]))
+
+
+def test_mask_from_layer_without_alpha_uses_non_black_pixels():
+    rgb = _layer((W, H), [(10, 10, 30, 20)]).convert("RGB")  # alpha dropped upstream: paint = non-black
+    mask = np.asarray(mask_from_editor({"background": _photo(), "layers": [rgb]}, size=(W, H)))
+    np.testing.assert_array_equal(mask == 255, _expected((W, H), [(10, 10, 30, 20)]))
+
+
+def test_image_from_editor_flattens_transparency_on_white_and_falls_back_to_composite():
+    arr = np.zeros((H, W, 4), np.uint8)
+    arr[:, : W // 2] = (10, 20, 30, 255)  # left half opaque, right half transparent
+    image = image_from_editor({"background": Image.fromarray(arr, "RGBA"), "layers": [], "composite": None})
+    assert image.mode == "RGB" and image.size == (W, H)
+    out = np.asarray(image)
+    assert (out[:, : W // 2] == (10, 20, 30)).all() and (out[:, W // 2:] == 255).all()
+    photo = _photo(1)
+    assert np.array_equal(np.asarray(image_from_editor({"background": None, "layers": [], "composite": photo})),
+                          np.asarray(photo))
+    with pytest.raises(UIError, match="upload an image"):
+        image_from_editor({"background": None, "layers": [], "composite": None})
+
+
+# --- upload limit ---------------------------------------------------------------------------
+def test_upload_over_the_limit_is_refused(tmp_path):
+    path = tmp_path / "big.png"
+    _photo(size=(256, 256)).save(path)  # ~197 kB of noise
+    size = path.stat().st_size
+    check_upload_size(str(path), size)  # exactly at the limit: fine
+    with pytest.raises(UIError, match=r"limit is .* MB \(--max_upload_mb\)"):
+        check_upload_size(str(path), size - 1)
+    with pytest.raises(UIError):
+        check_upload_size({"path": str(path)}, size - 1)  # FileData-like dicts too
+    check_upload_size(_photo(), 1)  # in-memory images have no file size
+
+
+def test_generate_refuses_oversized_upload_before_loading_the_model(tmp_path):
+    path = tmp_path / "big.png"
+    _photo(size=(256, 256)).save(path)
+    ref = tmp_path / "ref.png"
+    _photo(3, size=(256, 256)).save(ref)
+
+    def no_model():
+        raise AssertionError("the model must not load for a refused upload")
+
+    handlers = UIHandlers(UIConfig(max_upload_mb=0.05, lora_dir=str(tmp_path)), editor_factory=no_model)
+    with pytest.raises(UIError, match=r"uploaded image is 0\.1\d+ MB; the limit is 0\.05 MB"):
+        handlers.generate(GenerateInputs(editor={"background": str(path), "layers": []}, prompt="x"))
+    small = tmp_path / "small.png"
+    _photo(size=(32, 32)).save(small)
+    with pytest.raises(UIError, match="reference image 1"):
+        handlers.generate(GenerateInputs(editor={"background": str(small), "layers": []}, prompt="x",
+                                         references=[(str(ref), None)]))
+    assert handlers.load_count == 0
+
+
+# --- LoRA picker ---------------------------------------------------------------------------
+@pytest.fixture
+def lora_tree(tmp_path):
+    """A LoRA folder with nested files, decoys and symlinks (inside and escaping)."""
+    root = tmp_path / "outputs"
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    (outside / "stolen.safetensors").write_bytes(b"x")
+    for rel in ("run_a/epoch-1.safetensors", "run_a/epoch-2.safetensors", "run_b/deep/x/lora.safetensors",
+                "top.safetensors", "run_a/notes.txt", "run_a/.epoch-3.abc.tmp.safetensors",
+                ".hidden/h.safetensors"):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x")
+    os.symlink(root / "top.safetensors", root / "run_b" / "alias.safetensors")   # stays inside
+    os.symlink(outside / "stolen.safetensors", root / "escape.safetensors")     # leaves the folder
+    os.symlink(outside, root / "linked_dir")                                     # directory leaving it
+    os.symlink(root / "missing.safetensors", root / "dangling.safetensors")
+    return root, outside
+
+
+def test_list_loras_is_recursive_relative_and_contained(lora_tree):
+    root, _ = lora_tree
+    assert list_loras(root) == ["run_a/epoch-1.safetensors", "run_a/epoch-2.safetensors",
+                                "run_b/alias.safetensors", "run_b/deep/x/lora.safetensors", "top.safetensors"]
+    assert list_loras(root / "does-not-exist") == []
+    handlers = UIHandlers(UIConfig(lora_dir=str(root)))
+    assert handlers.lora_choices()[0] == NO_LORA and handlers.lora_choices()[1:] == list_loras(root)
+
+
+def test_resolve_lora_accepts_listed_names(lora_tree):
+    root, _ = lora_tree
+    for name in list_loras(root):
+        path = resolve_lora(root, name)
+        assert path.is_file() and path.is_relative_to(root.resolve())
+    assert resolve_lora(root, "run_b/alias.safetensors") == (root / "top.safetensors").resolve()
+    assert resolve_lora(root, NO_LORA) is None and resolve_lora(root, "") is None and resolve_lora(root, None) is None
+
+
+@pytest.mark.parametrize("name, message", [
+    ("../secret/stolen.safetensors", r"'\.\.'"),
+    ("run_a/../../secret/stolen.safetensors", r"'\.\.'"),
+    ("..\\secret\\stolen.safetensors", r"'\.\.'"),
+    ("ABSOLUTE", "not a name inside the LoRA folder"),
+    ("C:\\loras\\x.safetensors", "not a name inside the LoRA folder"),
+    ("escape.safetensors", "links outside the LoRA folder"),
+    ("linked_dir/stolen.safetensors", "links outside the LoRA folder"),
+    ("run_a/notes.txt", "not a .safetensors file"),
+    ("run_a/nope.safetensors", "no longer exists"),
+    ("dangling.safetensors", "no longer exists"),
+    ("run_a", "not a .safetensors file"),
+])
+def test_resolve_lora_refuses_traversal(lora_tree, name, message):
+    root, outside = lora_tree
+    if name == "ABSOLUTE":
+        name = str(outside / "stolen.safetensors")
+    with pytest.raises(UIError, match=message):
+        resolve_lora(root, name)
+
+
+# --- errors -------------------------------------------------------------------------------
+def test_user_message_shows_user_errors_and_hides_internal_ones(caplog):
+    assert user_message(ValueError("steps must be >= 1, got 0")) == "steps must be >= 1, got 0"
+    try:
+        raise RuntimeError("internal detail at /srv/secret/path.py")
+    except RuntimeError as caught:
+        exc = caught
+    with caplog.at_level(logging.ERROR, logger="diffsynth_qie.ui.handlers"):
+        msg = user_message(exc)
+    assert "RuntimeError" in msg and "server log" in msg
+    assert "/srv/secret" not in msg and "Traceback" not in msg
+    logged = [r for r in caplog.records if r.exc_info and r.exc_info[1] is exc]
+    assert len(logged) == 1  # the traceback goes to the server log
+    assert "out of memory" in user_message(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+
+
+# --- generate on the tiny model -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ui(tiny_model_dir, tmp_path_factory):
+    """One UI state over the tiny model (loaded lazily on first generate) and a LoRA folder."""
+    lora_dir = tmp_path_factory.mktemp("loras")
+    dit_file = Path(tiny_model_dir) / "transformer" / "diffusion_pytorch_model.safetensors"
+    _write_lora(lora_dir / "run1" / "a.safetensors", dit_file, seed=1)
+    _write_lora(lora_dir / "run2" / "b.safetensors", dit_file, seed=2, targets=("to_k", "to_out.0"))
+    (lora_dir / "bad.safetensors").parent.mkdir(exist_ok=True)
+    from safetensors.torch import save_file
+    save_file({"not_a_module.lora_A.weight": torch.zeros(2, 3), "not_a_module.lora_B.weight": torch.zeros(3, 2)},
+              str(lora_dir / "bad.safetensors"))
+    config = UIConfig(model="tiny", model_dir=str(tiny_model_dir), lora_dir=str(lora_dir), device="cpu")
+    return UIHandlers(config)
+
+
+def _inputs(**kw):
+    painted = (8, 8, 40, 40)
+    base = dict(editor={"background": _photo(5), "layers": [_layer((W, H), [painted])], "composite": None},
+                prompt="make the square blue", steps=3, cfg=2.0, seed=7)
+    base.update(kw)
+    return GenerateInputs(**base)
+
+
+def test_generate_edits_only_the_painted_region_with_progress(ui):
+    calls = []
+    out = ui.generate(_inputs(), progress=lambda done, total, desc: calls.append((done, total, desc)))
+    assert out.image.size == (W, H) and out.sub_image is None
+    src, res = np.asarray(_photo(5)), np.asarray(out.image.convert("RGB"))
+    painted = _expected((W, H), [(8, 8, 40, 40)])
+    # mask_blend 1: outside the mask the input is kept exactly; inside the model repainted it.
+    np.testing.assert_array_equal(res[~painted], src[~painted])
+    assert np.abs(res[painted].astype(int) - src[painted].astype(int)).mean() > 5
+    denoise = [(d, t) for d, t, desc in calls if desc == "denoising"]
+    assert denoise[-1] == (3, 3) and [d for d, _ in denoise] == sorted(d for d, _ in denoise)
+    assert "seed 7" in out.status and "mask covers 17%" in out.status
+    assert "loaded" in ui.model_status()
+
+
+def test_generate_lbm_returns_main_and_sub_stream(ui):
+    out = ui.generate(_inputs(mode=MODE_LBM, lbm_steps=2, editor={"background": _photo(5), "layers": []}))
+    assert out.image.size == (W, H) and out.sub_image is not None and out.sub_image.size == (W, H)
+    assert out.result.latents.shape[0] == 2  # main + sub stream in one batch
+    assert not np.array_equal(np.asarray(out.image), np.asarray(out.sub_image))
+    assert "LBM, 2 steps" in out.status and "no mask painted" in out.status
+
+
+def test_switching_lora_keeps_the_base_model_loaded(ui):
+    runs = {}
+    for name in (NO_LORA, "run1/a.safetensors", "run2/b.safetensors", NO_LORA + "again"):
+        lora = NO_LORA if name.startswith(NO_LORA) else name
+        runs[name] = ui.generate(_inputs(lora=lora, lora_scale=1.0)).result.latents
+        if name == NO_LORA:
+            pipe, dit = ui.editor().pipe, ui.editor().pipe.dit
+    assert ui.load_count == 1
+    assert ui.editor().pipe is pipe and ui.editor().pipe.dit is dit
+    base = runs[NO_LORA]
+    assert (runs["run1/a.safetensors"] - base).abs().max() > 1e-3
+    assert (runs["run2/b.safetensors"] - runs["run1/a.safetensors"]).abs().max() > 1e-3
+    torch.testing.assert_close(runs[NO_LORA + "again"], base, rtol=0, atol=0)  # base weights restored
+    ui.generate(_inputs(lora="run1/a.safetensors", lora_scale=0.5))
+    assert [(p.name, s) for p, s in ui.editor().active_loras] == [("a.safetensors", 0.5)]
+
+
+def test_generate_errors_are_user_messages(ui):
+    with pytest.raises(UIError, match="type a prompt"):
+        ui.generate(_inputs(prompt="  "))
+    with pytest.raises(UIError, match="steps must be a whole number in 1..1000"):
+        ui.generate(_inputs(steps=0))
+    with pytest.raises(UIError, match="LBM steps"):
+        ui.generate(_inputs(mode=MODE_LBM, lbm_steps=5))
+    with pytest.raises(UIError, match="outside the LoRA folder"):
+        ui.generate(_inputs(lora="../../etc/passwd.safetensors"))
+    with pytest.raises(ValueError) as info:  # a LoRA that does not fit the model: named, not ignored
+        ui.generate(_inputs(lora="bad.safetensors"))
+    msg = user_message(info.value)
+    assert "not_a_module" in msg and "Traceback" not in msg
+    assert ui.load_count == 1
