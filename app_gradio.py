@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     handlers = UIHandlers(config)
     if config.preload:
-        handlers.editor()
+        handlers.start_background_load()  # ready by the time a mask is painted
     demo = build_ui(handlers)
     log.info("serving on http://%s:%d (model %s, LoRAs from %s)", config.host, config.port, config.model,
              config.lora_dir)

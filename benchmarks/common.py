@@ -136,10 +136,11 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def free_memory(device: torch.device) -> None:
+    """Return cached GPU memory between cases (no-op on CPU, where gc.collect only costs time)."""
     import gc
 
-    gc.collect()
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -193,9 +194,15 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+# Option values that are the defaults (not shown in the tables).
+DEFAULT_OPTIONS = {"sdpa_backend": "auto", "compile_blocks": False, "fp8_base": False, "lora_fp32": True}
+
+
 def _options(row: dict) -> str:
     opts = row.get("options") or {}
-    parts = [f"{k}={v}" for k, v in sorted(opts.items()) if v not in (None, False, "auto", 0)]
+    parts = [f"{k}={v}" for k, v in sorted(opts.items()) if DEFAULT_OPTIONS.get(k, None) != v]
+    if row.get("tag"):
+        parts.append(f"tag={row['tag']}")
     return ", ".join(parts) or "–"
 
 
@@ -246,7 +253,7 @@ def markdown_report(rows: Sequence[dict], gpu: str, date: str) -> str:
         lines += ["", "**Tiny smoke-test rows: the numbers are not meaningful timings.**"]
     matmul = sorted({r.get("matmul_tflops") for r in rows if r.get("matmul_tflops")})
     if matmul:
-        lines += ["", "Measured matmul rate (MFU denominator): " + ", ".join(f"{m:.0f} TFLOP/s" for m in matmul)]
+        lines += ["", "Measured matmul rate (MFU denominator): " + ", ".join(f"{_fmt(m)} TFLOP/s" for m in matmul)]
     if train:
         lines += ["", "## LoRA training step", ""] + _train_table(train)
     if infer:

@@ -208,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from diffsynth_qie.utils.logging import setup_logging
 
     cfg = parse_args(argv)
-    setup_logging(cfg.log_level)
+    if not logging.getLogger().handlers:  # a script run; under pytest/an app, keep their logging
+        setup_logging(cfg.log_level)
     device, dtype = common.resolve_device(cfg.tiny, cfg.device)
     env = common.env_info(device)
     date = common.today()

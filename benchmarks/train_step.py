@@ -20,7 +20,8 @@ dim 3072) with random weights directly on the GPU in bf16 (``build.py``), adds L
   ``model_fn_qwen_image``, ``backward``, AdamW ``step``, ``ConstantLR.step``, ``zero_grad``;
 - ``batch``  — ours at batch 2 and 4, equal shapes;
 - ``mixed``  — ours at batch 4 with mixed shapes (1024², 768×1280, 1280×768, 896²,
-  each with a reference image of its own size): padded tokens + attention mask.
+  each with a reference image of its own size, prompts of 300/262/337/225 tokens):
+  padded tokens + attention mask.
 
 Inputs per sample: target latents ``16×h×w`` (1024² → 128×128), one reference of the
 target's size, a ≈300-token prompt embedding of width 3584 — the cache's contents.
@@ -134,7 +135,9 @@ def plan_cases(cfg: TrainBenchConfig) -> list[CaseSpec]:
         elif case == "batch":
             out += [CaseSpec("batch", "ours", (one,) * b, label) for b in cfg.batch_sizes]
         elif case == "mixed":
-            samples = tuple(SampleShape(target=hw, refs=(hw,), text_len=text_len) for hw in mixed)
+            # Prompts of different lengths too (padded text tokens), as real batches have.
+            lens = (text_len, text_len * 7 // 8, text_len * 9 // 8, text_len * 3 // 4)
+            samples = tuple(SampleShape(target=hw, refs=(hw,), text_len=n) for hw, n in zip(mixed, lens))
             out.append(CaseSpec("mixed", "ours", samples, "+".join(px(s.target) for s in samples) + " (+refs)"))
     return out
 
@@ -362,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from diffsynth_qie.utils.logging import setup_logging
 
     cfg = parse_args(argv)
-    setup_logging(cfg.log_level)
+    if not logging.getLogger().handlers:  # a script run; under pytest/an app, keep their logging
+        setup_logging(cfg.log_level)
     device, dtype = common.resolve_device(cfg.tiny, cfg.device)
     env = common.env_info(device)
     date = common.today()
@@ -388,6 +392,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rows, parity = [], None
     for rank in cfg.lora_ranks:
         module = our_module(dit, rank, gradient_checkpointing=True, batch_size=1)
+        # PEFT creates the adapters in the base weights' dtype (FP8 with --fp8_base); start from
+        # DiffSynth's choice (the pipeline dtype) — each case then sets its own LoRA dtype.
+        set_lora_dtype(list(module.trainable_modules()), dtype)
         if cfg.compile_blocks:
             build.compile_blocks(dit, cfg.compile_backend)
         if cfg.tiny and parity is None:

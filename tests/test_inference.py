@@ -256,8 +256,8 @@ def test_bridge_sigmas_exact():
 def test_bridge_interpolate_endpoints_and_target_sign():
     g = torch.Generator().manual_seed(0)
     z_t, z_p, eps = (torch.randn(2, 16, 4, 4, generator=g) for _ in range(3))
-    assert torch.equal(bridge_interpolate(z_t, z_p, 1.0, eps, 0.0), z_p)
-    assert torch.equal(bridge_interpolate(z_t, z_p, 0.0, eps, 0.3), z_t)  # no noise at the ends
+    assert torch.equal(bridge_interpolate(z_t, z_p, 1.0, 0.0, eps), z_p)
+    assert torch.equal(bridge_interpolate(z_t, z_p, 0.0, 0.3, eps), z_t)  # no noise at the ends
     # per-sample sigma
     x = bridge_interpolate(z_t, z_p, torch.tensor([0.0, 1.0]))
     assert torch.equal(x[0], z_t[0]) and torch.equal(x[1], z_p[1])
@@ -265,7 +265,18 @@ def test_bridge_interpolate_endpoints_and_target_sign():
     h = 0.25
     step = bridge_interpolate(z_t, z_p, 0.5 + h) - bridge_interpolate(z_t, z_p, 0.5)
     assert torch.allclose(step, h * bridge_target(z_t, z_p), atol=1e-6)
-    assert torch.allclose(bridge_interpolate(z_t, z_p, 0.5, eps, 0.1), 0.5 * (z_t + z_p) + 0.05 * eps, atol=1e-6)
+    assert torch.allclose(bridge_interpolate(z_t, z_p, 0.5, 0.1, eps), 0.5 * (z_t + z_p) + 0.05 * eps, atol=1e-6)
+
+
+def test_bridge_math_agrees_with_lbm_training():
+    """The sampler integrates the same bridge the LBM loss trains on (training/lbm.py)."""
+    lbm = pytest.importorskip("diffsynth_qie.training.lbm")
+    g = torch.Generator().manual_seed(2)
+    z_t, z_p, eps = (torch.randn(16, 4, 6, generator=g) for _ in range(3))
+    for sigma in (0.0, 0.25, 0.5, 0.75, 1.0):
+        assert torch.allclose(bridge_interpolate(z_t, z_p, sigma, 0.005, eps),
+                              lbm.bridge_interpolate(z_t, z_p, sigma, 0.005, eps), atol=1e-6)
+    assert torch.equal(bridge_target(z_t, z_p), lbm.bridge_target(z_t, z_p))
 
 
 def test_bridge_step_and_sampler():
@@ -279,8 +290,8 @@ def test_bridge_step_and_sampler():
     for n in (1, 2, 4):
         assert torch.allclose(sample_bridge(exact, z_p, n, bridge_noise=0.0), z_t, atol=1e-5)
     # noise re-injection: s·sqrt(σ'(1−σ'))·ε
-    assert torch.allclose(bridge_step(z_p, torch.zeros_like(z_p), 1.0, 0.5, eps, 0.2), z_p + 0.2 * 0.5 * eps)
-    assert torch.equal(bridge_step(z_p, z_t, 0.25, 0.0, eps, 0.2), z_p - 0.25 * z_t)
+    assert torch.allclose(bridge_step(z_p, torch.zeros_like(z_p), 1.0, 0.5, 0.2, eps), z_p + 0.2 * 0.5 * eps)
+    assert torch.equal(bridge_step(z_p, z_t, 0.25, 0.0, 0.2, eps), z_p - 0.25 * z_t)
     # timesteps seen by the model: 1000·σ_k, one per sample
     seen = []
     sample_bridge(lambda x, t: (seen.append(t.tolist()), torch.zeros_like(x))[1], z_p, 4, bridge_noise=0.0)

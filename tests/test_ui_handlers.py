@@ -296,3 +296,61 @@ def test_generate_errors_are_user_messages(ui):
     msg = user_message(info.value)
     assert "not_a_module" in msg and "Traceback" not in msg
     assert ui.load_count == 1
+
+
+def test_background_load_loads_once_and_reports_status():
+    import threading
+
+    calls, gate = [], threading.Event()
+
+    def factory():
+        calls.append(1)
+        gate.wait(5)
+        return object()
+
+    handlers = UIHandlers(UIConfig(), editor_factory=factory)
+    assert "loads on the first Generate" in handlers.model_status()
+    thread = handlers.start_background_load()
+    assert "loading in the background" in handlers.model_status()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(handlers.editor()))  # a Generate arriving meanwhile
+    waiter.start()
+    gate.set()
+    thread.join(5)
+    waiter.join(5)
+    assert len(calls) == 1 and handlers.load_count == 1 and got == [handlers.editor()]
+    assert "loaded in" in handlers.model_status()
+
+    def broken():
+        raise RuntimeError("weights missing")
+
+    failing = UIHandlers(UIConfig(), editor_factory=broken)
+    failing.start_background_load().join(5)
+    assert not failing.loaded and "failed to load (internal error (RuntimeError)" \
+        in failing.model_status()
+
+
+def test_ui_flags_defaults_and_validation():
+    import argparse
+    import subprocess
+    import sys
+
+    from diffsynth_qie.utils.config_cli import add_dataclass_args, dataclass_from_args
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, UIConfig)
+    default = dataclass_from_args(UIConfig, parser.parse_args([]))
+    assert (default.host, default.port, default.share, default.model, default.lora_dir) == \
+        ("127.0.0.1", 7999, False, "tiny", "./outputs")
+    cfg = dataclass_from_args(UIConfig, parser.parse_args(
+        ["--port", "8123", "--share", "--model", "2511", "--max_upload_mb", "2", "--no-preload"]))
+    assert (cfg.port, cfg.share, cfg.model, cfg.max_upload_bytes, cfg.preload) == (8123, True, "2511", 2 * 2**20, False)
+    assert cfg.transport_cap_bytes > cfg.max_upload_bytes
+    with pytest.raises(ValueError, match="unknown model preset 'nope'"):
+        UIConfig(model="nope")
+    with pytest.raises(ValueError, match="--port 0"):
+        UIConfig(port=0)
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "app_gradio.py"), "--model", "nope"], cwd=repo,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr

@@ -28,9 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--zero_cond_t", action=argparse.BooleanOptionalAction, default=None,
                    help="override the preset's zero_cond_t (on for 2511 only)")
     io = parser.add_argument_group("inputs / output")
-    io.add_argument("--image", action="append", required=True, metavar="PATH",
+    io.add_argument("--image", action="append", default=[], metavar="PATH",
                     help="reference image (repeatable; the first is the one edited)")
-    io.add_argument("--prompt", required=True)
+    io.add_argument("--prompt", default=None)
+    io.add_argument("--dataset_metadata", default=None, metavar="FILE",
+                    help="take --image/--prompt from a dataset row instead (with --row)")
+    io.add_argument("--dataset_base", default=None, metavar="DIR", help="base directory of the row's paths")
+    io.add_argument("--row", type=int, default=0, help="row index in --dataset_metadata")
+    io.add_argument("--before_after", default=None, metavar="PNG",
+                    help="with --lora: also render without the LoRA (same seed) and write "
+                         "[reference | without LoRA | with LoRA] side by side")
     io.add_argument("--negative_prompt", default="")
     io.add_argument("--mask", default=None, metavar="PATH", help="white = region that may change")
     io.add_argument("--out", required=True, metavar="PNG", help="output image (LBM also writes <out>_sub.png)")
@@ -63,10 +70,31 @@ def lora_pairs(paths: list[str], scales: list[float]) -> list[tuple[str, float]]
     return [(p, scales[i] if scales else 1.0) for i, p in enumerate(paths)]
 
 
+def resolve_row(args: argparse.Namespace) -> None:
+    """Fill --image/--prompt from ``--dataset_metadata``'s row ``--row`` when they are not given."""
+    if args.dataset_metadata is None:
+        if not args.image or args.prompt is None:
+            raise ValueError("give --image and --prompt (or --dataset_metadata FILE --row N)")
+        return
+    from ..data.formats import read_rows
+
+    rows = read_rows(args.dataset_metadata, args.dataset_base)
+    if not 0 <= args.row < len(rows):
+        raise ValueError(f"--row {args.row} is out of range: {args.dataset_metadata} has {len(rows)} rows")
+    row = rows[args.row]
+    args.image = args.image or [str(p) for p in row.edit_images]
+    args.prompt = args.prompt if args.prompt is not None else row.prompts[0]
+    if not args.image:
+        raise ValueError(f"row {args.row} of {args.dataset_metadata} has no source image; pass --image")
+
+
 def load_inputs(args: argparse.Namespace):
     """Read and check every input file; raises FileNotFoundError/ValueError naming the path."""
     from ..data.images import load_mask, load_rgb
 
+    resolve_row(args)
+    if args.before_after and not args.lora:
+        raise ValueError("--before_after compares with and without a LoRA: give --lora too")
     images = [load_rgb(p) for p in args.image]
     mask = load_mask(args.mask) if args.mask else None
     loras = lora_pairs(args.lora, args.lora_scale)
@@ -82,6 +110,18 @@ def sub_path(out: str | Path) -> Path:
     """Where the LBM sub-stream image goes: ``O.png`` -> ``O_sub.png``."""
     out = Path(out)
     return out.with_name(f"{out.stem}_sub{out.suffix}")
+
+
+def side_by_side(images):
+    """Concatenate PIL images horizontally (same height)."""
+    from PIL import Image
+
+    out = Image.new("RGB", (sum(i.width for i in images), max(i.height for i in images)), "white")
+    x = 0
+    for image in images:
+        out.paste(image, (x, 0))
+        x += image.width
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,6 +145,12 @@ def run(args: argparse.Namespace) -> int:
     outputs = [(Path(args.out), result.image)]
     if result.sub_image is not None:
         outputs.append((sub_path(args.out), result.sub_image))
+    if args.before_after:
+        editor.set_loras([])
+        base = editor.edit(request)
+        change = ((result.latents - base.latents).norm() / base.latents.norm()).item()
+        log.info("the LoRA changes the output latents by %.3g (relative L2)", change)
+        outputs.append((Path(args.before_after), side_by_side([images[0].resize(result.image.size), base.image, result.image])))
     for path, image in outputs:
         with atomic_path(path) as tmp:
             image.save(tmp)

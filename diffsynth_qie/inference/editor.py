@@ -63,7 +63,7 @@ class EditRequest:
     negative_prompt: str = ""
     mask: Optional[Image.Image] = None       # white (>=128) = may change; None = whole image
     steps: int = 40                          # flow-matching steps (ignored with lbm_steps)
-    cfg: float = 4.0                         # true CFG scale; 1 = no negative pass
+    cfg: float = 4.0                         # true CFG scale (flow matching); 1 = no negative pass
     seed: int = 0
     height: Optional[int] = None             # default: first image fitted to max_pixels
     width: Optional[int] = None
@@ -309,23 +309,7 @@ class Editor:
             prompt_embs=[to_dit(prompt_emb)], edit_latents=[[to_dit(e) for e in edit_latents]],
             negative_embs=None if negative_emb is None else [to_dit(negative_emb)], zero_cond_t=self.zero_cond_t,
         )
-        shape = (1, 16, height // 8, width // 8)
-        with self._running("dit"):
-            self.pipe.load_models_to_device(["dit"])  # DiffSynth VRAM management, else no-op
-            if lbm:
-                prior = torch.stack([to_dit(z_src), to_dit(z_white)])
-                cond = cond.repeat(2)
-                keep = self._latent_blend(request, z_src=to_dit(z_src).expand_as(prior) if z_src is not None else None,
-                                          prior=prior)
-                generator = torch.Generator("cpu").manual_seed(int(request.seed))
-                latents = sample_bridge(dit_velocity(self.pipe.dit, cond, cfg, self.dtype), prior,
-                                        int(request.lbm_steps), request.lbm_noise, generator, keep, request.progress)
-            else:
-                noise = seeded_noise(shape, request.seed, self.dtype, dit_device)
-                keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
-                latents = sample_flow_match(dit_velocity(self.pipe.dit, cond, cfg, self.dtype), noise,
-                                            int(request.steps), keep, request.progress)
-
+        latents = self._sample(request, cond, cfg, z_src, z_white, (height // 8, width // 8))
         decoded = [self._decode(x) for x in latents]
         self.pipe.load_models_to_device([])
         if request.mask is not None and request.mask_blend > 0:
@@ -336,6 +320,25 @@ class Editor:
                  f"LBM {request.lbm_steps} step(s)" if lbm else f"{request.steps} steps, cfg {cfg:g}", seconds)
         return EditResult(image=decoded[0], sub_image=decoded[1] if lbm else None,
                           latents=latents.detach().float().cpu(), width=width, height=height, seconds=seconds)
+
+    def _sample(self, request: EditRequest, cond: Conditioning, cfg: float, z_src: Tensor | None,
+                z_white: Tensor | None, latent_hw: tuple[int, int]) -> Tensor:
+        """Run the DiT sampler: flow matching from seeded noise, or LBM from [z_S, z_W]."""
+        dit_device = self.devices["dit"]
+        to_dit = lambda t: t.to(device=dit_device, dtype=self.dtype)  # noqa: E731
+        with self._running("dit"):
+            self.pipe.load_models_to_device(["dit"])  # DiffSynth VRAM management, else no-op
+            if request.lbm_steps is not None:
+                prior = torch.stack([to_dit(z_src), to_dit(z_white)])  # main stream, sub-stream
+                velocity = dit_velocity(self.pipe.dit, cond.repeat(2), cfg, self.dtype)
+                keep = self._latent_blend(request, z_src=to_dit(z_src).expand_as(prior), prior=prior)
+                generator = torch.Generator("cpu").manual_seed(int(request.seed))
+                return sample_bridge(velocity, prior, int(request.lbm_steps), request.lbm_noise, generator, keep,
+                                     request.progress)
+            noise = seeded_noise((1, 16, *latent_hw), request.seed, self.dtype, dit_device)
+            velocity = dit_velocity(self.pipe.dit, cond, cfg, self.dtype)
+            keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
+            return sample_flow_match(velocity, noise, int(request.steps), keep, request.progress)
 
     def _latent_blend(self, request: EditRequest, z_src: Tensor | None, prior: Tensor) -> LatentMaskBlend | None:
         if request.mask is None or request.mask_blend <= 0:

@@ -171,9 +171,12 @@ def bridge_noise_scale(sigma, bridge_noise: float):
     return bridge_noise * math.sqrt(max(sigma * (1 - sigma), 0.0))
 
 
-def bridge_interpolate(z_target: Tensor, z_prior: Tensor, sigma, noise: Tensor | None = None,
-                       bridge_noise: float = 0.0) -> Tensor:
-    """x_σ = (1−σ)·z_T + σ·z_prior + s·√(σ(1−σ))·ε; σ a float or a per-sample [B] tensor."""
+def bridge_interpolate(z_target: Tensor, z_prior: Tensor, sigma, bridge_noise: float = 0.0,
+                       noise: Tensor | None = None) -> Tensor:
+    """x_σ = (1−σ)·z_T + σ·z_prior + s·√(σ(1−σ))·ε; σ a float or a per-sample [B] tensor.
+
+    Same argument order as ``training/lbm.py: bridge_interpolate(z_t, z_prior, sigma, s, eps)``.
+    """
     s = _as_batch(sigma, z_target)
     x = (1 - s) * z_target + s * z_prior
     if noise is not None and bridge_noise:
@@ -186,8 +189,8 @@ def bridge_target(z_target: Tensor, z_prior: Tensor) -> Tensor:
     return z_prior - z_target
 
 
-def bridge_step(x: Tensor, v: Tensor, sigma, sigma_next, noise: Tensor | None = None,
-                bridge_noise: float = 0.0) -> Tensor:
+def bridge_step(x: Tensor, v: Tensor, sigma, sigma_next, bridge_noise: float = 0.0,
+                noise: Tensor | None = None) -> Tensor:
     """One Euler step x + (σ_next − σ)·v, then re-inject s·√(σ_next(1−σ_next))·ε (zero at σ_next = 0)."""
     s, s_next = _as_batch(sigma, x), _as_batch(sigma_next, x)
     x = x + (s_next - s) * v
@@ -216,7 +219,7 @@ def sample_bridge(velocity: VelocityFn, prior: Tensor, steps: int, bridge_noise:
         noise = None
         if sigma_next > 0 and bridge_noise:
             noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(device=x.device, dtype=x.dtype)
-        x = bridge_step(x, v, sigma, sigma_next, noise, bridge_noise)
+        x = bridge_step(x, v, sigma, sigma_next, bridge_noise, noise)
         if keep is not None:
             x = keep(x, sigma_next)
         if progress is not None:

@@ -65,6 +65,7 @@ def micro_seed(seed: int, rank: int, step: int, micro: int) -> int:
 def make_accelerator(config: RunConfig):
     """The Accelerator (created before the DiT is loaded: ZeRO-3 must be known by then)."""
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
 
     train = config.train
     mp = train.mixed_precision
@@ -73,8 +74,11 @@ def make_accelerator(config: RunConfig):
             mp = None  # the launcher's config (or the DeepSpeed JSON) decides
         else:
             mp = "bf16" if torch.cuda.is_available() and train.device != "cpu" else "no"
+    # find_unused_parameters: in the last DiT block the text stream's outputs are discarded, so LoRAs on
+    # its add_q_proj / to_add_out / txt_mlp get no gradient; plain DDP would fail on them.
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
     return Accelerator(gradient_accumulation_steps=train.gradient_accumulation_steps, mixed_precision=mp,
-                       cpu=train.device == "cpu", step_scheduler_with_optimizer=False)
+                       cpu=train.device == "cpu", step_scheduler_with_optimizer=False, kwargs_handlers=[ddp])
 
 
 def deepspeed_config(accelerator) -> Optional[dict]:

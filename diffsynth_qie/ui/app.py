@@ -28,6 +28,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
     with gr.Blocks(title="Qwen-Image-Edit mask edit", analytics_enabled=False) as demo:
         gr.Markdown(INTRO)
         model_status = gr.Markdown(handlers.model_status(), elem_id="model-status")
+        status_timer = gr.Timer(2.0, active=handlers.loading)  # follows a background model load
         with gr.Row():
             with gr.Column(scale=3):
                 editor = gr.ImageEditor(
@@ -59,19 +60,24 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 generate = gr.Button("Generate", variant="primary", elem_id="generate")
         status = gr.Markdown("", elem_id="status")
         with gr.Row():
-            output = gr.Image(label="Output", type="pil", format="png", interactive=False,
+            output = gr.Image(label="Output", type="pil", format="png", interactive=False, height=360,
                               buttons=["download", "fullscreen"], elem_id="output")
             sub_output = gr.Image(label="LBM sub-stream output", type="pil", format="png", interactive=False,
-                                  buttons=["download", "fullscreen"], visible=False, elem_id="output-sub")
+                                  height=360, buttons=["download", "fullscreen"], visible=False,
+                                  elem_id="output-sub")
 
         def refresh_loras(current: str | None):
             choices = handlers.lora_choices()
             return (gr.update(choices=choices, value=current if current in choices else NO_LORA),
                     handlers.lora_status())
 
+        def poll_model_status():
+            return handlers.model_status(), gr.Timer(active=handlers.loading)
+
         def switch_mode(selected: str):
-            lbm = selected == MODE_LBM
-            return gr.update(visible=not lbm), gr.update(visible=lbm), gr.update(visible=lbm)
+            lbm = selected == MODE_LBM  # LBM samples without CFG: its steps replace steps and CFG
+            return (gr.update(visible=not lbm), gr.update(visible=not lbm), gr.update(visible=lbm),
+                    gr.update(visible=lbm))
 
         def run(editor_value: Any, refs: Any, prompt_text: str, negative_text: str, mode_value: str,
                 steps_value: float, lbm_value: float, cfg_value: float, seed_value: float, blend: float,
@@ -83,12 +89,14 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
             try:
                 out = handlers.generate(inputs, lambda done, total, desc: progress((done, total), desc=desc))
             except Exception as exc:  # user_message logs tracebacks of unexpected errors
-                raise gr.Error(user_message(exc), print_exception=False) from None
+                raise gr.Error(user_message(exc), duration=None, print_exception=False) from None
             return out.image, out.sub_image, out.status, handlers.model_status()
 
         refresh.click(refresh_loras, lora, [lora, lora_status], queue=False)
         demo.load(refresh_loras, lora, [lora, lora_status], queue=False)
-        mode.change(switch_mode, mode, [steps, lbm_steps, sub_output], queue=False)
+        demo.load(handlers.model_status, None, model_status, queue=False)
+        status_timer.tick(poll_model_status, None, [model_status, status_timer], queue=False)
+        mode.change(switch_mode, mode, [steps, cfg, lbm_steps, sub_output], queue=False)
         generate.click(run, [editor, references, prompt, negative, mode, steps, lbm_steps, cfg, seed,
                              mask_blend, lora, lora_scale],
                        [output, sub_output, status, model_status], concurrency_limit=1)
@@ -101,5 +109,5 @@ def launch(demo: gr.Blocks, config: UIConfig, **kwargs: Any):
     if config.share:
         log.warning("--share: the UI gets a public gradio.live URL; anyone with it can run generations")
     return demo.launch(server_name=config.host, server_port=config.port, share=config.share,
-                       max_file_size=config.max_upload_bytes, show_error=False, ssr_mode=False,
+                       max_file_size=config.transport_cap_bytes, show_error=False, ssr_mode=False,
                        footer_links=[], **kwargs)

@@ -24,14 +24,19 @@ class UIConfig:
     lora_dir: str = field(default="./outputs", metadata={
         "help": "folder searched (recursively) for *.safetensors LoRAs; the training scripts' "
                 "OUTPUT_DIR default"})
-    max_upload_mb: float = field(default=20.0, metadata={
-        "help": "refuse any uploaded image file larger than this many megabytes"})
+    max_upload_mb: float = field(default=50.0, metadata={
+        "help": "refuse (with a message) any image file larger than this many megabytes as it reaches "
+                "the server; the image editor sends its canvas as PNG, often larger than the file picked"})
     device: str | None = field(default=None, metadata={
         "help": "torch device (default: cuda if available, else cpu)"})
-    preload: bool = field(default=False, metadata={
-        "help": "load the model at startup instead of on the first Generate"})
+    preload: bool = field(default=True, metadata={
+        "help": "start loading the model in the background at startup (--no-preload: load it on "
+                "the first Generate)"})
 
     def __post_init__(self) -> None:
+        from ..models.presets import get_preset  # pure data: fails fast on a typo, before any loading
+
+        get_preset(self.model)
         if not 0 < self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port; give 1..65535")
         if not self.max_upload_mb > 0:
@@ -40,3 +45,15 @@ class UIConfig:
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
+
+    @property
+    def transport_cap_bytes(self) -> int:
+        """Gradio's own per-file cap (``launch(max_file_size=...)``), far above ``max_upload_bytes``.
+
+        Why not the limit itself: the image editor uploads its canvas as a PNG when
+        Generate is pressed, and a file refused at that point leaves the editor hanging
+        with no message (gradio 6.31). So the user-facing limit is enforced by the
+        handlers, with a message, and this cap only stops abuse (a browser canvas
+        cannot even produce a PNG this large).
+        """
+        return max(4 * self.max_upload_bytes, 512 * 1024 * 1024)

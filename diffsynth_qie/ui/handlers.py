@@ -11,9 +11,11 @@ can go wrong is decided in this module:
   folder*; :func:`resolve_lora` refuses absolute paths, ``..`` components and
   symlinks whose target leaves the folder, so a crafted request cannot make the
   server read an arbitrary file.
-- **Upload limit**: files larger than ``--max_upload_mb`` are refused with a
-  message. Gradio's ``max_file_size`` stops them at the upload route already; the
-  check here also covers API clients and the editor's re-encoded layers.
+- **Upload limit**: image files larger than ``--max_upload_mb`` (as they reach the
+  server) are refused here, with a message. Gradio's own ``max_file_size`` is set far
+  higher (``UIConfig.transport_cap_bytes``): the image editor uploads its canvas when
+  Generate is pressed, and a file gradio refuses at that point leaves the editor
+  hanging without any message.
 - **One model, many LoRAs**: the base model is loaded once (lazily, on the first
   Generate) and LoRAs are switched on it with ``Editor.set_loras``; ``load_count``
   lets tests prove no reload happens.
@@ -274,8 +276,7 @@ def user_message(exc: BaseException) -> str:
         return ("out of memory: try a smaller image, fewer reference images or steps, "
                 "or free memory on the device")
     log.error("generation failed", exc_info=exc)
-    return (f"generation failed with an internal error ({type(exc).__name__}); "
-            "the details are in the server log")
+    return f"internal error ({type(exc).__name__}); the details are in the server log"
 
 
 # --- the generate action -----------------------------------------------------------------
@@ -331,16 +332,21 @@ class UIHandlers:
 
     ``editor_factory`` (tests) replaces ``Editor.from_preset``. Generation is
     serialised by a lock (the UI's queue already runs one at a time; the lock also
-    covers API callers), because LoRA switching mutates the model in place.
+    covers API callers), because LoRA switching mutates the model in place. The
+    model loads on first use or, with :meth:`start_background_load`, on a thread
+    started at launch.
     """
 
     def __init__(self, config: UIConfig, editor_factory: Callable[[], "Editor"] | None = None):
         self.config = config
         self._factory = editor_factory or self._load_editor
         self._editor: Editor | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()        # one generation at a time
+        self._load_lock = threading.Lock()   # one model load
+        self._loading = False
         self.load_count = 0
         self.load_seconds: float | None = None
+        self.load_error: str | None = None
 
     # model ------------------------------------------------------------------------------
     def _load_editor(self) -> "Editor":
@@ -359,23 +365,60 @@ class UIHandlers:
     def loaded(self) -> bool:
         return self._editor is not None
 
+    @property
+    def loading(self) -> bool:
+        """True while a (background) model load is under way."""
+        return self._loading and self._editor is None
+
     def editor(self) -> "Editor":
-        """The one Editor of this UI, loaded on first use."""
-        if self._editor is None:
-            t0 = time.perf_counter()
-            log.info("loading model %r (model_dir=%s) ...", self.config.model, self.config.model_dir)
-            self._editor = self._factory()
-            self.load_count += 1
-            self.load_seconds = time.perf_counter() - t0
-            log.info("model %r loaded in %.1f s", self.config.model, self.load_seconds)
-        return self._editor
+        """The one Editor of this UI, loaded on first use (thread-safe: loads once)."""
+        with self._load_lock:
+            if self._editor is None:
+                t0 = time.perf_counter()
+                self._loading = True
+                log.info("loading model %r (model_dir=%s) ...", self.config.model, self.config.model_dir)
+                try:
+                    self._editor = self._factory()
+                    self.load_error = None
+                except Exception as exc:
+                    self.load_error = user_message(exc)
+                    raise
+                finally:
+                    self._loading = False
+                self.load_count += 1
+                self.load_seconds = time.perf_counter() - t0
+                log.info("model %r loaded in %.1f s", self.config.model, self.load_seconds)
+            return self._editor
+
+    def start_background_load(self) -> threading.Thread:
+        """Load the model on a daemon thread, so it is ready by the time a user has painted a mask.
+
+        A failure is logged and shown in the model status; the next Generate retries.
+        """
+        def load() -> None:
+            try:
+                self.editor()
+            except Exception:  # noqa: BLE001 - reported through load_error / the next Generate
+                pass
+            finally:
+                self._loading = False
+
+        thread = threading.Thread(target=load, name="qie-ui-model-load", daemon=True)
+        self._loading = self._editor is None
+        thread.start()
+        return thread
 
     def model_status(self) -> str:
         where = f" from `{self.config.model_dir}`" if self.config.model_dir else ""
-        if self._editor is None:
-            return (f"Model **{self.config.model}**{where}: not loaded yet — it loads on the first "
-                    "Generate (the first run takes longer).")
-        return f"Model **{self.config.model}**{where}: loaded in {self.load_seconds:.1f} s."
+        if self._editor is not None:
+            return f"Model **{self.config.model}**{where}: loaded in {self.load_seconds:.1f} s."
+        if self.loading:
+            return (f"Model **{self.config.model}**{where}: loading in the background… "
+                    "Generate waits for it.")
+        if self.load_error:
+            return f"Model **{self.config.model}**{where}: failed to load ({self.load_error}); Generate retries."
+        return (f"Model **{self.config.model}**{where}: not loaded yet — it loads on the first "
+                "Generate (the first run takes longer).")
 
     # LoRAs ------------------------------------------------------------------------------
     def lora_choices(self) -> list[str]:
@@ -431,9 +474,9 @@ class UIHandlers:
         if lbm and result.sub_image is None:
             raise RuntimeError("the editor returned no sub-stream image in LBM mode")
 
-        parts = [f"Done in {seconds:.1f} s", f"seed {seed}",
-                 f"{'LBM, ' + str(lbm_steps) + ' step' + ('s' if lbm_steps != 1 else '') if lbm else f'flow matching, {steps} steps'}",
-                 f"{result.image.width}×{result.image.height}"]
+        sampler = (f"LBM, {lbm_steps} step{'s' if lbm_steps != 1 else ''}" if lbm
+                   else f"flow matching, {steps} steps, CFG {cfg:g}")
+        parts = [f"Done in {seconds:.1f} s", f"seed {seed}", sampler, f"{result.image.width}×{result.image.height}"]
         parts.append(f"LoRA `{inputs.lora}` × {lora_scale:g}" if lora is not None else "no LoRA")
         if mask is None:
             parts.append("no mask painted: the whole image may change")

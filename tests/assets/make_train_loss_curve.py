@@ -27,11 +27,11 @@ CACHE_MAX_PIXELS = 64 * 64
 
 # Flags of the reference run (RunConfig sections -> fields); paths are filled in at run time.
 REFERENCE = {
-    "train": {"model": "tiny", "batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 10,
-              "mixed_precision": "no", "gradient_checkpointing": True, "cfg_dropout": 0.25,
+    "train": {"model": "tiny", "batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 8,
+              "mixed_precision": "no", "gradient_checkpointing": False, "cfg_dropout": 0.25,
               "save_every": 0, "seed": 0, "device": "cpu"},
     "lora": {"lora_rank": 4, "lora_alpha": 8.0},
-    "optim": {"learning_rate": 3e-3, "warmup_steps": 2, "lr_schedule": "cosine", "min_lr_ratio": 0.1},
+    "optim": {"learning_rate": 1e-2, "warmup_steps": 2, "lr_schedule": "cosine", "min_lr_ratio": 0.1},
     "timesteps": {"timestep_sampling": "uniform"},
     "loss": {"loss_weighting": "diffsynth", "mask_loss_weights": [2.0, 1.0]},
 }

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Latent Bridge Matching (LBM) LoRA for Qwen-Image-Edit-2511: a 1-4-step image-to-image editor.
+#   phase 1  `qie cache`: reuses the 2511 run's cache (outputs/qie-2511/cache) when it exists: re-running
+#            `qie cache` on it only checks it (unchanged rows are skipped); otherwise builds $OUTPUT_DIR/cache
+#   phase 2  `qie train --loss lbm`: source->target main stream + white->target sub-stream,
+#            ProdigyPlusScheduleFree (lr 1.0), gradient clipping off (deepspeed_configs/*_lbm.yaml on GPUs)
+#   then     `qie edit --lbm_steps 1` with the new LoRA: writes after.png (main) and after_sub.png (sub-stream)
+# Start from an SFT LoRA of the same rank:  bash Qwen-Image-Edit-LBM.sh --lora_checkpoint outputs/qie-2511/lora.safetensors
+# With no environment set: tiny model + demo data on CPU, a few minutes.
+# Real use: MODEL=<preset or dir> DATASET_METADATA=... [DATASET_BASE CACHE_DIR OUTPUT_DIR NUM_GPUS
+# NNODES NODE_RANK MASTER_ADDR MASTER_PORT DS_CONFIG CACHE_ARGS] bash Qwen-Image-Edit-LBM.sh [qie train flags]
+# (all documented in scripts/launch_lib.sh and the README). Set CACHE_DIR to keep a cache of its own
+# (a different dataset or model would otherwise update the 2511 run's cache).
+source "$(dirname "${BASH_SOURCE[0]}")/scripts/launch_lib.sh"
+SFT_CACHE="$ROOT/outputs/qie-2511/cache"
+if [ -z "${CACHE_DIR:-}" ] && [ -f "$SFT_CACHE/manifest.json" ]; then
+  CACHE_DIR="$SFT_CACHE"
+  echo "LBM: reusing the phase-1 cache of Qwen-Image-Edit-2511.sh: $CACHE_DIR"
+fi
+USER_DS_CONFIG="${DS_CONFIG+set}"
+launch_defaults qie-lbm 2511
+if [ -z "$USER_DS_CONFIG" ] && [ -n "$DS_CONFIG" ]; then   # GPUs: the ZeRO-3 config without clipping
+  DS_CONFIG="$ROOT/deepspeed_configs/zero3_lbm.yaml"
+fi
+
+if [ "$MODEL" = tiny ]; then   # CPU demo sizes (cache sizes as in Qwen-Image-Edit-2511.sh, so its cache is reused)
+  DEMO_CACHE=(--max_pixels 16384)
+  DEMO_TRAIN=(--max_steps 12 --batch_size 2 --save_every 6 --lora_rank 8)
+else
+  DEMO_CACHE=(); DEMO_TRAIN=()
+fi
+
+qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" \
+  "${DEMO_CACHE[@]}" ${CACHE_ARGS:-}
+qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" \
+  --loss lbm --zero_cond_t --gradient_accumulation_steps 16 --gradient_checkpointing \
+  "${DEMO_TRAIN[@]}" "$@"
+after_training "$OUTPUT_DIR" --zero_cond_t --lbm_steps 1

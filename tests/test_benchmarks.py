@@ -1,0 +1,288 @@
+"""The benchmark harness (benchmarks/): FLOP counter, parity of ours vs DiffSynth's stock paths, CPU smoke runs.
+
+The smoke runs call each script's ``main(argv)`` with ``--tiny`` (tiny model, CPU,
+fp32, 1–2 steps): their timings mean nothing, but the result files, the rows they
+must hold, and the parity of our step/editor against DiffSynth's are asserted.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import build, common, flops  # noqa: E402
+from benchmarks.flops import DiTDims, SampleShape  # noqa: E402
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; one thread avoids oversubscription on busy CI cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TINY_DIMS = DiTDims(dim=64, num_layers=2, text_dim=32, in_channels=64, ff_mult=4, timestep_dim=256)
+
+
+# --- FLOP counter -------------------------------------------------------------------------
+def _hand_count_forward(s_img: int, s_txt: int, zero_cond_t: bool) -> int:
+    """Every matmul of the tiny DiT written out layer by layer: (rows, in, out) -> 2·rows·in·out."""
+    d, f, c, t, heads, hd = 64, 256, 64, 256, 2, 32
+    n_t = 2 if zero_cond_t else 1
+    linears = [(s_img, c, d), (s_txt, 32, d), (n_t, t, d), (n_t, d, d)]          # img_in, txt_in, time embed
+    for _ in range(2):                                                          # blocks
+        linears += [(n_t, d, 6 * d), (1, d, 6 * d)]                             # img_mod, txt_mod
+        for rows in (s_img, s_txt):
+            linears += [(rows, d, d)] * 4 + [(rows, d, f), (rows, f, d)]        # q k v out, mlp
+    linears += [(1, d, 2 * d), (s_img, d, c)]                                   # norm_out, proj_out
+    total = sum(2 * r * i * o for r, i, o in linears)
+    s = s_img + s_txt
+    total += 2 * 2 * (2 * heads * s * s * hd)                                   # 2 blocks x (QK^T, PV)
+    return total
+
+
+def test_flop_counter_equals_hand_count():
+    sample = SampleShape(target=(16, 16), refs=((16, 16),), text_len=12)
+    assert sample.image_tokens == 128
+    for zero_cond_t in (False, True):
+        got = flops.sample_forward_flops(TINY_DIMS, sample, zero_cond_t)
+        assert got.forward == _hand_count_forward(128, 12, zero_cond_t)
+    two = [sample, SampleShape(target=(12, 20), refs=(), text_len=5)]
+    batch = flops.batch_forward_flops(TINY_DIMS, two, zero_cond_t=True)
+    assert batch.forward == _hand_count_forward(128, 12, True) + _hand_count_forward(60, 5, True)
+    assert flops.lora_step_flops(TINY_DIMS, two, True) == 2 * batch.forward
+
+
+def test_mfu_formula():
+    assert flops.mfu(4e14, 2.0, 4e14) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="positive"):
+        flops.mfu(1.0, 0.0, 1.0)
+
+
+def test_full_size_flops_are_in_the_expected_range():
+    # 1024² target + 1024² reference + 300 prompt tokens on the real 60-block DiT.
+    sample = SampleShape(target=(128, 128), refs=((128, 128),), text_len=300)
+    fwd = flops.sample_forward_flops(DiTDims(), sample, zero_cond_t=True)
+    assert sample.tokens == 8492
+    assert 160e12 < fwd.forward < 180e12          # ≈ 24·S·d²·60 + 4·S²·d·60
+    assert 0.25 < fwd.attention / fwd.forward < 0.35
+
+
+@pytest.fixture(scope="module")
+def tiny_dit():
+    return build.build_dit(True, "cpu", torch.float32, seed=0)
+
+
+def test_dims_of_tiny_dit(tiny_dit):
+    assert flops.dims_of(tiny_dit) == TINY_DIMS
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_flop_counter_matches_torch_flop_counter(tiny_dit, zero_cond_t):
+    """Our formula vs torch's FlopCounterMode on the real forward (math SDPA so attention is counted)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from diffsynth_qie.models.forward import dit_forward
+
+    gen = torch.Generator().manual_seed(0)
+    samples = [SampleShape(target=(16, 16), refs=((16, 16),), text_len=12)] * 2
+    latents = [torch.randn(16, 16, 16, generator=gen) for _ in samples]
+    refs = [[torch.randn(16, 16, 16, generator=gen)] for _ in samples]
+    prompts = [torch.randn(12, 32, generator=gen) for _ in samples]
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+        dit_forward(tiny_dit, latents, torch.tensor([500.0, 250.0]), prompts, refs, zero_cond_t=zero_cond_t)
+    measured = counter.get_total_flops()
+    counted = flops.batch_forward_flops(TINY_DIMS, samples, zero_cond_t).forward
+    assert measured == pytest.approx(counted, rel=0.03)
+
+
+# --- building blocks ---------------------------------------------------------------------------
+def test_materialize_builds_real_buffers_and_random_weights(tiny_dit):
+    assert not any(p.is_meta for p in tiny_dit.parameters())
+    assert tiny_dit.pos_embed.pos_freqs.device.type == "cpu" and not tiny_dit.pos_embed.pos_freqs.is_meta
+    w = tiny_dit.transformer_blocks[0].attn.to_q.weight
+    assert 0.015 < float(w.detach().std()) < 0.025
+    again = build.build_dit(True, "cpu", torch.float32, seed=0)
+    assert torch.equal(again.transformer_blocks[0].attn.to_q.weight, w)
+
+
+def test_lora_strip_restores_the_model():
+    from diffsynth_qie.models.presets import LORA_TARGETS_2511
+
+    dit = build.build_dit(True, "cpu", torch.float32, seed=0)
+    before = {n for n, _ in dit.named_parameters()}
+    params = build.add_lora(dit, 8, LORA_TARGETS_2511, torch.float32)
+    assert len(params) == 2 * 27  # 12 targets x 2 blocks + img_in, txt_in, proj_out; A and B each
+    assert build.strip_lora(dit) == 27
+    assert {n for n, _ in dit.named_parameters()} == before
+
+
+def test_fp8_storage_linear_forward_and_input_grad():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    lin.requires_grad_(False)
+    fp8 = build.FP8StorageLinear.from_linear(lin)
+    assert fp8.weight.dtype == torch.float8_e4m3fn
+    x = torch.randn(5, 64, requires_grad=True)
+    y_ref = lin(x)
+    (g_ref,) = torch.autograd.grad(y_ref.sum(), x)
+    y = fp8(x)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert float((y - y_ref).detach().norm() / y_ref.detach().norm()) < 0.05
+    assert float((g - g_ref).norm() / g_ref.norm()) < 0.05
+
+
+def test_selective_checkpointing_keeps_gradients(tiny_dit):
+    from diffsynth_qie.models.forward import dit_forward
+
+    gen = torch.Generator().manual_seed(1)
+    x = [torch.randn(16, 8, 8, generator=gen)]
+    prompt = [torch.randn(6, 32, generator=gen)]
+    w = tiny_dit.transformer_blocks[1].attn.to_v.weight
+
+    def grad():
+        w.requires_grad_(True)
+        out = dit_forward(tiny_dit, x, torch.tensor([300.0]), prompt, [[]])
+        (g,) = torch.autograd.grad(out[0].square().sum(), w)
+        w.requires_grad_(False)
+        return g
+
+    plain = grad()
+    undo = build.wrap_selective_checkpointing(tiny_dit, 1)
+    assert all(isinstance(b, build.CheckpointedBlock) for b in tiny_dit.transformer_blocks)
+    try:
+        checkpointed = grad()
+    finally:
+        undo()
+    assert not any(isinstance(b, build.CheckpointedBlock) for b in tiny_dit.transformer_blocks)
+    torch.testing.assert_close(checkpointed, plain)
+
+
+def test_compile_blocks_is_regional_and_keeps_outputs():
+    from diffsynth_qie.models.forward import dit_forward
+
+    dit = build.build_dit(True, "cpu", torch.float32, seed=0)
+    gen = torch.Generator().manual_seed(2)
+    args = ([torch.randn(16, 8, 8, generator=gen)], torch.tensor([700.0]), [torch.randn(6, 32, generator=gen)],
+            [[torch.randn(16, 8, 8, generator=gen)]])
+    with torch.no_grad():
+        plain = dit_forward(dit, *args, zero_cond_t=True)[0]
+        build.compile_blocks(dit, backend="eager")
+        compiled = dit_forward(dit, *args, zero_cond_t=True)[0]
+    assert all(b._compiled_call_impl is not None for b in dit.transformer_blocks)
+    assert getattr(dit, "_compiled_call_impl", None) is None  # the DiT itself stays eager
+    torch.testing.assert_close(compiled, plain)
+    torch._dynamo.reset()
+
+
+# --- parity: our training step's loss vs DiffSynth's FlowMatchSFTLoss ------------------------------
+def test_training_loss_parity_with_diffsynth_and_it_can_fail():
+    from benchmarks import train_step as ts
+
+    dit = build.build_dit(True, "cpu", torch.float32, seed=0)
+    module = ts.our_module(dit, 8, gradient_checkpointing=False, batch_size=1)
+    pipe = ts.stock_pipeline(dit, torch.device("cpu"), torch.float32)
+    entry = ts.make_samples([SampleShape((16, 16), ((16, 16),), 12)], 32, 3, "cpu", torch.float32)[0]
+    ours, stock = ts.parity_losses(module, pipe, entry, seed=5)
+    assert ours == pytest.approx(stock, rel=1e-5)
+    other_ours, other_stock = ts.parity_losses(module, pipe, entry, seed=6)
+    assert other_ours == pytest.approx(other_stock, rel=1e-5)
+    assert abs(other_stock - stock) > 1e-3 * abs(stock)  # a different σ/noise gives a different loss
+
+
+def test_ours_step_under_autocast_updates_fp32_lora():
+    """The GPU path of our step (fp32 adapters, bf16 autocast), exercised with CPU autocast on the tiny DiT."""
+    from benchmarks import train_step as ts
+
+    dit = build.build_dit(True, "cpu", torch.float32, seed=0)
+    module = ts.our_module(dit, 4, gradient_checkpointing=True, batch_size=2)
+    params = list(module.trainable_modules())
+    ts.set_lora_dtype(params, torch.float32)
+    entries = ts.make_samples([SampleShape((8, 8), ((8, 8),), 5)] * 2, 32, 0, "cpu", torch.float32)
+    before = [p.detach().clone() for p in params]
+    step, _ = ts.make_ours_step(module, entries, 0, torch.bfloat16, torch.device("cpu"))
+    loss = step()
+    assert torch.isfinite(loss) and all(p.dtype == torch.float32 for p in params)
+    assert sum(not torch.equal(a, p.detach()) for a, p in zip(before, params)) > 0
+    assert all(p.grad is None for p in params)  # zero_grad(set_to_none=True) ran
+
+
+# --- results files ---------------------------------------------------------------------------
+def test_write_results_merges_rows_by_id(tmp_path):
+    base = {"script": "train_step", "case": "ours", "impl": "ours", "batch": 1, "lora_rank": 32,
+            "checkpointing": "on", "options": {}, "status": "ok", "median_s": 1.0, "samples_per_s": 1.0}
+    common.write_results([{**base, "id": "a"}, {**base, "id": "b"}], tmp_path, "NVIDIA H100 80GB HBM3", "2026-01-02")
+    json_path, md_path = common.write_results([{**base, "id": "b", "median_s": 2.0}], tmp_path,
+                                              "NVIDIA H100 80GB HBM3", "2026-01-02", extra={"note": 1})
+    assert json_path.name == "nvidia-h100-80gb-hbm3-2026-01-02.json"
+    data = json.loads(json_path.read_text())
+    assert {r["id"]: r["median_s"] for r in data["rows"]} == {"a": 1.0, "b": 2.0}
+    assert data["note"] == 1 and data["format_version"] == common.FORMAT_VERSION
+    assert md_path.read_text().count("| ours | ours |") == 2
+
+
+# --- smoke runs of the two scripts -------------------------------------------------------------
+ROW_FIELDS = {"id", "script", "case", "impl", "status", "torch", "diffsynth", "gpu", "options", "tiny", "timestamp"}
+
+
+def test_train_step_tiny_smoke(tmp_path):
+    from benchmarks import train_step as ts
+
+    out = ts.main(["--tiny", "--out_dir", str(tmp_path), "--lora_ranks", "8", "--checkpointing", "on",
+                   "--batch_sizes", "2", "--steps", "1", "--warmup", "1", "--log_level", "WARNING"])
+    data = json.loads(Path(out["json"]).read_text())
+    rows = {(r["case"], r["impl"], r["batch"]): r for r in data["rows"]}
+    assert set(rows) == {("ours", "ours", 1), ("stock", "stock", 1), ("batch", "ours", 2), ("mixed", "ours", 4)}
+    for (case, _, batch), r in rows.items():
+        assert ROW_FIELDS <= set(r), sorted(ROW_FIELDS - set(r))
+        assert r["status"] == "ok" and r["gpu"] == "cpu" and r["lora_rank"] == 8 and r["checkpointing"] == "on"
+        assert r["median_s"] > 0 and r["samples_per_s"] == pytest.approx(batch / r["median_s"])
+        shapes = [SampleShape(tuple(s["target"]), tuple(tuple(x) for x in s["refs"]), s["text_len"])
+                  for s in r["shapes"]]
+        assert r["flops_step"] == flops.lora_step_flops(TINY_DIMS, shapes, zero_cond_t=True)
+        assert r["mfu"] == pytest.approx(r["flops_step"] / (r["median_s"] * r["matmul_tflops"] * 1e12))
+    assert len({s["target"][0] for s in rows[("mixed", "ours", 4)]["shapes"]}) > 1
+    assert data["parity"]["rel_diff"] < 1e-5
+    md = Path(out["markdown"]).read_text()
+    assert "## LoRA training step" in md and md.count("| ok |") == 4
+
+
+def test_train_step_options_smoke(tmp_path):
+    """The speed-up flags on the tiny model: selective checkpointing, SDPA backend, FP8 base, bf16-style LoRA."""
+    from benchmarks import train_step as ts
+
+    out = ts.main(["--tiny", "--out_dir", str(tmp_path), "--cases", "ours", "--lora_ranks", "4",
+                   "--checkpointing", "off", "--selective_checkpointing", "1", "--sdpa_backend", "math",
+                   "--fp8_base", "--no-lora_fp32",
+                   "--steps", "1", "--warmup", "1", "--tag", "opts", "--log_level", "WARNING"])
+    rows = json.loads(Path(out["json"]).read_text())["rows"]
+    assert sorted(r["checkpointing"] for r in rows) == ["every_1", "off"]
+    for r in rows:
+        assert r["status"] == "ok", r["status"]
+        assert r["options"] == {"sdpa_backend": "math", "compile_blocks": False, "fp8_base": True, "lora_fp32": False}
+        assert r["id"].endswith("/opts")
+
+
+def test_inference_tiny_smoke_and_parity(tmp_path):
+    from benchmarks import inference
+
+    out = inference.main(["--tiny", "--out_dir", str(tmp_path), "--steps", "2", "--lbm_steps", "1",
+                          "--log_level", "WARNING"])
+    data = json.loads(Path(out["json"]).read_text())
+    rows = {(r["case"], r["impl"], r["num_inference_steps"]): r for r in data["rows"]}
+    assert set(rows) == {("edit", "stock", 2), ("edit", "ours", 2), ("lbm", "ours", 1)}
+    for r in rows.values():
+        assert ROW_FIELDS <= set(r) and r["status"] == "ok" and r["s_per_image"] > 0 and r["text_len"] > 0
+    assert rows[("edit", "stock", 2)]["dit_forwards"] == 4 and rows[("edit", "ours", 2)]["dit_forwards"] == 2
+    parity = data["inference_parity"]
+    assert parity["stock_latents_norm"] > 0 and parity["rel_diff_latents"] < 1e-4
+    assert "## Edit inference" in Path(out["markdown"]).read_text()

@@ -1,0 +1,533 @@
+"""Phase-2 training on the tiny model (CPU, fp32): losses, batching, LoRA, checkpoints, resume.
+
+One cache is built per module from the session's demo data; the reference run (the
+pinned loss curve in tests/assets/train_loss_curve.json) is trained once and shared.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+ASSETS = Path(__file__).parent / "assets"
+_spec = importlib.util.spec_from_file_location("make_train_loss_curve", ASSETS / "make_train_loss_curve.py")
+curve_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(curve_script)
+PINNED = json.loads((ASSETS / "train_loss_curve.json").read_text())
+
+
+# --- fixtures ------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each train() builds its own Accelerator; forget the previous one's global state."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
+    return curve_script.build_cache(tiny_pipe, Path(demo_data_dir), tmp_path_factory.mktemp("train-cache"))
+
+
+@pytest.fixture(scope="module")
+def store(cache_dir):
+    from diffsynth_qie.cache.store import CacheStore
+
+    return CacheStore.open(cache_dir)
+
+
+def make_config(cache_dir, out, model_dir, sections=None, **train):
+    """The pinned reference config, with section overrides and train-field overrides."""
+    s = copy.deepcopy(PINNED["config"])
+    for name, values in (sections or {}).items():
+        s.setdefault(name, {}).update(values)
+    s["train"].update(train)
+    return curve_script.run_config(s, cache_dir, out, model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference_run(cache_dir, tiny_model_dir, tmp_path_factory):
+    """The pinned run, trained once: (config, TrainResult)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from diffsynth_qie.training.loop import train
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    cfg = make_config(cache_dir, tmp_path_factory.mktemp("reference"), tiny_model_dir)
+    return cfg, train(cfg)
+
+
+def fresh_dit(model_dir):
+    from diffsynth_qie.models.loading import load_pipeline
+
+    return load_pipeline("tiny", model_dir=model_dir, components=("dit",), device="cpu",
+                         torch_dtype=torch.float32).dit
+
+
+def resolved(cfg):
+    from diffsynth_qie.models.presets import get_preset
+
+    return cfg.resolved(get_preset(cfg.train.model, zero_cond_t=cfg.train.zero_cond_t))
+
+
+@torch.no_grad()
+def eval_loss(dit, store, zero_cond_t=False, sigmas=(0.3, 0.7)) -> float:
+    """Deterministic flow-matching loss over the whole cache at fixed σ and noise."""
+    from diffsynth_qie.models.forward import dit_forward
+
+    g = torch.Generator().manual_seed(123)
+    losses = []
+    for i in range(len(store)):
+        e = store.load(i)
+        for s in sigmas:
+            noise = torch.randn(e.target_latents.shape, generator=g)
+            x = (1 - s) * e.target_latents + s * noise
+            v = dit_forward(dit, [x], torch.tensor([s * 1000.0]), [e.prompt_embs[0]], [e.edit_latents],
+                            zero_cond_t=zero_cond_t)[0]
+            losses.append(float(((v - (noise - e.target_latents)) ** 2).mean()))
+    return sum(losses) / len(losses)
+
+
+# --- pure helpers: schedule, timesteps, loss pieces ----------------------------------
+def test_lr_schedule_warmup_and_cosine_values():
+    from diffsynth_qie.training.config import OptimConfig
+    from diffsynth_qie.training.optim import build_lr_scheduler, lr_factor
+
+    assert [lr_factor(s, 4, 100) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    # cosine: 1 right after warmup, min_lr_ratio at the last step, halfway in the middle
+    assert lr_factor(2, 2, 12, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_factor(11, 2, 12, "cosine", 0.1) == pytest.approx(0.1)
+    mid = lr_factor(2 + 9 / 2, 2, 12, "cosine", 0.1)
+    assert mid == pytest.approx(0.1 + 0.9 * 0.5)
+    # the LambdaLR the loop steps once per optimizer step yields exactly these factors
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=2e-3)
+    sched = build_lr_scheduler(opt, OptimConfig(learning_rate=2e-3, warmup_steps=2, lr_schedule="cosine",
+                                                min_lr_ratio=0.1), total_steps=10)
+    seen = []
+    for _ in range(10):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [2e-3 * lr_factor(s, 2, 10, "cosine", 0.1) for s in range(10)]
+    assert seen == pytest.approx(expected, rel=1e-12)
+    assert seen[0] == pytest.approx(1e-3) and seen[-1] == pytest.approx(2e-4)
+
+
+def test_clipping_guard_refuses_prodigy_with_clipping(cache_dir, tiny_model_dir, tmp_path):
+    from diffsynth_qie.training.config import OptimConfig
+    from diffsynth_qie.training.loop import train
+    from diffsynth_qie.training.optim import check_clipping
+
+    sf = OptimConfig(optimizer="prodigy_sf")
+    check_clipping(sf)  # default: no clipping for prodigy_sf
+    check_clipping(sf, {"gradient_clipping": 0})
+    check_clipping(OptimConfig(optimizer="adamw", max_grad_norm=1.0), {"gradient_clipping": 1.0})
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        check_clipping(OptimConfig(optimizer="prodigy_sf", max_grad_norm=1.0))
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        check_clipping(sf, {"gradient_clipping": 0.5})
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        check_clipping(sf, {})  # accelerate turns a missing key into 1.0
+    # and train() refuses before touching the model
+    cfg = make_config(cache_dir, tmp_path, tiny_model_dir, {"optim": {"optimizer": "prodigy_sf", "max_grad_norm": 0.5,
+                                                                      "learning_rate": 1.0}})
+    with pytest.raises(ValueError, match="must not clip"):
+        train(cfg)
+
+
+def test_config_defaults_come_from_preset_and_flags(tmp_path):
+    import argparse
+
+    from diffsynth_qie.commands import train as train_cmd
+    from diffsynth_qie.models.presets import LORA_TARGETS_2511, get_preset
+
+    parser = argparse.ArgumentParser()
+    train_cmd.add_arguments(parser)
+    args = parser.parse_args(["--cache_dir", "c", "--output_dir", "o", "--model", "2511", "--batch_size", "3",
+                              "--optimizer", "prodigy_sf", "--mask_loss_weights", "2", "0.5", "--lora_rank", "8"])
+    cfg = train_cmd.config_from_args(args)
+    assert cfg.train.batch_size == 3 and cfg.loss.mask_loss_weights == (2.0, 0.5)
+    r = cfg.resolved(get_preset("2511"))
+    assert r.train.zero_cond_t is True
+    assert r.lora.lora_target_modules == list(LORA_TARGETS_2511)
+    assert {"img_in", "txt_in", "proj_out"} <= set(r.lora.lora_target_modules)
+    assert r.lora.lora_alpha == 8.0
+    assert (r.optim.learning_rate, r.optim.max_grad_norm, r.optim.weight_decay) == (1.0, 0.0, 0.0)
+    # an explicit override wins over the preset; 2509 has no zero_cond_t
+    assert cfg.resolved(get_preset("2511", zero_cond_t=False)).train.zero_cond_t is False
+    assert cfg.resolved(get_preset("2509")).train.zero_cond_t is False
+    bad = parser.parse_args(["--cache_dir", "c", "--output_dir", "o", "--cfg_dropout", "1.5"])
+    with pytest.raises(ValueError, match="cfg_dropout"):
+        train_cmd.config_from_args(bad).resolved()
+
+
+def test_timesteps_are_per_sample_from_the_qwen_schedule():
+    from diffsynth.diffusion.flow_match import FlowMatchScheduler
+
+    from diffsynth_qie.training.config import TimestepConfig
+    from diffsynth_qie.training.timesteps import draw_timesteps
+
+    ref = FlowMatchScheduler("Qwen-Image")
+    ref.set_timesteps(1000, training=True)
+    d = draw_timesteps(64, TimestepConfig(), torch.Generator().manual_seed(0))
+    assert len(set(d.index.tolist())) > 40  # per sample, not one per batch
+    assert torch.equal(d.sigmas, ref.sigmas[d.index].float())
+    assert torch.allclose(d.timesteps, d.sigmas * 1000)
+    for t, w in zip(d.timesteps, d.weights):  # DiffSynth's own per-timestep weight
+        assert float(ref.training_weight(t)) == pytest.approx(float(w))
+    # boundaries and logit-normal stay inside the table
+    high = draw_timesteps(256, TimestepConfig(min_timestep_boundary=0.5), torch.Generator().manual_seed(1))
+    assert int(high.index.min()) >= 500 and float(high.sigmas.max()) <= float(ref.sigmas[500]) + 1e-6
+    ln = draw_timesteps(4096, TimestepConfig(timestep_sampling="logit_normal"), torch.Generator().manual_seed(2))
+    assert 0 <= int(ln.index.min()) and int(ln.index.max()) <= 999
+    frac_mid = float(((ln.index > 250) & (ln.index < 750)).float().mean())
+    assert frac_mid > 0.6  # logit-normal(0, 1) puts ~68 % of mass in the middle half of u
+
+
+def test_mask_weights_keep_the_loss_scale_and_ratio():
+    from diffsynth_qie.training.losses import mask_weights, per_sample_mse
+
+    pred = torch.zeros(16, 8, 8)
+    target = torch.full((16, 8, 8), 2.0)  # uniform squared error 4
+    for area in (1, 10, 40, 63):
+        m = torch.zeros(1, 8, 8)
+        m.view(-1)[:area] = 1
+        w = mask_weights(m, 3.0, 1.0)
+        assert per_sample_mse(pred, target, w) == pytest.approx(4.0)  # scale independent of mask size
+        assert float(w.view(-1)[0] / w.view(-1)[-1]) == pytest.approx(3.0)  # inside/outside ratio
+    # equal weights = plain MSE; (1, 0) = mean over the edit region only
+    m = torch.zeros(1, 8, 8)
+    m[:, :4] = 1
+    err = torch.zeros(16, 8, 8)
+    err[:, :4] = 1.0
+    assert per_sample_mse(err, torch.zeros_like(err), mask_weights(m, 1.0, 1.0)) == pytest.approx(0.5)
+    assert per_sample_mse(err, torch.zeros_like(err), mask_weights(m, 1.0, 0.0)) == pytest.approx(1.0)
+    assert per_sample_mse(err, torch.zeros_like(err), mask_weights(m, 0.0, 1.0)) == pytest.approx(0.0)
+
+
+# --- data ------------------------------------------------------------------------------
+def test_dataset_dropout_and_prompt_choice_are_deterministic(store):
+    from diffsynth_qie.training.data import CacheDataset, SampleKey
+
+    ds = CacheDataset(store, seed=7, cfg_dropout=0.5)
+    draws = [ds[SampleKey(i, e)]["dropped"] for e in range(40) for i in range(len(ds))]
+    assert 0.35 < sum(draws) / len(draws) < 0.65
+    a, b = ds[SampleKey(3, 5)], ds[SampleKey(3, 5)]
+    assert a["dropped"] == b["dropped"] and torch.equal(a["prompt_emb"], b["prompt_emb"])
+    for e in range(40):
+        s = ds[SampleKey(0, e)]
+        entry = store.load(0)
+        expected = entry.empty_prompt_emb if s["dropped"] else entry.prompt_embs[s["prompt_index"]]
+        assert torch.equal(s["prompt_emb"], expected)
+    none = CacheDataset(store, cfg_dropout=0.0)
+    assert not any(none[SampleKey(i, 0)]["dropped"] for i in range(len(none)))
+
+
+def test_sampler_groups_shapes_is_deterministic_and_resumes(store):
+    from diffsynth_qie.training.data import CacheDataset, DataPosition, GroupedBatchSampler, iterate_batches
+
+    ds = CacheDataset(store)
+    keys = [ds.group_key(i) for i in range(len(ds))]
+    s = GroupedBatchSampler(keys, batch_size=2, seed=3)
+    for epoch in range(3):
+        batches = s.epoch_batches(epoch)
+        assert sorted(i for b in batches for i in b) == list(range(len(ds)))  # each sample once
+        assert all(len({keys[i] for i in b}) == 1 for b in batches)  # equal shapes per batch
+        assert batches == GroupedBatchSampler(keys, 2, seed=3).epoch_batches(epoch)
+    assert s.epoch_batches(0) != s.epoch_batches(1)
+    # two ranks: disjoint shares covering everything, same number of batches
+    r0, r1 = (GroupedBatchSampler(keys, 2, seed=3, num_replicas=2, rank=r).epoch_batches(0) for r in (0, 1))
+    assert len(r0) == len(r1)
+    assert {i for b in r0 + r1 for i in b} == set(range(len(ds)))
+    # iteration from a saved position continues the uninterrupted stream
+    full = [(p, [int(i) for i in b["index"]]) for (b, p), _ in zip(iterate_batches(ds, s, DataPosition()), range(9))]
+    start = full[3][0]
+    resumed = [(p, [int(i) for i in b["index"]]) for (b, p), _ in zip(iterate_batches(ds, s, start), range(5))]
+    assert resumed == full[4:9]
+
+
+# --- the training module -----------------------------------------------------------------
+def test_trainable_parameters_are_exactly_the_lora_set(tiny_model_dir, cache_dir, tmp_path):
+    from diffsynth_qie.models.presets import LORA_TARGETS_2511
+    from diffsynth_qie.training.module import QIETrainingModule
+
+    cfg = resolved(make_config(cache_dir, tmp_path, tiny_model_dir, {"lora": {"lora_target_modules": list(LORA_TARGETS_2511)}}))
+    dit = fresh_dit(tiny_model_dir)
+    linear = [n for n, m in dit.named_modules() if isinstance(m, torch.nn.Linear)]
+    targets = [n for n in linear if any(n == t or n.endswith("." + t) for t in LORA_TARGETS_2511)]
+    module = QIETrainingModule(dit, cfg, "tiny")
+    expected = {f"dit.{n}.lora_{ab}.default.weight" for n in targets for ab in "AB"}
+    assert module.trainable_param_names() == expected
+    assert {"img_in", "txt_in", "proj_out"} <= set(module.lora_module_names())
+    assert all(n.startswith("dit.") for n in module.trainable_param_names())
+    # full fine-tuning of a chosen module adds exactly its parameters
+    cfg2 = resolved(make_config(cache_dir, tmp_path, tiny_model_dir, {"lora": {"full_finetune_modules": ["norm_out"]}}))
+    m2 = QIETrainingModule(fresh_dit(tiny_model_dir), cfg2, "tiny")
+    assert {n for n in m2.trainable_param_names() if "lora_" not in n} == {"dit.norm_out.linear.weight",
+                                                                            "dit.norm_out.linear.bias"}
+    with pytest.raises(ValueError, match="match no module"):
+        QIETrainingModule(fresh_dit(tiny_model_dir), resolved(make_config(
+            cache_dir, tmp_path, tiny_model_dir, {"lora": {"lora_target_modules": ["to_q", "no_such_layer"]}})), "tiny")
+
+
+def _grads(module):
+    return {n: p.grad.detach().clone() for n, p in module.trainable_named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("same_shape", [True, False], ids=["equal-shapes", "mixed-shapes"])
+def test_batch_of_two_equals_two_batches_of_one(tiny_model_dir, cache_dir, tmp_path, store, same_shape):
+    from diffsynth_qie.training.data import CacheDataset, SampleKey, collate
+    from diffsynth_qie.training.module import QIETrainingModule
+
+    cfg = resolved(make_config(cache_dir, tmp_path, tiny_model_dir, gradient_checkpointing=False))
+    module = QIETrainingModule(fresh_dit(tiny_model_dir), cfg, "tiny")
+    with torch.no_grad():  # non-zero LoRA B so every LoRA tensor gets a gradient
+        for n, p in module.trainable_named_parameters():
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    ds = CacheDataset(store, cfg_dropout=0.0)
+    shapes = [store.meta(i).target_shape for i in range(len(store))]
+    a = 0
+    b = next(i for i in range(1, len(store)) if (shapes[i] == shapes[a]) == same_shape
+             and store.meta(i).n_edit == store.meta(a).n_edit)
+    sa, sb = ds[SampleKey(a, 0)], ds[SampleKey(b, 0)]
+
+    module.zero_grad()
+    loss2, _ = module(collate([sa, sb]), torch.Generator().manual_seed(5))
+    loss2.backward()
+    g2 = _grads(module)
+
+    module.zero_grad()
+    gen = torch.Generator().manual_seed(5)
+    la, _ = module(collate([sa]), gen)
+    (la / 2).backward()
+    lb, _ = module(collate([sb]), gen)
+    (lb / 2).backward()
+    g11 = _grads(module)
+    assert float(loss2) == pytest.approx(float((la + lb) / 2), rel=1e-5)
+    # only the last block's text-only outputs (discarded by the DiT) get no gradient
+    dead = module.trainable_param_names() - set(g2)
+    assert set(g11) == set(g2) and all(".transformer_blocks.1." in n for n in dead), sorted(dead)
+    for n in g2:
+        assert torch.allclose(g2[n], g11[n], rtol=1e-4, atol=1e-7), n
+
+
+def test_zero_cond_t_reaches_the_dit_during_training(cache_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """train() with zero_cond_t on passes a per-token modulate_index to every DiT block; off passes none."""
+    from diffsynth.models.qwen_image_dit import QwenImageTransformerBlock
+
+    from diffsynth_qie.training.loop import train
+
+    seen = []
+    original = QwenImageTransformerBlock.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("modulate_index"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(QwenImageTransformerBlock, "forward", spy)
+    losses = {}
+    for flag in (True, False):
+        seen.clear()
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        cfg = make_config(cache_dir, tmp_path / str(flag), tiny_model_dir, max_steps=1, gradient_accumulation_steps=1,
+                          zero_cond_t=flag, gradient_checkpointing=True)
+        losses[flag] = train(cfg).losses[0]
+        if flag:
+            assert seen and all(idx is not None for idx in seen)
+            idx = seen[0]  # [B, S]: 0 on target tokens, 1 on reference tokens
+            assert idx.ndim == 2 and set(idx.unique().tolist()) == {0, 1}
+        else:
+            assert seen and all(idx is None for idx in seen)
+    assert losses[True] != losses[False]  # same seed, same data: only the flag differs
+
+
+# --- end to end: the reference run ----------------------------------------------------------
+def test_reference_loss_curve_matches_pinned_values(reference_run):
+    _, result = reference_run
+    got, want = result.losses, PINNED["losses"]
+    assert len(got) == len(want)
+    assert got == pytest.approx(want, rel=2e-4, abs=1e-5), (
+        "the fixed-seed loss curve changed; if intended, regenerate tests/assets/train_loss_curve.json with "
+        "`python tests/assets/make_train_loss_curve.py`")
+
+
+def test_training_lowers_the_loss_and_the_lora_changes_the_output(reference_run, store, tiny_model_dir):
+    from diffsynth.models.qwen_image_dit import QwenImageDiT  # noqa: F401  (DiffSynth's own loader below)
+
+    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.lora_io import apply_lora, load_lora_state
+
+    cfg, result = reference_run
+    assert result.lora_path.is_file() and result.steps == cfg.train.max_steps
+    base = fresh_dit(tiny_model_dir)
+    before = eval_loss(base, store)
+    tuned = fresh_dit(tiny_model_dir)
+    apply_lora(tuned, load_lora_state(result.lora_path))
+    after = eval_loss(tuned, store)
+    assert after < 0.93 * before, (before, after)
+
+    # the edit output changes, and DiffSynth's own pipe.load_lora reads the file identically
+    e = store.load(0)
+    x = torch.randn(e.target_latents.shape, generator=torch.Generator().manual_seed(0))
+    args = ([x], torch.tensor([600.0]), [e.prompt_embs[0]], [e.edit_latents])
+    with torch.no_grad():
+        out_base = dit_forward(base, *args)[0]
+        out_ours = dit_forward(tuned, *args)[0]
+        pipe = load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu",
+                             torch_dtype=torch.float32)
+        pipe.load_lora(pipe.dit, str(result.lora_path))
+        out_diffsynth = dit_forward(pipe.dit, *args)[0]
+    assert float((out_ours - out_base).abs().max()) > 1e-3
+    assert torch.allclose(out_ours, out_diffsynth, atol=1e-5)
+
+
+def test_saved_lora_reproduces_the_trained_module(reference_run, tiny_model_dir, store):
+    """Checkpoint LoRA (alpha != rank) merged into a plain DiT == the PEFT module it came from."""
+    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.lora_io import apply_lora, load_lora_state
+    from diffsynth_qie.training.checkpoint import LORA_NAME, TRAINABLE_NAME, list_checkpoints
+    from diffsynth_qie.training.module import QIETrainingModule
+
+    cfg, result = reference_run
+    ckpt = list_checkpoints(cfg.train.output_dir)[-1]
+    module = QIETrainingModule(fresh_dit(tiny_model_dir), resolved(cfg), "tiny")
+    from safetensors.torch import load_file
+
+    raw = load_file(str(ckpt / TRAINABLE_NAME))
+    assert set(raw) == module.trainable_param_names()
+    module.load_state_dict(raw, strict=False)
+    merged = fresh_dit(tiny_model_dir)
+    state = load_lora_state(ckpt / LORA_NAME)
+    assert state.metadata["preset"] == "tiny" and float(state.metadata["alpha"]) == 8.0
+    apply_lora(merged, state)
+    e = store.load(3)
+    x = torch.randn(e.target_latents.shape, generator=torch.Generator().manual_seed(1))
+    args = ([x], torch.tensor([400.0]), [e.prompt_embs[0]], [e.edit_latents])
+    with torch.no_grad():
+        assert torch.allclose(dit_forward(module.dit, *args)[0], dit_forward(merged, *args)[0], atol=1e-5)
+
+
+def test_resumed_run_matches_uninterrupted_run(reference_run, cache_dir, tiny_model_dir, tmp_path):
+    """Crash after a checkpoint (steps past it are lost), resume 'latest': the same curve and LoRA."""
+    from safetensors.torch import load_file
+
+    from diffsynth_qie.training.checkpoint import list_checkpoints
+    from diffsynth_qie.training.loop import Hooks, train
+    from diffsynth_qie.training.tracking import read_loss_log
+
+    ref_cfg, ref = reference_run
+    out = tmp_path / "run"
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_5(step, record):
+        if step == 5:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(make_config(cache_dir, out, tiny_model_dir, save_every=3, keep_last=1), Hooks(on_step_end=crash_at_5))
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"]
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed = train(make_config(cache_dir, out, tiny_model_dir, save_every=3, keep_last=1, resume="latest"))
+    assert len(resumed.losses) == ref_cfg.train.max_steps - 3
+    curve = [r["loss"] for r in read_loss_log(out / "loss.jsonl")]
+    assert [r["step"] for r in read_loss_log(out / "loss.jsonl")] == list(range(1, ref_cfg.train.max_steps + 1))
+    assert curve == pytest.approx(ref.losses, rel=1e-6, abs=1e-7)
+    a, b = load_file(str(out / "lora.safetensors")), load_file(str(ref.lora_path))
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+    assert [p.name for p in list_checkpoints(out)] == [f"checkpoint-{ref_cfg.train.max_steps}"]  # keep_last=1
+
+
+def test_prodigy_schedule_free_saves_the_average_and_validation_renders(cache_dir, tiny_model_dir, tmp_path,
+                                                                        monkeypatch):
+    """prodigy_sf: the checkpoint LoRA is eval()'s average x = lerp(y, z, 1 - 1/beta1), not the training
+    point y (which trainable.safetensors keeps for resuming). Validation writes one PNG per held-out entry;
+    WandB (offline) and loss.jsonl both receive the run."""
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from diffsynth_qie.cache.store import CacheStore
+    from diffsynth_qie.models.lora_io import load_lora_state, peft_state_dict
+    from diffsynth_qie.training.checkpoint import LORA_NAME, STATE_DIR, TRAINABLE_NAME, read_trainer_state
+    from diffsynth_qie.training.loop import train
+    from diffsynth_qie.training.module import QIETrainingModule, canonical_param_name
+
+    out = tmp_path / "sf"
+    # lr is Prodigy's multiplier of its own step-size estimate; 100 makes 2 steps move the weights visibly
+    cfg = make_config(cache_dir, out, tiny_model_dir, {"optim": {"optimizer": "prodigy_sf", "learning_rate": 100.0,
+                                                                 "lr_schedule": "constant", "warmup_steps": 0}},
+                      max_steps=2, gradient_accumulation_steps=1, validate_every=2, num_validation=2,
+                      validation_steps=2, validation_cfg_scale=2.0, report_to="wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_NAME", "qie-test-run")
+    result = train(cfg)
+    assert result.losses and all(math.isfinite(v) for v in result.losses)
+    ckpt = Path(out) / "checkpoint-2"
+    assert read_trainer_state(ckpt).extra["weights_in_lora"] == "schedule-free average x"
+    x = peft_state_dict(load_lora_state(ckpt / LORA_NAME), peft_scale=2.0)
+    y = load_file(str(ckpt / TRAINABLE_NAME))
+    opt = torch.load(str(ckpt / STATE_DIR / "optimizer.bin"), weights_only=False)
+    assert opt["param_groups"][0]["train_mode"] is True  # saved in training mode: resumes from y
+    order = [n for n, _ in QIETrainingModule(fresh_dit(tiny_model_dir), resolved(cfg), "tiny").trainable_named_parameters()]
+    moved = 0.0
+    for i, name in enumerate(order):
+        yi = y[name]
+        z = opt["state"].get(i, {}).get("z", yi)  # no state: a LoRA without gradient (last block's text side)
+        expected = torch.lerp(yi, z, 1 - 1 / 0.9)
+        assert torch.allclose(x[canonical_param_name(name)], expected, atol=1e-7), name
+        moved = max(moved, float((expected - yi).abs().max()))
+    assert moved > 1e-5  # x really differs from y
+    images = sorted((out / "validation" / "step-2").glob("*.png"))
+    assert len(images) == 2
+    store = CacheStore.open(cache_dir)
+    sizes = {tuple(reversed(store.meta(i).target_size)) for i in range(len(store))}
+    assert all(Image.open(p).size in sizes for p in images)
+    from diffsynth_qie.training.tracking import read_loss_log
+
+    assert [r["step"] for r in read_loss_log(out / "loss.jsonl")] == [1, 2]
+    assert "prodigy_d" in read_loss_log(out / "loss.jsonl")[0]
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert (out / "wandb_run_id").read_text().strip() in runs[0].name
+
+
+def test_lora_checkpoint_initialises_the_run(reference_run, cache_dir, tiny_model_dir, tmp_path, store):
+    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.lora_io import apply_lora, load_lora_state
+    from diffsynth_qie.training.module import QIETrainingModule
+
+    _, ref = reference_run
+    cfg = resolved(make_config(cache_dir, tmp_path, tiny_model_dir, {"lora": {"lora_checkpoint": str(ref.lora_path),
+                                                                              "lora_alpha": 2.0}}))
+    module = QIETrainingModule(fresh_dit(tiny_model_dir), cfg, "tiny")  # other alpha: A is rescaled
+    merged = fresh_dit(tiny_model_dir)
+    apply_lora(merged, load_lora_state(ref.lora_path))
+    e = store.load(2)
+    x = torch.randn(e.target_latents.shape, generator=torch.Generator().manual_seed(2))
+    args = ([x], torch.tensor([500.0]), [e.prompt_embs[0]], [e.edit_latents])
+    with torch.no_grad():
+        assert torch.allclose(dit_forward(module.dit, *args)[0], dit_forward(merged, *args)[0], atol=1e-5)
+    with pytest.raises(ValueError, match="rank"):
+        QIETrainingModule(fresh_dit(tiny_model_dir), resolved(make_config(
+            cache_dir, tmp_path, tiny_model_dir, {"lora": {"lora_checkpoint": str(ref.lora_path), "lora_rank": 8}})),
+            "tiny")
