@@ -10,10 +10,27 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
-from diffsynth_qie.ui.config import UIConfig
-from diffsynth_qie.utils.config_cli import add_dataclass_args, dataclass_from_args
-from diffsynth_qie.utils.logging import setup_logging
+
+def _use_project_venv() -> None:
+    """`python app_gradio.py` with a system python: re-run under the project's .venv if it exists."""
+    try:
+        import diffsynth_qie  # noqa: F401
+        import gradio  # noqa: F401
+    except ImportError:
+        venv = Path(__file__).resolve().parent / ".venv"
+        venv_python = venv / "bin" / "python"
+        if venv_python.exists() and Path(sys.prefix).resolve() != venv.resolve():
+            os.execv(str(venv_python), [str(venv_python), *sys.argv])
+        sys.exit("app_gradio.py: diffsynth-qie is not installed; run `bash scripts/setup.sh` first")
+
+
+_use_project_venv()
+
+from diffsynth_qie.ui.config import UIConfig  # noqa: E402
+from diffsynth_qie.utils.config_cli import add_dataclass_args, dataclass_from_args  # noqa: E402
+from diffsynth_qie.utils.logging import setup_logging  # noqa: E402
 
 log = logging.getLogger("app_gradio")
 

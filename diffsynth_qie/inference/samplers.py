@@ -24,12 +24,13 @@ the same values at training and inference.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..models.bridge import (bridge_interpolate, bridge_noise_scale, bridge_sigmas,  # noqa: F401 (re-exported)
+                             bridge_step, bridge_target)
 from ..models.forward import dit_forward
 
 Tensor = torch.Tensor
@@ -150,55 +151,6 @@ def sample_flow_match(velocity: VelocityFn, noise: Tensor, steps: int, keep: Kee
 
 
 # --- latent bridge (LBM) ----------------------------------------------------------
-def bridge_sigmas(n: int) -> Tensor:
-    """σ_k = linspace(1, 1/n, n) (float32): the LBM sampler's σ grid, also the default training grid."""
-    if int(n) != n or n < 1:
-        raise ValueError(f"LBM steps must be a positive integer, got {n!r}")
-    return torch.linspace(1.0, 1.0 / n, int(n), dtype=torch.float32)
-
-
-def _as_batch(sigma, like: Tensor) -> Tensor | float:
-    """A python float stays a float; a [B] tensor becomes [B, 1, 1, 1] on ``like``'s device/dtype."""
-    if isinstance(sigma, Tensor) and sigma.numel() > 1:
-        return sigma.to(device=like.device, dtype=like.dtype).reshape(-1, *([1] * (like.ndim - 1)))
-    return float(sigma)
-
-
-def bridge_noise_scale(sigma, bridge_noise: float):
-    """s·√(σ(1−σ)): the bridge's noise standard deviation at σ (0 at both ends)."""
-    if isinstance(sigma, Tensor):
-        return bridge_noise * torch.sqrt((sigma * (1 - sigma)).clamp_min(0))
-    return bridge_noise * math.sqrt(max(sigma * (1 - sigma), 0.0))
-
-
-def bridge_interpolate(z_target: Tensor, z_prior: Tensor, sigma, bridge_noise: float = 0.0,
-                       noise: Tensor | None = None) -> Tensor:
-    """x_σ = (1−σ)·z_T + σ·z_prior + s·√(σ(1−σ))·ε; σ a float or a per-sample [B] tensor.
-
-    Same argument order as ``training/lbm.py: bridge_interpolate(z_t, z_prior, sigma, s, eps)``.
-    """
-    s = _as_batch(sigma, z_target)
-    x = (1 - s) * z_target + s * z_prior
-    if noise is not None and bridge_noise:
-        x = x + bridge_noise_scale(s, bridge_noise) * noise
-    return x
-
-
-def bridge_target(z_target: Tensor, z_prior: Tensor) -> Tensor:
-    """The bridge's velocity dx/dσ: v* = z_prior − z_T (what the DiT regresses)."""
-    return z_prior - z_target
-
-
-def bridge_step(x: Tensor, v: Tensor, sigma, sigma_next, bridge_noise: float = 0.0,
-                noise: Tensor | None = None) -> Tensor:
-    """One Euler step x + (σ_next − σ)·v, then re-inject s·√(σ_next(1−σ_next))·ε (zero at σ_next = 0)."""
-    s, s_next = _as_batch(sigma, x), _as_batch(sigma_next, x)
-    x = x + (s_next - s) * v
-    if noise is not None and bridge_noise:
-        x = x + bridge_noise_scale(s_next, bridge_noise) * noise
-    return x
-
-
 @torch.no_grad()
 def sample_bridge(velocity: VelocityFn, prior: Tensor, steps: int, bridge_noise: float = 0.005,
                   generator: torch.Generator | None = None, keep: KeepFn | None = None,

@@ -192,12 +192,16 @@ def save_checkpoint(accelerator, module, optimizer, engine, output_dir: str | os
             from safetensors.torch import save_file
 
             atomic_save(tmp / TRAINABLE_NAME, lambda p: save_file({k: v.contiguous() for k, v in raw.items()}, str(p)))
+    accelerator.wait_for_everyone()  # every rank's part of state/ is written
     if accelerator.is_main_process:
         state.extra["weights_in_lora"] = held
         atomic_write_json(tmp / TRAINER_STATE, state.to_json())
-        if final.exists():
-            shutil.rmtree(final)
+        old = out / f".{PREFIX}{state.step}.old"
+        if final.exists():  # the same step saved again (e.g. after a resume): swap, then delete
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         log.info("saved %s (LoRA: %s)", final, held)
         if keep_last > 0:
             for old in list_checkpoints(out)[:-keep_last]:

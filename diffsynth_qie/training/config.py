@@ -147,8 +147,9 @@ class TrainConfig:
     report_to: Literal["none", "wandb"] = field(default="none", metadata=_help(
         "also log to WandB (honours WANDB_PROJECT, WANDB_NAME, WANDB_MODE); loss.jsonl is always written"))
     num_workers: int = field(default=0, metadata=_help("DataLoader worker processes reading the cache"))
-    device: Optional[str] = field(default=None, metadata=_help(
-        "single-process device override (default: accelerate's choice: this rank's GPU, else CPU)"))
+    device: Optional[Literal["cpu", "cuda"]] = field(default=None, metadata=_help(
+        "cpu forces CPU training even with a GPU present (default: accelerate's choice: this rank's GPU, "
+        "else CPU)"))
 
 
 @dataclass

@@ -10,7 +10,7 @@ DiffSynth's scheduler convention throughout: σ = 1 at the prior, σ = 0 at the 
   the white latents at ref_gt's size) where the row has one.
 
 Bridge ``x_σ = (1−σ)·z_T + σ·z_prior + s·√(σ(1−σ))·ε``, regression target
-``v* = z_prior − z_T``. The DiT sees the noisy target tokens next to the reference
+``v* = z_prior − z_T`` (``models/bridge.py``, shared with the sampler). The DiT sees the noisy target tokens next to the reference
 images' tokens and the cached prompt embedding exactly as in editing (``zero_cond_t``
 from the run config), so the sampler (``inference/samplers.py``: start at the prior,
 σ_k = linspace(1, 1/N, N), Euler ``x ← x + (σ_{k+1} − σ_k)·v``) runs the same
@@ -90,25 +90,6 @@ def lbm_config_of(config) -> LBMConfig:
 
 
 # --- pure helpers ----------------------------------------------------------------
-def bridge_interpolate(z_t: "Tensor", z_prior: "Tensor", sigma, s: float = 0.0,
-                       eps: Optional["Tensor"] = None) -> "Tensor":
-    """x_σ = (1−σ)·z_T + σ·z_prior + s·√(σ(1−σ))·ε for one sample (σ a float or 0-dim tensor).
-
-    Exactly z_T at σ = 0 and exactly the prior at σ = 1 (the noise term vanishes at
-    both ends). Computed in fp32, returned in ``z_t``'s dtype.
-    """
-    sigma = float(sigma)
-    x = (1.0 - sigma) * z_t.float() + sigma * z_prior.float()
-    if eps is not None and s:
-        x = x + (s * max(sigma * (1.0 - sigma), 0.0) ** 0.5) * eps.float()
-    return x.to(z_t.dtype)
-
-
-def bridge_target(z_t: "Tensor", z_prior: "Tensor") -> "Tensor":
-    """v* = dx_σ/dσ = z_prior − z_T (fp32): one Euler step from σ = 1 to 0 with v* lands on z_T."""
-    return z_prior.float() - z_t.float()
-
-
 def draw_sigmas(n: int, config: LBMConfig, generator: Optional["torch.Generator"] = None) -> "Tensor":
     """``[n]`` float32 σ's: uniform over ``lbm_sigma_grid``, or uniform in (0, 1]."""
     import torch
@@ -210,6 +191,7 @@ def make_bridge_batch(batch: dict, config: LBMConfig, generator: Optional["torch
     """Draw per sample: stream (u < p_sub -> sub), σ, ε; build x_σ and v*."""
     import torch
 
+    from ..models.bridge import bridge_interpolate, bridge_target
     from .losses import sample_noise
 
     ends, sigmas, noise, noisy, velocity = [], [], [], [], []

@@ -15,8 +15,10 @@ resumed run reproduces an uninterrupted one (on CPU exactly; on GPU up to kernel
 non-determinism) without carrying generator states around.
 
 Hooks (all optional, on :class:`Hooks`): ``on_step_end(step, record)`` runs on every
-process after each optimizer step, once the step's loss is known on the main process;
-``on_save(path)`` runs on the main process after a checkpoint directory is complete.
+process after each optimizer step, before validation and saving; ``record`` holds the
+step's logged values (loss averaged over micro-batches and ranks, lr, metrics), or is
+empty on steps ``--log_every`` skips. ``on_save(path)`` runs on the main process after a
+checkpoint directory is complete.
 """
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ class Hooks:
 @dataclass
 class TrainResult:
     lora_path: Path
-    steps: int
+    steps: int                # the step training stopped at
     total_steps: int
-    losses: list[float] = field(default_factory=list)
+    new_steps: int = 0        # steps trained by this call (not counting a resumed-from checkpoint)
+    losses: list[float] = field(default_factory=list)  # logged losses (main process)
     checkpoints: list[Path] = field(default_factory=list)
     seconds: float = 0.0
     steps_per_second: float = 0.0
@@ -135,52 +138,70 @@ def load_dit(preset, config: RunConfig, accelerator):
     return pipe.dit
 
 
-def train(config: RunConfig, hooks: Optional[Hooks] = None) -> TrainResult:
-    """Train a LoRA from the cache; returns where the final LoRA is and the loss curve."""
+@dataclass
+class _Run:
+    """Everything the loop works with, built by :func:`setup`."""
+
+    cfg: RunConfig
+    accelerator: object
+    module: object            # the unwrapped QIETrainingModule
+    wrapped: object           # what accelerate returned (DDP / DeepSpeed engine / the module)
+    optimizer: object         # the optimizer as built (schedule-free eval()/train() go here)
+    wrapped_optimizer: object
+    lr_scheduler: object
+    engine: object            # the DeepSpeed engine, or None
+    dataset: object
+    sampler: object
+    state: object             # checkpoint.TrainerState
+    total_steps: int
+    resumed: bool
+    tracker: object
+    validator: object
+
+
+def setup(config: RunConfig) -> _Run:
+    """Accelerator, cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
     from accelerate.utils import set_seed
-    from tqdm import tqdm
 
     from ..models.presets import get_preset
     from . import checkpoint as ckpt
-    from .data import CacheDataset, GroupedBatchSampler, iterate_batches
+    from .data import CacheDataset, GroupedBatchSampler
     from .module import QIETrainingModule
     from .optim import build_lr_scheduler, build_optimizer, check_clipping
     from .tracking import Tracker
     from .validation import Validator
 
-    hooks = hooks or Hooks()
-    t_start = time.perf_counter()
-    accelerator = make_accelerator(config)
+    accelerator = make_accelerator(config)  # first: under ZeRO-3 the DiT must be built partitioned
     ds_config = deepspeed_config(accelerator)
     preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
     cfg = config.resolved(preset)
     check_clipping(cfg.optim, ds_config)
-    t, main = cfg.train, accelerator.is_main_process
+    t = cfg.train
     log.info("training %s (zero_cond_t=%s) on %d process(es), %s, mixed precision %s", preset.name, t.zero_cond_t,
              accelerator.num_processes, "DeepSpeed ZeRO-%s" % ds_config.get("zero_optimization", {}).get("stage")
              if ds_config else accelerator.distributed_type.value, accelerator.mixed_precision)
 
-    # --- data and model ----------------------------------------------------------
     store = open_cache(t.cache_dir, preset)
     train_idx, val_idx = split_holdout(len(store), t.num_validation if t.validate_every > 0 else 0, t.seed)
     dataset = CacheDataset(store, train_idx, seed=t.seed, cfg_dropout=t.cfg_dropout)
     sampler = GroupedBatchSampler([dataset.group_key(i) for i in range(len(dataset))], t.batch_size, seed=t.seed,
                                   num_replicas=accelerator.num_processes, rank=accelerator.process_index)
     total_steps = total_optimizer_steps(cfg, len(sampler))
-    set_seed(t.seed)  # LoRA init (identical on every rank)
+
+    set_seed(t.seed)  # the LoRA init, identical on every rank
     module = QIETrainingModule(load_dit(preset, cfg, accelerator), cfg, preset.name)
     if ds_config is None:
-        module.upcast_trainable(torch.float32)
+        module.upcast_trainable(torch.float32)  # fp32 LoRA + optimizer states; DeepSpeed keeps fp32 masters itself
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
-    if ds_config is not None and ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds_config["train_micro_batch_size_per_gpu"] = t.batch_size  # we prepare no DataLoader
+    if ds_config is not None:
+        if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds_config["train_micro_batch_size_per_gpu"] = t.batch_size  # we prepare no DataLoader
+        if cfg.optim.max_grad_norm:
+            log.info("DeepSpeed clips gradients per its config (gradient_clipping=%s); --max_grad_norm is not used",
+                     ds_config.get("gradient_clipping"))
     wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler)
-    engine = wrapped if ds_config is not None else None
     ckpt.install_state_hooks(accelerator, module)
-    if ds_config is not None and cfg.optim.max_grad_norm and cfg.optim.max_grad_norm > 0:
-        log.info("DeepSpeed clips gradients per its config (gradient_clipping=%s); --max_grad_norm is not used",
-                 ds_config.get("gradient_clipping"))
 
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
                               gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -193,87 +214,114 @@ def train(config: RunConfig, hooks: Optional[Hooks] = None) -> TrainResult:
                 log.warning("resuming with %s=%s (checkpoint: %s): the data order will differ from the original run",
                             name, getattr(state, name), getattr(saved, name))
         state.step, state.position = saved.step, saved.position
-    tracker = Tracker(t.output_dir, main, t.report_to, cfg.to_json(), resume_step=state.step if resume_from else None)
+    tracker = Tracker(t.output_dir, accelerator.is_main_process, t.report_to, cfg.to_json(),
+                      resume_step=state.step if resume_from else None)
     validator = None
     if t.validate_every > 0 and val_idx:
         validator = Validator(store, val_idx, t.output_dir, preset, t.model_dir, t.validation_steps,
                               t.validation_cfg_scale, bool(t.zero_cond_t), accelerator, weight_dtype(accelerator))
+    return _Run(cfg=cfg, accelerator=accelerator, module=module, wrapped=wrapped, optimizer=optimizer,
+                wrapped_optimizer=wrapped_opt, lr_scheduler=wrapped_sched,
+                engine=wrapped if ds_config is not None else None, dataset=dataset, sampler=sampler, state=state,
+                total_steps=total_steps, resumed=resume_from is not None, tracker=tracker, validator=validator)
 
-    # --- the loop --------------------------------------------------------------------
-    device, dtype = module.compute_device_dtype()
-    max_norm = cfg.optim.max_grad_norm if ds_config is None else 0.0
-    result = TrainResult(lora_path=Path(t.output_dir) / ckpt.LORA_NAME, steps=state.step, total_steps=total_steps)
-    stream = iterate_batches(dataset, sampler, state.position, t.num_workers)
-    bar = tqdm(total=total_steps, initial=state.step, disable=not main, unit="step", desc="qie train",
-               dynamic_ncols=True)
-    last_saved, first_step, t_loop = state.step if resume_from else -1, state.step, time.perf_counter()
-    micro: list[tuple[torch.Tensor, dict]] = []
-    wrapped.train()
+
+def train(config: RunConfig, hooks: Optional[Hooks] = None) -> TrainResult:
+    """Train a LoRA from the cache; returns where the final LoRA is and the loss curve."""
+    t_start = time.perf_counter()
+    run = setup(config)
     try:
-        while state.step < total_steps:
-            batch, next_position = next(stream)
-            gen = torch.Generator().manual_seed(micro_seed(t.seed, accelerator.process_index, state.step, len(micro)))
-            with accelerator.accumulate(wrapped):
-                loss, metrics = wrapped(batch, gen)
-                accelerator.backward(loss)
-                grad_norm = None
-                if accelerator.sync_gradients and max_norm and max_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(module.trainable_modules(), max_norm)
-                wrapped_opt.step()
-                wrapped_opt.zero_grad(set_to_none=True)
-            micro.append((loss.detach(), metrics))
-            if not accelerator.sync_gradients:
-                continue
-            # -- one optimizer step is complete
-            wrapped_sched.step()
-            state.step += 1
-            state.position = next_position
-            if state.step % t.log_every == 0 or state.step == total_steps:
-                record = _step_record(accelerator, micro, wrapped_sched, optimizer, grad_norm, engine, state)
-                if not math.isfinite(record["loss"]):  # same reduced value on every rank: all stop together
-                    raise RuntimeError(f"loss became {record['loss']} at step {state.step}; lower --learning_rate, "
-                                       "or use bf16 instead of fp16")
-                if main:
-                    tracker.log(state.step, record)
-                    result.losses.append(record["loss"])
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
-                if hooks.on_step_end is not None:
-                    hooks.on_step_end(state.step, record)
-            micro = []
-            bar.update(1)
-            if validator is not None and state.step % t.validate_every == 0:
-                _validate(validator, state.step, wrapped, optimizer, engine, tracker, device, dtype)
-            if t.save_every > 0 and state.step % t.save_every == 0 and state.step < total_steps:
-                path = ckpt.save_checkpoint(accelerator, module, optimizer, engine, t.output_dir, state, t.keep_last)
-                result.checkpoints.append(path)
-                last_saved = state.step
-                if main and hooks.on_save is not None:
-                    hooks.on_save(path)
-        # --- the end: a last checkpoint (resumable / extendable) and the LoRA users load
-        if last_saved != state.step:
-            path = ckpt.save_checkpoint(accelerator, module, optimizer, engine, t.output_dir, state, t.keep_last)
-            result.checkpoints.append(path)
-            if main and hooks.on_save is not None:
-                hooks.on_save(path)
-        ckpt.save_final_lora(accelerator, module, optimizer, engine, t.output_dir)
+        result = run_loop(run, hooks or Hooks())
     finally:
-        bar.close()
-        tracker.close()
-    result.steps = state.step
+        run.tracker.close()
     result.seconds = time.perf_counter() - t_start
-    trained = state.step - first_step
-    result.steps_per_second = trained / max(time.perf_counter() - t_loop, 1e-9)
-    log.info("trained %d step(s) in %.1f s (%.2f steps/s); LoRA: %s", trained, result.seconds,
+    log.info("trained %d step(s) in %.1f s (%.2f steps/s); LoRA: %s", result.new_steps, result.seconds,
              result.steps_per_second, result.lora_path)
-    accelerator.end_training()
+    run.accelerator.end_training()
     return result
 
 
-def _step_record(accelerator, micro, scheduler, optimizer, grad_norm, engine, state) -> dict:
+def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
+    """Optimizer steps until ``total_steps``, then a last checkpoint and ``<output_dir>/lora.safetensors``."""
+    from tqdm import tqdm
+
+    from . import checkpoint as ckpt
+    from .data import iterate_batches
+
+    t, acc, state = run.cfg.train, run.accelerator, run.state
+    max_norm = run.cfg.optim.max_grad_norm if run.engine is None else 0.0  # DeepSpeed clips per its JSON
+    result = TrainResult(lora_path=Path(t.output_dir) / ckpt.LORA_NAME, steps=state.step, total_steps=run.total_steps)
+    stream = iterate_batches(run.dataset, run.sampler, state.position, t.num_workers)
+    bar = tqdm(total=run.total_steps, initial=state.step, disable=not acc.is_main_process, unit="step",
+               desc="qie train", dynamic_ncols=True)
+    last_saved = state.step if run.resumed else -1
+    first_step, t_loop = state.step, time.perf_counter()
+    micro: list[tuple[torch.Tensor, dict]] = []
+
+    def save():
+        path = ckpt.save_checkpoint(acc, run.module, run.optimizer, run.engine, t.output_dir, state, t.keep_last)
+        result.checkpoints.append(path)
+        if acc.is_main_process and hooks.on_save is not None:
+            hooks.on_save(path)
+        return path
+
+    run.wrapped.train()
+    try:
+        while state.step < run.total_steps:
+            batch, next_position = next(stream)
+            # σ and noise of this micro-batch depend only on (seed, rank, step, micro index): exact resumes
+            gen = torch.Generator().manual_seed(micro_seed(t.seed, acc.process_index, state.step, len(micro)))
+            grad_norm = None
+            with acc.accumulate(run.wrapped):
+                loss, metrics = run.wrapped(batch, gen)
+                acc.backward(loss)
+                if acc.sync_gradients and max_norm:
+                    grad_norm = acc.clip_grad_norm_(run.module.trainable_modules(), max_norm)
+                run.wrapped_optimizer.step()  # no-op until the last micro-batch of the step
+                run.wrapped_optimizer.zero_grad(set_to_none=True)
+            micro.append((loss.detach(), metrics))
+            if not acc.sync_gradients:
+                continue
+            # -- one optimizer step is complete
+            lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used
+            run.lr_scheduler.step()
+            state.step += 1
+            state.position = next_position
+            record: dict = {}
+            if state.step % t.log_every == 0 or state.step == run.total_steps:
+                record = _step_record(acc, micro, lr, run.optimizer, grad_norm, run.engine, state)
+                if not math.isfinite(record["loss"]):  # the same reduced value on every rank: all stop together
+                    raise RuntimeError(f"loss became {record['loss']} at step {state.step}; lower --learning_rate, "
+                                       "or use bf16 instead of fp16")
+                if acc.is_main_process:
+                    run.tracker.log(state.step, record)
+                    result.losses.append(record["loss"])
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
+            if hooks.on_step_end is not None:
+                hooks.on_step_end(state.step, record)
+            micro = []
+            bar.update(1)
+            if run.validator is not None and state.step % t.validate_every == 0:
+                _validate(run, state.step)
+            if t.save_every > 0 and state.step % t.save_every == 0 and state.step < run.total_steps:
+                save()
+                last_saved = state.step
+        if last_saved != state.step:  # a last checkpoint: the run can be resumed or extended
+            save()
+        ckpt.save_final_lora(acc, run.module, run.optimizer, run.engine, t.output_dir)
+    finally:
+        stream.close()
+        bar.close()
+    result.steps, result.new_steps = state.step, state.step - first_step
+    result.steps_per_second = result.new_steps / max(time.perf_counter() - t_loop, 1e-9)
+    return result
+
+
+def _step_record(accelerator, micro, lr, optimizer, grad_norm, engine, state) -> dict:
     """The logged values of one optimizer step: loss averaged over micro-batches and ranks."""
     loss = torch.stack([l.float() for l, _ in micro]).mean().to(accelerator.device)
     loss = accelerator.reduce(loss, reduction="mean") if accelerator.num_processes > 1 else loss
-    record = {"loss": float(loss), "lr": float(scheduler.get_last_lr()[0]), "epoch": state.position.epoch}
+    record = {"loss": float(loss), "lr": float(lr), "epoch": state.position.epoch}
     keys = {k for _, m in micro for k in m}
     for k in sorted(keys):
         vals = [float(m[k]) for _, m in micro if k in m]
@@ -288,13 +336,13 @@ def _step_record(accelerator, micro, scheduler, optimizer, grad_norm, engine, st
     return record
 
 
-def _validate(validator, step, wrapped, optimizer, engine, tracker, device, dtype) -> None:
+def _validate(run: _Run, step: int) -> None:
     """Render with the weights users would get (schedule-free: the average x), then train on."""
     from .optim import schedule_free_eval
 
-    was_training = wrapped.training
-    wrapped.eval()
-    with schedule_free_eval(optimizer, engine):
-        images = validator.run(step, wrapped, device, dtype)
-    wrapped.train(was_training)
-    tracker.log_images(step, images)
+    device, dtype = run.module.compute_device_dtype()
+    run.wrapped.eval()
+    with schedule_free_eval(run.optimizer, run.engine):
+        images = run.validator.run(step, run.wrapped, device, dtype)
+    run.wrapped.train()
+    run.tracker.log_images(step, images)

@@ -111,10 +111,44 @@ def check_clipping(config: OptimConfig, ds_config: Optional[dict] = None) -> Non
                          "(deepspeed_configs/*lbm* do)")
 
 
+def _zero_optimizer(engine: Any) -> Any:
+    return getattr(engine, "optimizer", None) if engine is not None else None
+
+
+@torch.no_grad()
+def set_schedule_free_mode(optimizer: Any, train: bool, engine: Any = None) -> None:
+    """``optimizer.train()``/``eval()``, also where ZeRO-3 hides the parameters.
+
+    ZeRO-1/2 leave their flat fp32 partitions in the client optimizer's param groups, so
+    the plain call moves them. ZeRO-3 empties the groups between steps (it puts one
+    sub-group's partition in only while stepping), so here every sub-group's partition
+    is put in and moved the same way, one at a time.
+    """
+    zero_opt = _zero_optimizer(engine)
+    flats = getattr(zero_opt, "fp32_partitioned_groups_flat", None)
+    if flats is None:
+        optimizer.train() if train else optimizer.eval()
+        return
+    groups = optimizer.param_groups
+    saved = [(g["params"], g.get("train_mode", True)) for g in groups]
+    try:
+        for sub_group_id, flat in enumerate(flats):
+            gid = zero_opt.sub_group_to_group_id[sub_group_id]
+            for g in groups:
+                g["params"] = []
+            groups[gid]["params"] = [flat]
+            groups[gid]["train_mode"] = saved[gid][1]  # so the switch applies to this sub-group too
+            optimizer.set_train_mode(train)
+    finally:
+        for g, (params, _) in zip(groups, saved):
+            g["params"] = params
+            g["train_mode"] = train
+
+
 @torch.no_grad()
 def sync_deepspeed_module_weights(engine: Any) -> bool:
     """Copy ZeRO's fp32 master partitions into the module's (bf16) weights. True if done."""
-    zero_opt = getattr(engine, "optimizer", None)
+    zero_opt = _zero_optimizer(engine)
     if zero_opt is None:
         return False
     if hasattr(zero_opt, "update_lp_params"):  # ZeRO-1/2 and the BF16 optimizer
@@ -139,11 +173,10 @@ def schedule_free_eval(optimizer: Any, engine: Any = None) -> Iterator[str]:
     ordinary optimizers. ``engine`` is the DeepSpeed engine when training under
     DeepSpeed (its fp32 partitions are what ``eval()`` moves).
     """
-    opt = optimizer
-    if not is_schedule_free(opt):
+    if not is_schedule_free(optimizer):
         yield "trained weights"
         return
-    opt.eval()
+    set_schedule_free_mode(optimizer, False, engine)
     synced = engine is not None and sync_deepspeed_module_weights(engine)
     if engine is not None and not synced:
         log.warning("could not copy the schedule-free average into the DeepSpeed module weights: "
@@ -151,6 +184,6 @@ def schedule_free_eval(optimizer: Any, engine: Any = None) -> Iterator[str]:
     try:
         yield "schedule-free average x" if (engine is None or synced) else "schedule-free training point y"
     finally:
-        opt.train()
+        set_schedule_free_mode(optimizer, True, engine)
         if engine is not None and synced:
             sync_deepspeed_module_weights(engine)
