@@ -10,18 +10,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/launch_lib.sh"
 launch_defaults qie-2511 2511
 
-if [ "$MODEL" = tiny ]; then   # CPU demo sizes
-  DEMO_CACHE=(--max_pixels 16384)
-  DEMO_TRAIN=(--max_steps 12 --batch_size 2 --save_every 6 --validate_every 6
-              --lora_rank 8 --learning_rate 1e-3)
-  DEMO_EDIT=(--steps 8)
-else
-  DEMO_CACHE=(); DEMO_TRAIN=(); DEMO_EDIT=()
-fi
-
-qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" \
-  "${DEMO_CACHE[@]}" ${CACHE_ARGS:-}
-qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" \
-  --zero_cond_t --gradient_accumulation_steps 16 --gradient_checkpointing \
-  "${DEMO_TRAIN[@]}" "$@"
-after_training "$OUTPUT_DIR" --zero_cond_t "${DEMO_EDIT[@]}"
+TRAIN_FLAGS=(--zero_cond_t --gradient_accumulation_steps 16 --gradient_checkpointing)
+EDIT_FLAGS=(--zero_cond_t)
+DEMO_TRAIN=(--max_steps 12 --batch_size 2 --save_every 6 --validate_every 6 --lora_rank 8 --learning_rate 1e-3)
+split_training "$@"

@@ -23,16 +23,8 @@ if [ -z "$USER_DS_CONFIG" ] && [ -n "$DS_CONFIG" ]; then   # GPUs: the ZeRO-3 co
   DS_CONFIG="$ROOT/deepspeed_configs/zero3_lbm.yaml"
 fi
 
-if [ "$MODEL" = tiny ]; then   # CPU demo sizes (cache sizes as in Qwen-Image-Edit-2511.sh, so its cache is reused)
-  DEMO_CACHE=(--max_pixels 16384)
-  DEMO_TRAIN=(--max_steps 12 --batch_size 2 --save_every 6 --lora_rank 8)
-else
-  DEMO_CACHE=(); DEMO_TRAIN=()
-fi
-
-qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" \
-  "${DEMO_CACHE[@]}" ${CACHE_ARGS:-}
-qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" \
-  --loss lbm --zero_cond_t --gradient_accumulation_steps 16 --gradient_checkpointing \
-  "${DEMO_TRAIN[@]}" "$@"
-after_training "$OUTPUT_DIR" --zero_cond_t --lbm_steps 1
+TRAIN_FLAGS=(--loss lbm --zero_cond_t --gradient_accumulation_steps 16 --gradient_checkpointing)
+EDIT_FLAGS=(--zero_cond_t --lbm_steps 1)
+# CPU demo: the same cache sizes as Qwen-Image-Edit-2511.sh, so its cache is reused.
+DEMO_TRAIN=(--max_steps 12 --batch_size 2 --save_every 6 --lora_rank 8)
+split_training "$@"

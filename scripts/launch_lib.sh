@@ -89,3 +89,18 @@ after_training() {
   echo "before/after:  $out/before_after.png"
   echo "try it:        python app_gradio.py --model ${MODEL} --lora_dir $out"
 }
+
+# split_training [qie train args...]: phase 1 (`qie cache`), phase 2 (`qie train`), then after_training.
+# The launcher sets TRAIN_FLAGS (its fixed `qie train` flags), EDIT_FLAGS (its `qie edit` flags) and
+# DEMO_TRAIN (the tiny CPU demo's `qie train` sizes); arguments go to `qie train` last, so they win.
+split_training() {
+  local demo_cache=() demo_train=() demo_edit=()
+  if [ "$MODEL" = tiny ]; then   # CPU demo sizes
+    demo_cache=(--max_pixels 16384); demo_train=("${DEMO_TRAIN[@]}"); demo_edit=(--steps 8)
+  fi
+  qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" \
+    "${demo_cache[@]}" ${CACHE_ARGS:-}
+  qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" \
+    "${TRAIN_FLAGS[@]}" "${demo_train[@]}" "$@"
+  after_training "$OUTPUT_DIR" "${EDIT_FLAGS[@]}" "${demo_edit[@]}"
+}

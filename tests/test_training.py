@@ -275,6 +275,10 @@ def test_trainable_parameters_are_exactly_the_lora_set(tiny_model_dir, cache_dir
     m2 = QIETrainingModule(fresh_dit(tiny_model_dir), cfg2, "tiny")
     assert {n for n in m2.trainable_param_names() if "lora_" not in n} == {"dit.norm_out.linear.weight",
                                                                             "dit.norm_out.linear.bias"}
+    # a single target keeps suffix matching (DiffSynth would turn ["to_q"] into a full-name regex)
+    single = QIETrainingModule(fresh_dit(tiny_model_dir), resolved(make_config(
+        cache_dir, tmp_path, tiny_model_dir, {"lora": {"lora_target_modules": ["to_q"]}})), "tiny")
+    assert single.lora_module_names() == [n for n in linear if n.endswith(".attn.to_q")]
     with pytest.raises(ValueError, match="match no module"):
         QIETrainingModule(fresh_dit(tiny_model_dir), resolved(make_config(
             cache_dir, tmp_path, tiny_model_dir, {"lora": {"lora_target_modules": ["to_q", "no_such_layer"]}})), "tiny")

@@ -204,8 +204,8 @@ def save_checkpoint(accelerator, module, optimizer, engine, output_dir: str | os
         shutil.rmtree(old, ignore_errors=True)
         log.info("saved %s (LoRA: %s)", final, held)
         if keep_last > 0:
-            for old in list_checkpoints(out)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            for stale in list_checkpoints(out)[:-keep_last]:
+                shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 

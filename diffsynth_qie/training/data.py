@@ -27,8 +27,8 @@ from ..cache.store import CacheStore
 log = logging.getLogger(__name__)
 
 # Keys whose values are tensors (or lists of tensors, or None) moved to the DiT's device/dtype.
-TENSOR_KEYS = ("target_latents", "edit_latents", "prompt_emb", "back_mask", "ref_gt_latents", "sub_noise",
-               "sub_noise_ref_gt", "lbm_source_latents")
+TENSOR_KEYS = ("target_latents", "edit_latents", "prompt_emb", "empty_prompt_emb", "back_mask", "ref_gt_latents",
+               "sub_noise", "sub_noise_ref_gt", "lbm_source_latents")
 
 
 def sample_rng(seed: int, epoch: int, index: int, purpose: str) -> random.Random:

@@ -130,11 +130,18 @@ def total_optimizer_steps(config: RunConfig, batches_per_epoch: int) -> int:
     return max(1, math.ceil(batches_per_epoch * t.num_epochs / t.gradient_accumulation_steps))
 
 
+def device_name(accelerator) -> str:
+    """Where to load weights: this process's GPU, or plain "cpu" (multi-process CPU runs get "cpu:<rank>",
+    which safetensors rejects)."""
+    device = accelerator.device
+    return "cpu" if device.type == "cpu" else str(device)
+
+
 def load_dit(preset, config: RunConfig, accelerator):
     from ..models.loading import load_pipeline
 
     pipe = load_pipeline(preset, model_dir=config.train.model_dir, components=("dit",),
-                         device=str(accelerator.device), torch_dtype=weight_dtype(accelerator))
+                         device=device_name(accelerator), torch_dtype=weight_dtype(accelerator))
     return pipe.dit
 
 

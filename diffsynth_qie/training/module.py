@@ -61,7 +61,11 @@ class QIETrainingModule(DiffusionTrainingModule):
             targets = list(lo.lora_target_modules or [])
             if not targets:
                 raise ValueError("--lora_target_modules is empty; name at least one module (e.g. to_q to_k to_v)")
-            dit = self.add_lora_to_model(dit, target_modules=targets, lora_rank=lo.lora_rank, lora_alpha=lo.lora_alpha)
+            # DiffSynth turns a one-element list into a bare string, which PEFT reads as a full-name regex
+            # ("to_q" would then match nothing); a repeated entry keeps PEFT's suffix matching.
+            peft_targets = targets if len(targets) > 1 else targets * 2
+            dit = self.add_lora_to_model(dit, target_modules=peft_targets, lora_rank=lo.lora_rank,
+                                         lora_alpha=lo.lora_alpha)
             self._check_targets(dit, targets)
         self.dit = dit
         if lo.full_finetune_modules:
@@ -137,7 +141,10 @@ class QIETrainingModule(DiffusionTrainingModule):
         lo = self.config.lora
         return {"rank": lo.lora_rank, "alpha": lo.lora_alpha, "lora_target_modules": list(lo.lora_target_modules or []),
                 "preset": self.preset_name, "zero_cond_t": bool(self.config.train.zero_cond_t),
-                "full_finetune_modules": list(lo.full_finetune_modules or [])}
+                "full_finetune_modules": list(lo.full_finetune_modules or []),
+                # Which objective trained it: the UI and `qie edit` users need to know whether
+                # a LoRA is meant for flow-matching or 1–4-step LBM sampling.
+                "loss": self.config.loss.loss}
 
     @torch.no_grad()
     def load_lora_checkpoint(self, path: str) -> None:

@@ -102,8 +102,10 @@ class Validator:
         if self._vae_pipe is None:
             from ..models.loading import load_pipeline
 
+            device = self.accelerator.device
+            device = "cpu" if device.type == "cpu" else str(device)
             self._vae_pipe = load_pipeline(self.preset, model_dir=self.model_dir, components=("vae",),
-                                           device=str(self.accelerator.device), torch_dtype=self.dtype)
+                                           device=device, torch_dtype=self.dtype)
         return self._vae_pipe
 
     @torch.no_grad()
