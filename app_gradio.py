@@ -36,7 +36,8 @@ log = logging.getLogger("app_gradio")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_dataclass_args(parser, UIConfig)
     parser.add_argument("--log_level", default="INFO", help="logging level (default: INFO)")
     args = parser.parse_args(argv)

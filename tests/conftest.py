@@ -12,7 +12,17 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MODELSCOPE_CACHE", "/nonexistent-modelscope-cache")
 
+import importlib.util
+from pathlib import Path
+
 import pytest
+
+# tests/assets/make_train_loss_curve.py: the pinned training reference (also a script that
+# regenerates the pinned curve); its cache builder serves every training test file.
+_spec = importlib.util.spec_from_file_location(
+    "make_train_loss_curve", Path(__file__).parent / "assets" / "make_train_loss_curve.py")
+curve_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(curve_script)
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +49,9 @@ def tiny_pipe(tiny_model_dir):
     from diffsynth_qie.models.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=tiny_model_dir, device="cpu", torch_dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
+    """The training tests' phase-1 cache of the demo data (built once; read-only)."""
+    return curve_script.build_cache(tiny_pipe, Path(demo_data_dir), tmp_path_factory.mktemp("train-cache"))

@@ -8,7 +8,6 @@ rather than ``accelerate launch``: accelerate needs MPI for multi-process CPU ru
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,17 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).parent / "assets"
-_spec = importlib.util.spec_from_file_location("make_train_loss_curve", ASSETS / "make_train_loss_curve.py")
-curve_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(curve_script)
+from conftest import curve_script  # noqa: E402  (tests/assets/make_train_loss_curve.py)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
-    return curve_script.build_cache(tiny_pipe, Path(demo_data_dir), tmp_path_factory.mktemp("ddp-cache"))
 
 
 def torchrun(args: list[str], port: int) -> None:

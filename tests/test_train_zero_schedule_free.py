@@ -10,7 +10,6 @@ gathers the LoRA before, inside and after ``schedule_free_eval`` at the final sa
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,10 +20,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).parent / "assets"
-_spec = importlib.util.spec_from_file_location("make_train_loss_curve", ASSETS / "make_train_loss_curve.py")
-curve_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(curve_script)
+from conftest import curve_script  # noqa: E402  (tests/assets/make_train_loss_curve.py)
 
 pytestmark = pytest.mark.slow
 
@@ -58,11 +54,6 @@ cfg = tc.RunConfig(
     optim=tc.OptimConfig(optimizer="prodigy_sf", learning_rate=100.0))
 loop.train(cfg)
 '''
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
-    return curve_script.build_cache(tiny_pipe, Path(demo_data_dir), tmp_path_factory.mktemp("sf-cache"))
 
 
 def test_schedule_free_average_reaches_the_module_under_zero3(cache_dir, tiny_model_dir, tmp_path):

@@ -6,7 +6,6 @@ pinned loss curve in tests/assets/train_loss_curve.json) is trained once and sha
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -14,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import curve_script  # noqa: E402  (tests/assets/make_train_loss_curve.py)
+
 ASSETS = Path(__file__).parent / "assets"
-_spec = importlib.util.spec_from_file_location("make_train_loss_curve", ASSETS / "make_train_loss_curve.py")
-curve_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(curve_script)
 PINNED = json.loads((ASSETS / "train_loss_curve.json").read_text())
 
 
@@ -30,11 +28,6 @@ def _fresh_accelerate_state():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     yield
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
-    return curve_script.build_cache(tiny_pipe, Path(demo_data_dir), tmp_path_factory.mktemp("train-cache"))
 
 
 @pytest.fixture(scope="module")
@@ -233,27 +226,19 @@ def test_dataset_dropout_and_prompt_choice_are_deterministic(store):
     assert not any(none[SampleKey(i, 0)]["dropped"] for i in range(len(none)))
 
 
-def test_sampler_groups_shapes_is_deterministic_and_resumes(store):
-    from diffsynth_qie.training.data import CacheDataset, DataPosition, GroupedBatchSampler, iterate_batches
+def test_iterating_from_a_saved_position_continues_the_stream(store):
+    from diffsynth_qie.data.sampling import BucketBatchSampler, SamplingConfig
+    from diffsynth_qie.training.data import CacheDataset, DataPosition, iterate_batches
 
     ds = CacheDataset(store)
-    keys = [ds.group_key(i) for i in range(len(ds))]
-    s = GroupedBatchSampler(keys, batch_size=2, seed=3)
-    for epoch in range(3):
-        batches = s.epoch_batches(epoch)
-        assert sorted(i for b in batches for i in b) == list(range(len(ds)))  # each sample once
-        assert all(len({keys[i] for i in b}) == 1 for b in batches)  # equal shapes per batch
-        assert batches == GroupedBatchSampler(keys, 2, seed=3).epoch_batches(epoch)
-    assert s.epoch_batches(0) != s.epoch_batches(1)
-    # two ranks: disjoint shares covering everything, same number of batches
-    r0, r1 = (GroupedBatchSampler(keys, 2, seed=3, num_replicas=2, rank=r).epoch_batches(0) for r in (0, 1))
-    assert len(r0) == len(r1)
-    assert {i for b in r0 + r1 for i in b} == set(range(len(ds)))
-    # iteration from a saved position continues the uninterrupted stream
-    full = [(p, [int(i) for i in b["index"]]) for (b, p), _ in zip(iterate_batches(ds, s, DataPosition()), range(9))]
+    sampler = BucketBatchSampler(ds.sample_infos(), SamplingConfig(batch_size=2, seed=3))
+    n = len(sampler.epoch_batches(0))
+    # crosses an epoch boundary: the stream goes on with epoch 1's batches
+    full = [(p, [int(i) for i in b["index"]]) for (b, p), _ in zip(iterate_batches(ds, sampler, DataPosition()), range(n + 4))]
+    assert [idx for _, idx in full[:n]] == sampler.epoch_batches(0)
     start = full[3][0]
-    resumed = [(p, [int(i) for i in b["index"]]) for (b, p), _ in zip(iterate_batches(ds, s, start), range(5))]
-    assert resumed == full[4:9]
+    resumed = [(p, [int(i) for i in b["index"]]) for (b, p), _ in zip(iterate_batches(ds, sampler, start), range(n))]
+    assert resumed == full[4:n + 4]
 
 
 # --- the training module -----------------------------------------------------------------
@@ -503,7 +488,12 @@ def test_prodigy_schedule_free_saves_the_average_and_validation_renders(cache_di
     images = sorted((out / "validation" / "step-2").glob("*.png"))
     assert len(images) == 2
     store = CacheStore.open(cache_dir)
-    sizes = {tuple(reversed(store.meta(i).target_size)) for i in range(len(store))}
+
+    def strip_size(meta):  # [reference scaled to the target height | target | output] (tests/test_validation.py)
+        (height, width), (ref_h, ref_w) = meta.target_size, meta.edit_shapes[0][1:]
+        return round(ref_w * height / ref_h) + 2 * width, height
+
+    sizes = {strip_size(store.meta(i)) for i in range(len(store))}
     assert all(Image.open(p).size in sizes for p in images)
     from diffsynth_qie.training.tracking import read_loss_log
 

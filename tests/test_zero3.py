@@ -14,7 +14,6 @@ pass. The first run on a machine JIT-compiles DeepSpeed's shm op (~30 s, then ca
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,17 +24,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).parent / "assets"
-_spec = importlib.util.spec_from_file_location("make_train_loss_curve", ASSETS / "make_train_loss_curve.py")
-curve_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(curve_script)
+from conftest import curve_script  # noqa: E402  (tests/assets/make_train_loss_curve.py)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
-    return curve_script.build_cache(tiny_pipe, Path(demo_data_dir), tmp_path_factory.mktemp("z3-cache"))
 
 
 def launcher_config(tmp: Path, num_processes: int) -> Path:

@@ -6,7 +6,11 @@ DeepSpeed ZeRO-2/3, configs in ``deepspeed_configs/``)::
     accelerate launch --config_file deepspeed_configs/zero2.yaml -m diffsynth_qie.cli train \\
         --cache_dir cache --output_dir out --model 2511 --batch_size 2 --gradient_accumulation_steps 8
 
-Every flag comes from the dataclasses in ``diffsynth_qie/training/config.py``.
+Every flag comes from the dataclasses in ``diffsynth_qie/training/config.py`` (the
+batching/sampling group from ``diffsynth_qie/data/sampling.py``). Several datasets:
+cache each metadata file into its own directory and pass them all::
+
+    qie train --cache_dir caches/a caches/b --dataset_weights "a=0.5,b=1.2" --batch_size 4 ...
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ GROUPS = (
     ("OptimConfig", "optim", "optimizer and learning rate"),
     ("TimestepConfig", "timesteps", "timestep sampling"),
     ("LossConfig", "loss", "loss"),
+    ("SamplingConfig", "sampling", "batching and sampling (buckets, token budget, weighted datasets)"),
     ("LBMConfig", "lbm", "latent bridge matching (--loss lbm)"),
 )
 

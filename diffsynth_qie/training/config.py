@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from ..data.sampling import SamplingConfig
+
 OptimizerName = Literal["adamw", "prodigy_sf"]
 ScheduleName = Literal["constant", "cosine"]
 MixedPrecision = Literal["auto", "no", "bf16", "fp16"]
@@ -115,7 +117,12 @@ class LossConfig:
 class TrainConfig:
     """Run: data, model, batch, precision, schedule of saves/validation/logging."""
 
-    cache_dir: Optional[str] = field(default=None, metadata=_help("phase-1 cache (`qie cache --cache_dir`)", metavar="DIR"))
+    cache_dir: Optional[list[str]] = field(default=None, metadata=_help(
+        "phase-1 cache(s) made by `qie cache --cache_dir`. Several directories are concatenated, each its "
+        "own dataset (cache each metadata file into its own directory); a dataset's name is the one `qie "
+        "cache` recorded (--dataset_name, default: the metadata file's directory name), or give it here as "
+        "NAME=DIR. --dataset_weights refers to these names; held-out validation entries come from the "
+        "first directory", metavar="[NAME=]DIR"))
     output_dir: Optional[str] = field(default=None, metadata=_help(
         "where checkpoints, lora.safetensors, loss.jsonl and validation images go", metavar="DIR"))
     model: str = field(default="2511", metadata=_help("model preset: edit, 2509, 2511 or tiny"))
@@ -123,7 +130,9 @@ class TrainConfig:
         "local model directory (the preset's repo layout); only the DiT is loaded", metavar="DIR"))
     zero_cond_t: Optional[bool] = field(default=None, metadata=_help(
         "2511's zero-timestep modulation of reference tokens; default: the preset's value (never the cache's)"))
-    batch_size: int = field(default=1, metadata=_help("samples per micro-batch per process (equal shapes are grouped)"))
+    batch_size: int = field(default=1, metadata=_help(
+        "samples per micro-batch per process (bucketed by image layout, mixed shapes are padded; see "
+        "--bucket_policy); with --max_tokens_per_batch a token budget sets the batch sizes instead"))
     gradient_accumulation_steps: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
     max_steps: int = field(default=0, metadata=_help("optimizer steps to train; 0 = use --num_epochs"))
     num_epochs: int = field(default=1, metadata=_help("passes over the cache when --max_steps is 0"))
@@ -161,6 +170,8 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     timesteps: TimestepConfig = field(default_factory=TimestepConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    # Bucketing / weighted sampling. Its batch_size and seed are always TrainConfig's (copied by resolved()).
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     lbm: Any = None  # LBMConfig, added by the LBM loss
 
     def resolved(self, preset=None) -> "RunConfig":
@@ -171,6 +182,9 @@ class RunConfig:
         """
         validate(self)
         train, lora = self.train, self.lora
+        train = dataclasses.replace(train, cache_dir=cache_dirs(train.cache_dir))
+        sampling = dataclasses.replace(self.sampling, batch_size=train.batch_size, seed=train.seed)
+        sampling.validate()
         if preset is not None:
             if train.zero_cond_t is None:
                 train = dataclasses.replace(train, zero_cond_t=preset.zero_cond_t)
@@ -181,16 +195,23 @@ class RunConfig:
         optim = self.optim
         if optim.optimizer is None:  # LBM trains with ProdigyPlusScheduleFree unless told otherwise
             optim = dataclasses.replace(optim, optimizer="prodigy_sf" if self.loss.loss == "lbm" else "adamw")
-        return dataclasses.replace(self, train=train, lora=lora, optim=optim.resolved())
+        return dataclasses.replace(self, train=train, lora=lora, optim=optim.resolved(), sampling=sampling)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
+def cache_dirs(value: "str | list[str] | tuple[str, ...] | None") -> list[str]:
+    """``--cache_dir`` as a list (a plain string, as Python callers pass it, is one directory)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise ``ValueError`` naming the bad flag and the fix."""
     t, lo, o, ts, ls = cfg.train, cfg.lora, cfg.optim, cfg.timesteps, cfg.loss
-    if not t.cache_dir:
+    if not cache_dirs(t.cache_dir):
         raise ValueError("no cache given; pass --cache_dir DIR (made by `qie cache`)")
     if not t.output_dir:
         raise ValueError("no output directory given; pass --output_dir DIR")

@@ -3,7 +3,8 @@
 Runs the same way under ``python -m diffsynth_qie.cli train`` / ``qie train`` (one
 process) and under ``accelerate launch`` (DDP, DeepSpeed ZeRO-2/3; see
 ``deepspeed_configs/``). What DiffSynth's ``runner.py`` does differently, and why we
-don't: batch size fixed at 1 (we batch shape-grouped samples), ``ConstantLR`` with
+don't: batch size fixed at 1 (we train real batches: bucketed, mixed shapes
+padded and masked, see ``data.py``), ``ConstantLR`` with
 PyTorch's defaults (lr/3 for 5 steps; we use warmup + constant/cosine), weights-only
 checkpoints (ours resume exactly), a whole-model ``get_state_dict`` per save (ours
 gathers only the trainable parameters).
@@ -26,7 +27,6 @@ import hashlib
 import logging
 import math
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from .config import RunConfig
+from .data import open_cache, split_holdout  # noqa: F401  (moved to data.py; kept importable here)
 
 log = logging.getLogger(__name__)
 
@@ -94,36 +95,9 @@ def weight_dtype(accelerator) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision), torch.float32)
 
 
-def split_holdout(n: int, num_validation: int, seed: int) -> tuple[list[int], list[int]]:
-    """(training indices, held-out validation indices), deterministic per seed."""
-    if num_validation <= 0:
-        return list(range(n)), []
-    if num_validation >= n:
-        raise ValueError(f"--num_validation {num_validation} would hold out all {n} cache entries; "
-                         f"use at most {n - 1} (or --validate_every 0)")
-    held = sorted(random.Random(f"{seed}/validation").sample(range(n), num_validation))
-    return [i for i in range(n) if i not in set(held)], held
-
-
-def open_cache(cache_dir: str, preset):
-    from ..cache.store import CacheStore
-
-    store = CacheStore.open(cache_dir)
-    if len(store) == 0:
-        raise ValueError(f"cache {cache_dir} has no entries; check `qie cache`'s skipped.jsonl")
-    cached = store.manifest.get("preset")
-    multi = store.manifest.get("multi_image_prompt")
-    if multi is not None and bool(multi) != preset.multi_image_prompt:
-        raise ValueError(f"cache {cache_dir} was encoded for preset {cached!r} with the "
-                         f"{'multi' if multi else 'single'}-image prompt template, but --model {preset.name} uses the "
-                         f"{'multi' if preset.multi_image_prompt else 'single'}-image one; re-run `qie cache --model "
-                         f"{preset.name}` or train with a matching --model")
-    if cached and cached != preset.name:
-        log.warning("cache %s was encoded with preset %r; training preset %r", cache_dir, cached, preset.name)
-    return store
-
-
 def total_optimizer_steps(config: RunConfig, batches_per_epoch: int) -> int:
+    """``--max_steps``, or ``--num_epochs`` epochs of ``batches_per_epoch`` (the first epoch's count: with
+    weighted sampling later epochs may cut their draws into a few more or fewer batches)."""
     t = config.train
     if t.max_steps > 0:
         return t.max_steps
@@ -172,7 +146,7 @@ def setup(config: RunConfig) -> _Run:
 
     from ..models.presets import get_preset
     from . import checkpoint as ckpt
-    from .data import CacheDataset, GroupedBatchSampler
+    from .data import build_training_data
     from .module import QIETrainingModule
     from .optim import build_lr_scheduler, build_optimizer, check_clipping
     from .tracking import Tracker
@@ -188,12 +162,11 @@ def setup(config: RunConfig) -> _Run:
              accelerator.num_processes, "DeepSpeed ZeRO-%s" % ds_config.get("zero_optimization", {}).get("stage")
              if ds_config else accelerator.distributed_type.value, accelerator.mixed_precision)
 
-    store = open_cache(t.cache_dir, preset)
-    train_idx, val_idx = split_holdout(len(store), t.num_validation if t.validate_every > 0 else 0, t.seed)
-    dataset = CacheDataset(store, train_idx, seed=t.seed, cfg_dropout=t.cfg_dropout)
-    sampler = GroupedBatchSampler([dataset.group_key(i) for i in range(len(dataset))], t.batch_size, seed=t.seed,
-                                  num_replicas=accelerator.num_processes, rank=accelerator.process_index)
-    total_steps = total_optimizer_steps(cfg, len(sampler))
+    data = build_training_data(t.cache_dir, preset, cfg.sampling, seed=t.seed, cfg_dropout=t.cfg_dropout,
+                               num_validation=t.num_validation if t.validate_every > 0 else 0,
+                               num_replicas=accelerator.num_processes, rank=accelerator.process_index)
+    dataset, sampler, store, val_idx = data.dataset, data.sampler, data.validation_store, data.validation_indices
+    total_steps = total_optimizer_steps(cfg, len(sampler.epoch_batches(0)))
 
     set_seed(t.seed)  # the LoRA init, identical on every rank
     module = QIETrainingModule(load_dit(preset, cfg, accelerator), cfg, preset.name)
@@ -221,6 +194,11 @@ def setup(config: RunConfig) -> _Run:
                 log.warning("resuming with %s=%s (checkpoint: %s): the data order will differ from the original run",
                             name, getattr(state, name), getattr(saved, name))
         state.step, state.position = saved.step, saved.position
+        if saved.extra.get("config", {}).get("sampling", cfg.to_json()["sampling"]) != cfg.to_json()["sampling"]:
+            log.warning("resuming with other sampling flags than the checkpoint's (%s): the data order will differ",
+                        saved.extra["config"]["sampling"])
+        # the position must lie inside its epoch's batches (ValueError if the data or flags changed)
+        sampler.load_state_dict({"epoch": state.position.epoch, "batch": state.position.batch})
     tracker = Tracker(t.output_dir, accelerator.is_main_process, t.report_to, cfg.to_json(),
                       resume_step=state.step if resume_from else None)
     validator = None
@@ -253,7 +231,7 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
     from tqdm import tqdm
 
     from . import checkpoint as ckpt
-    from .data import iterate_batches
+    from .data import batch_image_tokens, iterate_batches
 
     t, acc, state = run.cfg.train, run.accelerator, run.state
     max_norm = run.cfg.optim.max_grad_norm if run.engine is None else 0.0  # DeepSpeed clips per its JSON
@@ -286,7 +264,8 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
                     grad_norm = acc.clip_grad_norm_(run.module.trainable_modules(), max_norm)
                 run.wrapped_optimizer.step()  # no-op until the last micro-batch of the step
                 run.wrapped_optimizer.zero_grad(set_to_none=True)
-            micro.append((loss.detach(), metrics))
+            real, padded = batch_image_tokens(batch)
+            micro.append((loss.detach(), {**metrics, "image_tokens": real, "padded_image_tokens": padded}))
             if not acc.sync_gradients:
                 continue
             # -- one optimizer step is complete
@@ -325,10 +304,15 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
 
 
 def _step_record(accelerator, micro, lr, optimizer, grad_norm, engine, state) -> dict:
-    """The logged values of one optimizer step: loss averaged over micro-batches and ranks."""
-    loss = torch.stack([l.float() for l, _ in micro]).mean().to(accelerator.device)
-    loss = accelerator.reduce(loss, reduction="mean") if accelerator.num_processes > 1 else loss
-    record = {"loss": float(loss), "lr": float(lr), "epoch": state.position.epoch}
+    """The logged values of one optimizer step: loss averaged over micro-batches and ranks, and the
+    padding fraction of the image tokens the step computed on (token-weighted, all ranks)."""
+    tokens = [(m.pop("image_tokens"), m.pop("padded_image_tokens")) for _, m in micro]
+    shared = torch.stack([torch.stack([l.float() for l, _ in micro]).mean().cpu(),
+                          torch.tensor([float(r) for r, _ in tokens]).mean(),
+                          torch.tensor([float(p) for _, p in tokens]).mean()]).to(accelerator.device)
+    shared = accelerator.reduce(shared, reduction="mean") if accelerator.num_processes > 1 else shared
+    loss, real, padded = (float(v) for v in shared)
+    record = {"loss": loss, "lr": float(lr), "epoch": state.position.epoch, "padding_fraction": 1.0 - real / padded}
     keys = {k for _, m in micro for k in m}
     for k in sorted(keys):
         vals = [float(m[k]) for _, m in micro if k in m]

@@ -16,7 +16,7 @@ loader both read.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -198,13 +198,16 @@ class QIETrainingModule(DiffusionTrainingModule):
         return out
 
     def forward(self, batch: Optional[dict] = None, generator: Optional[torch.Generator] = None, *,
-                predict: Optional[dict] = None):
+                predict: Optional[dict | Callable] = None):
         """``(loss, metrics)`` of the configured loss on ``batch`` (see ``losses.py``).
 
         With ``predict`` (keyword arguments of ``models.forward.dit_forward`` minus the
-        DiT) it returns the DiT's velocity predictions instead: validation goes through
-        the same wrapped module, so DDP/DeepSpeed hooks (ZeRO-3 parameter gathering) run.
+        DiT, or a callable ``predict(dit)``) it returns the DiT's velocity predictions
+        instead: validation runs the inference samplers' DiT calls through the same
+        wrapped module, so DDP/DeepSpeed hooks (ZeRO-3 parameter gathering) run.
         """
+        if callable(predict):
+            return predict(self.dit)
         if predict is not None:
             from ..models.forward import dit_forward
 

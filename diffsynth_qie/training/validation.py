@@ -1,77 +1,194 @@
 """Validation renders during training: a few held-out cache entries edited by the current model.
 
-Phase 2 has no text encoder, so validation reuses what the cache holds: each held-out
-entry's prompt embedding (its first prompt alternative), its reference latents, and its
-target size. A short flow-matching Euler sampler on DiffSynth's Qwen-Image schedule
-(``FlowMatchScheduler("Qwen-Image")`` with the pipeline's ``dynamic_shift_len``) runs
-all entries as one batch through the *wrapped* training module (its ``predict``
-path), so DDP/DeepSpeed hooks fire and under ZeRO-3 every rank takes part. The VAE is
-loaded alone (``components=("vae",)``), once, and only when validation is on.
+There is one sampler for inference and validation: this module only builds the
+inputs and hands them to ``inference.samplers`` exactly as ``Editor`` does, so a
+validation image is what ``qie edit`` would produce with the same conditioning and
+seed (tests/test_validation.py pins that).
 
-Images go to ``<output_dir>/validation/step-<n>/<k>-<entry>.png`` (atomically) and to
-WandB when it is on. The initial noise is the same at every validation, so images of
-different steps are comparable.
+Phase 2 has no text encoder, so the conditioning comes from the cache: each held-out
+entry's prompt embedding (its first prompt alternative), its reference latents, its
+empty-prompt embedding (the negative prompt when ``--validation_cfg_scale`` != 1), and
+the run's ``zero_cond_t``. What is rendered follows the loss the module trains (its
+own ``RunConfig``, so the trainer needs no extra wiring):
+
+- ``--loss sft``: flow matching (``sample_flow_match`` + ``dit_velocity``,
+  ``--validation_steps`` steps) from ``seeded_noise(seed=NOISE_SEED + k)`` for the k-th
+  held-out entry: the same noise at every validation, so steps are comparable;
+- ``--loss lbm``: 1-step bridge sampling (``sample_bridge``, bridge noise from the
+  run's ``LBMConfig``) of both streams as the loss defines them
+  (``lbm.stream_ends``): main from ``lbm_source_latents``, sub from the white-image
+  ``sub_noise`` (``sub_noise_ref_gt`` -> ``ref_gt`` with ``--lbm_sub_target ref_gt``).
+  A row without a source renders the sub-stream only.
+
+Entries of equal shape are sampled as one batch. The DiT is called through the
+*wrapped* training module (``module(predict=fn)`` runs ``fn(dit)`` inside its
+forward), so DDP/DeepSpeed hooks fire and under ZeRO-3 every rank takes part; all
+ranks call :meth:`Validator.run`. The trainer puts the weights users would get in
+place around it (``loop._validate``: ``eval()``, schedule-free average ``x``, then
+back); the validator itself changes no weight, no training mode and no global RNG.
+
+Each image is a strip [reference | target | output] (``side_by_side``), written
+atomically to ``<output_dir>/validation/step-<n>/<k>-<entry>.png`` (LBM:
+``<k>-<entry>_main.png`` and ``<k>-<entry>_sub.png``) and logged to WandB when it is
+on. The VAE is loaded alone (``components=("vae",)``), lazily, only when validation
+runs; reference and target panels are decoded once and reused.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+from PIL import Image
 
-from ..cache.store import CacheStore
+from ..cache.store import CacheEntry, CacheStore
 from ..utils.atomic import atomic_save
 
 log = logging.getLogger(__name__)
 
+Tensor = torch.Tensor
+#: runs ``fn(dit)`` where the DiT lives: through the wrapped training module in training
+DiTRunner = Callable[[Callable], Tensor]
+
 VALIDATION_DIR = "validation"
 NOISE_SEED = 1234
+LBM_STEPS = 1  # what LBM models are trained for; also the cheapest render
 
 
-def sampler_sigmas(num_steps: int, height: int, width: int) -> torch.Tensor:
-    """σ_0 > ... > σ_{N-1} of DiffSynth's Qwen-Image inference schedule, then 0 (``[N+1]``).
+def output_name(k: int, entry_id: str) -> str:
+    """File stem of the k-th held-out entry's strip: ``<k>-<entry id, file-name safe>``."""
+    return f"{k}-{_safe(entry_id)}"
 
-    ``height``/``width`` are latent sizes; the shift depends on the token count
-    (h/2)·(w/2) exactly as ``QwenImagePipeline.__call__`` sets it.
+
+def entry_seed(k: int) -> int:
+    """Seed of the k-th held-out entry's flow-matching noise (and LBM bridge noise)."""
+    return NOISE_SEED + k
+
+
+@dataclass
+class Render:
+    """One validation output: sampled ``latents`` [16, h, w] and the ``target`` they are judged against."""
+
+    name: str                 # file stem: "<k>-<entry>" or "<k>-<entry>_<stream>"
+    entry: int                # position among the held-out entries
+    stream: Optional[str]     # None (flow matching), "main" or "sub" (LBM)
+    target: Tensor            # target_latents (ref_gt_latents for a ref_gt sub-stream)
+    latents: Tensor
+
+
+@dataclass
+class _Job:
+    name: str
+    entry: int
+    stream: Optional[str]
+    prior: Tensor             # [16, h, w]: noise (σ = 1) or the bridge prior
+    target: Tensor
+
+
+# --- sampling through inference.samplers ---------------------------------------------
+def runner_velocity(run_dit: DiTRunner, cond, cfg: float, dtype: torch.dtype):
+    """The samplers' ``dit_velocity`` with every DiT call made by ``run_dit`` (the wrapped module).
+
+    The velocity is cast to the latents' dtype: accelerate's mixed-precision wrapper
+    returns fp32, the Editor's DiT the pipeline dtype; sampling stays in the latents' dtype.
     """
-    from diffsynth.diffusion.flow_match import FlowMatchScheduler
+    from ..inference.samplers import dit_velocity
 
-    scheduler = FlowMatchScheduler("Qwen-Image")
-    scheduler.set_timesteps(num_steps, dynamic_shift_len=(height // 2) * (width // 2))
-    return torch.cat([scheduler.sigmas.float(), torch.zeros(1)])
+    def velocity(x: Tensor, timesteps: Tensor) -> Tensor:
+        return run_dit(lambda dit: dit_velocity(dit, cond, cfg, dtype)(x, timesteps)).to(x.dtype)
+
+    return velocity
+
+
+def _conditioning(entries: Sequence[CacheEntry], cfg: float, zero_cond_t: bool, device, dtype):
+    from ..inference.samplers import Conditioning, uses_cfg
+
+    def to(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=dtype)
+
+    return Conditioning(prompt_embs=[to(e.prompt_embs[0]) for e in entries],
+                        edit_latents=[[to(x) for x in e.edit_latents] for e in entries],
+                        negative_embs=[to(e.empty_prompt_emb) for e in entries] if uses_cfg(cfg) else None,
+                        zero_cond_t=zero_cond_t)
+
+
+def _by_shape(jobs: Sequence[_Job]) -> list[list[_Job]]:
+    """Jobs grouped by latent shape (first-seen order): each group is one sampler batch."""
+    groups: dict[tuple, list[_Job]] = {}
+    for job in jobs:
+        groups.setdefault(tuple(job.prior.shape), []).append(job)
+    return list(groups.values())
+
+
+def flow_match_jobs(entries: Sequence[CacheEntry], names: Sequence[str], dtype: torch.dtype) -> list[_Job]:
+    """One job per entry, starting from ``seeded_noise`` at the target's latent size."""
+    from ..inference.samplers import seeded_noise
+
+    return [_Job(name, k, None, seeded_noise((16, *e.target_latents.shape[-2:]), entry_seed(k), dtype),
+                 e.target_latents) for k, (e, name) in enumerate(zip(entries, names))]
+
+
+def lbm_jobs(entries: Sequence[CacheEntry], names: Sequence[str], sub_target: str = "target") -> list[_Job]:
+    """The main (if the row has a source) and sub job of every entry, with the loss's bridge ends."""
+    from .lbm import stream_ends
+
+    jobs = []
+    for k, (e, name) in enumerate(zip(entries, names)):
+        row = {"entry_id": [e.entry_id], "target_latents": [e.target_latents],
+               "lbm_source_latents": [e.lbm_source_latents], "sub_noise": [e.sub_noise],
+               "ref_gt_latents": [e.ref_gt_latents], "sub_noise_ref_gt": [e.sub_noise_ref_gt],
+               "back_mask": [e.back_mask]}
+        main = stream_ends(row, 0, want_sub=False)
+        if main.stream == "main":
+            jobs.append(_Job(f"{name}_main", k, "main", main.prior, main.target))
+        sub = stream_ends(row, 0, want_sub=True, sub_target=sub_target)
+        if sub.stream == "sub":
+            jobs.append(_Job(f"{name}_sub", k, "sub", sub.prior, sub.target))
+    return jobs
 
 
 @torch.no_grad()
-def sample_edits(predict, prompt_embs: Sequence[torch.Tensor], edit_latents: Sequence[Sequence[torch.Tensor]],
-                 shapes: Sequence[tuple[int, int]], num_steps: int, zero_cond_t: bool, cfg_scale: float = 1.0,
-                 negative_embs: Optional[Sequence[torch.Tensor]] = None, seed: int = NOISE_SEED,
-                 device=None, dtype=torch.float32) -> list[torch.Tensor]:
-    """Euler flow-matching sampling of a batch of edits; returns ``[16, h, w]`` latents per sample.
+def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequence[_Job], *, lbm: bool, steps: int,
+                cfg: float, zero_cond_t: bool, bridge_noise: float = 0.0, device=None,
+                dtype: torch.dtype = torch.float32) -> list[Render]:
+    """Sample every job (flow matching, or LBM when ``lbm``), one sampler call per shape group."""
+    from ..inference.samplers import sample_bridge, sample_flow_match
 
-    ``predict(**dit_forward_kwargs) -> list`` runs the DiT. With ``cfg_scale > 1`` the
-    negative (empty-prompt) predictions come from the same batched forward.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    x = [torch.randn((16, h, w), generator=gen).to(device=device, dtype=torch.float32) for h, w in shapes]
-    sigmas = [sampler_sigmas(num_steps, h, w) for h, w in shapes]
-    use_cfg = cfg_scale != 1.0 and negative_embs is not None
-    n = len(x)
-    for k in range(num_steps):
-        t = torch.stack([s[k] for s in sigmas]) * 1000
-        lat = [xi.to(dtype) for xi in x]
-        embs, edits = list(prompt_embs), list(edit_latents)
-        if use_cfg:
-            lat, t, embs, edits = lat + lat, torch.cat([t, t]), embs + list(negative_embs), edits + edits
-        v = predict(latents=lat, timesteps=t.to(device), prompt_embs=embs, edit_latents=edits,
-                    zero_cond_t=zero_cond_t)
-        v = [vi.float() for vi in v]
-        if use_cfg:
-            v = [neg + cfg_scale * (pos - neg) for pos, neg in zip(v[:n], v[n:])]
-        x = [xi + vi * float(s[k + 1] - s[k]) for xi, vi, s in zip(x, v, sigmas)]
-    return x
+    renders = {}
+    for group in _by_shape(jobs):
+        cond = _conditioning([entries[j.entry] for j in group], cfg, zero_cond_t, device, dtype)
+        velocity = runner_velocity(run_dit, cond, cfg, dtype)
+        prior = torch.stack([j.prior for j in group]).to(device=device, dtype=dtype)
+        if lbm:
+            generator = torch.Generator("cpu").manual_seed(entry_seed(group[0].entry))
+            out = sample_bridge(velocity, prior, LBM_STEPS, bridge_noise, generator)
+        else:
+            out = sample_flow_match(velocity, prior, steps)
+        for job, lat in zip(group, out):
+            renders[job.name] = Render(job.name, job.entry, job.stream, job.target, lat)
+    return [renders[j.name] for j in jobs]
+
+
+# --- images ----------------------------------------------------------------------------
+def side_by_side(panels: Sequence[Image.Image], height: Optional[int] = None) -> Image.Image:
+    """Panels left to right, each scaled to ``height`` (default: the last panel's, the model
+    output) keeping its aspect ratio; panels already that high are pasted unchanged."""
+    if not panels:
+        raise ValueError("side_by_side needs at least one image")
+    height = int(height or panels[-1].height)
+    scaled = [p if p.height == height else
+              p.resize((max(1, round(p.width * height / p.height)), height), Image.Resampling.BICUBIC)
+              for p in panels]
+    strip = Image.new("RGB", (sum(p.width for p in scaled), height), (255, 255, 255))
+    x = 0
+    for p in scaled:
+        strip.paste(p.convert("RGB"), (x, 0))
+        x += p.width
+    return strip
 
 
 class Validator:
@@ -90,6 +207,7 @@ class Validator:
         self.accelerator = accelerator
         self.dtype = dtype
         self._vae_pipe = None
+        self._panels: dict[tuple[int, str], Image.Image] = {}  # (entry, "reference"|"target"|"ref_gt"), decoded once
 
     def _zero3(self) -> bool:
         from transformers.integrations import is_deepspeed_zero3_enabled
@@ -108,39 +226,68 @@ class Validator:
                                            device=device, torch_dtype=self.dtype)
         return self._vae_pipe
 
+    def _objective(self, wrapped_module):
+        """(is LBM, LBMConfig) of the loss the module trains (its resolved ``RunConfig``)."""
+        from .lbm import lbm_config_of
+
+        config = getattr(self.accelerator.unwrap_model(wrapped_module), "config", None)
+        loss = getattr(getattr(config, "loss", None), "loss", "sft")
+        return loss == "lbm", lbm_config_of(config)
+
+    @torch.no_grad()
+    def render(self, wrapped_module, device, dtype, entries: Optional[Sequence[CacheEntry]] = None) -> list[Render]:
+        """Latents of every validation output; all ranks call this (the DiT runs collectively)."""
+        if entries is None:
+            entries = [self.store.load(i) for i in self.indices]
+        names = [output_name(k, e.entry_id) for k, e in enumerate(entries)]
+        is_lbm, lbm = self._objective(wrapped_module)
+        jobs = lbm_jobs(entries, names, lbm.lbm_sub_target) if is_lbm else flow_match_jobs(entries, names, dtype)
+
+        def run_dit(fn):
+            return wrapped_module(predict=fn)
+
+        was_training = wrapped_module.training
+        wrapped_module.eval()  # already so under the trainer; a no-op then
+        try:
+            return sample_jobs(run_dit, entries, jobs, lbm=is_lbm, steps=self.num_steps, cfg=self.cfg_scale,
+                               zero_cond_t=self.zero_cond_t, bridge_noise=lbm.lbm_bridge_noise, device=device,
+                               dtype=dtype)
+        finally:
+            wrapped_module.train(was_training)
+
     @torch.no_grad()
     def run(self, step: int, wrapped_module, device, dtype) -> dict:
-        """Render, decode and save; all ranks call this. Returns {name: PIL image} on the main process."""
+        """Render, decode and save; all ranks call this. Returns {name: strip image} on the main process."""
         entries = [self.store.load(i) for i in self.indices]
-        shapes = [tuple(e.target_latents.shape[1:]) for e in entries]
-
-        def to(t):
-            return t.to(device=device, dtype=dtype)
-
-        def predict(**kw):
-            return wrapped_module(predict=kw)
-
-        latents = sample_edits(
-            predict, [to(e.prompt_embs[0]) for e in entries], [[to(x) for x in e.edit_latents] for e in entries],
-            shapes, self.num_steps, self.zero_cond_t, self.cfg_scale,
-            negative_embs=[to(e.empty_prompt_emb) for e in entries], device=device, dtype=dtype)
+        renders = self.render(wrapped_module, device, dtype, entries)
         images = {}
         zero3 = self._zero3()
         if self.accelerator.is_main_process or zero3:
             from ..models.encoding import decode_latents
 
             pipe = self._pipe()
-            ctx = _gathered(pipe.vae) if zero3 else contextlib.nullcontext()
-            with ctx:
-                for k, (entry, lat) in enumerate(zip(entries, latents)):
-                    images[f"{k}-{_safe(entry.entry_id)}"] = decode_latents(pipe, lat)
+            with _gathered(pipe.vae) if zero3 else contextlib.nullcontext():
+                for r in renders:
+                    entry = entries[r.entry]
+                    which = "target" if r.target is entry.target_latents else "ref_gt"
+                    panels = [self._panel(pipe, (r.entry, which), r.target), decode_latents(pipe, r.latents)]
+                    if entry.edit_latents:  # a text-to-image row has no reference panel
+                        panels.insert(0, self._panel(pipe, (r.entry, "reference"), entry.edit_latents[0]))
+                    images[r.name] = side_by_side(panels)
         if self.accelerator.is_main_process:
             folder = self.output_dir / f"step-{step}"
             for name, img in images.items():
                 atomic_save(folder / f"{name}.png", lambda p, img=img: img.save(p))
-            log.info("validation: %d image(s) in %s", len(images), folder)
+            log.info("validation: %d image(s) [reference | target | output] in %s", len(images), folder)
             return images
         return {}
+
+    def _panel(self, pipe, key: tuple[int, str], latents: Tensor) -> Image.Image:
+        from ..models.encoding import decode_latents
+
+        if key not in self._panels:
+            self._panels[key] = decode_latents(pipe, latents)
+        return self._panels[key]
 
 
 def _safe(name: str) -> str:

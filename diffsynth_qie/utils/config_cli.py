@@ -3,7 +3,8 @@
 Every field becomes ``--<prefix><name>``; the field's type decides parsing:
 ``bool`` -> ``--flag/--no-flag``, ``list[T]``/``tuple[T,...]`` -> ``nargs='+'``,
 ``Optional[T]`` -> T with default None, ``Literal[...]``/``Enum`` -> ``choices``.
-Help text comes from ``field(metadata={"help": ...})``.
+Help text comes from ``field(metadata={"help": ...})``; parsers show defaults with
+``argparse.ArgumentDefaultsHelpFormatter`` (as ``qie`` and ``app_gradio.py`` do).
 """
 from __future__ import annotations
 
@@ -37,10 +38,9 @@ def _add_field(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dat
         default = None
     help_text = f.metadata.get("help", "")
     kwargs: dict[str, Any] = {"dest": f"{prefix}{f.name}", "default": default}
-    shown = f" (default: {default})" if default not in (None, "", [], ()) else ""
     origin = get_origin(tp)
     if tp is bool:
-        parser.add_argument(name, action=argparse.BooleanOptionalAction, help=help_text + shown, **kwargs)
+        parser.add_argument(name, action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
         return
     if origin in (list, tuple):
         inner = get_args(tp)[0] if get_args(tp) else str
@@ -55,7 +55,7 @@ def _add_field(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dat
         kwargs["type"] = tp
     if f.metadata.get("metavar"):
         kwargs["metavar"] = f.metadata["metavar"]
-    parser.add_argument(name, help=help_text + shown, **kwargs)
+    parser.add_argument(name, help=help_text, **kwargs)
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "", title: str | None = None) -> None:
