@@ -259,3 +259,14 @@ def markdown_report(rows: Sequence[dict], gpu: str, date: str) -> str:
     if infer:
         lines += ["", "## Edit inference", ""] + _inference_table(infer)
     return "\n".join(lines) + "\n"
+
+
+def start_run(cfg) -> tuple[torch.device, torch.dtype, dict[str, Any], str]:
+    """Shared opening of both benchmarks: logging (script runs only; under pytest or an app their
+    logging stays), the device/dtype, the environment facts every row carries, and the date."""
+    from diffsynth_qie.utils.logging import setup_logging
+
+    if not logging.getLogger().handlers:
+        setup_logging(cfg.log_level)
+    device, dtype = resolve_device(cfg.tiny, cfg.device)
+    return device, dtype, env_info(device), today()

@@ -205,14 +205,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark; returns ``{"json", "markdown", "rows", "parity"}``."""
     from diffsynth_qie.inference import Editor
     from diffsynth_qie.models.encoding import encode_prompt
-    from diffsynth_qie.utils.logging import setup_logging
 
     cfg = parse_args(argv)
-    if not logging.getLogger().handlers:  # a script run; under pytest/an app, keep their logging
-        setup_logging(cfg.log_level)
-    device, dtype = common.resolve_device(cfg.tiny, cfg.device)
-    env = common.env_info(device)
-    date = common.today()
+    device, dtype, env, date = common.start_run(cfg)
     t0 = time.perf_counter()
     pipe = build_pipeline(cfg, device, dtype)
     editor = Editor(pipe, zero_cond_t=True)

@@ -362,14 +362,8 @@ def parse_args(argv: Sequence[str] | None) -> TrainBenchConfig:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark; returns ``{"json": path, "markdown": path, "rows": [...], "parity": ...}``."""
-    from diffsynth_qie.utils.logging import setup_logging
-
     cfg = parse_args(argv)
-    if not logging.getLogger().handlers:  # a script run; under pytest/an app, keep their logging
-        setup_logging(cfg.log_level)
-    device, dtype = common.resolve_device(cfg.tiny, cfg.device)
-    env = common.env_info(device)
-    date = common.today()
+    device, dtype, env, date = common.start_run(cfg)
     specs = plan_cases(cfg)
     modes = list(cfg.checkpointing) + ([f"every_{cfg.selective_checkpointing}"] if cfg.selective_checkpointing else [])
     if cfg.selective_checkpointing < 0:
