@@ -24,15 +24,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 log = logging.getLogger("diffsynth_qie")
+VERBOSE_HELP = "debug logging, including what DiffSynth and ModelScope print while loading models"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qie", description=__doc__.splitlines()[0])
     parser.add_argument("--log_level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        # also after the subcommand (`qie train ... --verbose`); SUPPRESS keeps a top-level --verbose
+        p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
         mod = importlib.import_module(f"diffsynth_qie.commands.{module}")
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
@@ -42,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging("DEBUG" if args.verbose else args.log_level)
     try:
         code = args._run(args)
     except ValueError as e:  # user errors: one clear line, no traceback

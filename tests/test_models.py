@@ -270,6 +270,65 @@ def test_shared_components_found_in_the_presets_own_repo_folder(offline_hub, tin
     assert resolved.model_components == ["text_encoder"]
 
 
+def test_modelscope_cache_found_through_modelscope(offline_hub, tiny_model_dir):
+    """A repo in ModelScope's own cache layout (models/<owner>--<name>/snapshots/<rev>, as `modelscope download`
+    writes it) is found by asking ModelScope, without the hub and without creating anything."""
+    snapshot = offline_hub / "ms-cache" / "models" / "Qwen--Qwen-Image-Edit-2509" / "snapshots" / "0123abcd"
+    (snapshot / "transformer").mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "master").write_text("0123abcd")
+    shard = snapshot / "transformer" / "diffusion_pytorch_model-00001-of-00001.safetensors"
+    shutil.copy(Path(tiny_model_dir) / tiny.DIT_FILE, shard)
+    before = sorted(str(p) for p in offline_hub.rglob("*"))
+    resolved = resolve_model_configs("2509", components=("dit",))
+    assert resolved.paths() == {"dit": [str(shard)]}
+    assert sorted(str(p) for p in offline_hub.rglob("*")) == before
+
+
+def test_diffsynth_loader_prints_become_debug_logs(tiny_model_dir, capfd, caplog):
+    """DiffSynth prints each loaded model's config and a line per optional model it lacks: they must not reach
+    the terminal by default, and must be in the DEBUG log (what --verbose shows)."""
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="diffsynth"):
+        load_pipeline("tiny", model_dir=tiny_model_dir, components=("vae",), device="cpu")
+    out, err = capfd.readouterr()
+    assert "Loaded model" not in out + err and "This is not an error" not in out + err
+    debug = [r.getMessage() for r in caplog.records if r.name == "diffsynth" and r.levelno == logging.DEBUG]
+    assert any("Loaded model" in m for m in debug) and any("This is not an error" in m for m in debug)
+
+
+def test_transformers_config_warnings_shown_at_most_once(tiny_model_dir):
+    """What transformers' own handler writes while two text encoders load: each warning at most once, and the
+    RoPE-config warnings DiffSynth's Qwen2.5-VL config triggers (harmless) not at all."""
+    import io
+
+    import transformers.utils.logging as tlog
+
+    handler = tlog._get_library_root_logger().handlers[0]
+    stream = io.StringIO()
+    old = handler.setStream(stream)
+    try:
+        for _ in range(2):
+            load_pipeline("tiny", model_dir=tiny_model_dir, components=("text_encoder",), device="cpu")
+        tlog.get_logger("transformers.some_module").warning("another warning")
+        tlog.get_logger("transformers.some_module").warning("another warning")
+    finally:
+        handler.setStream(old)
+    text = stream.getvalue()
+    assert "rope_scaling" not in text and "Unrecognized keys" not in text
+    assert text.count("another warning") == 1
+
+
+def test_cli_verbose_flag_before_or_after_the_subcommand():
+    from diffsynth_qie.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--verbose", "make-tiny", "--out", "x"]).verbose is True
+    assert parser.parse_args(["make-tiny", "--out", "x", "--verbose"]).verbose is True
+    assert parser.parse_args(["make-tiny", "--out", "x"]).verbose is False
+
+
 # --- fingerprints ----------------------------------------------------------------
 def test_weights_fingerprint(tiny_model_dir, tmp_path):
     d = Path(tiny_model_dir)

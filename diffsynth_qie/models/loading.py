@@ -13,10 +13,15 @@ Where files are looked for, per component:
 1. ``model_dir`` (if given): the preset's relative pattern inside it, i.e. the
    layout of ``modelscope download --model Qwen/Qwen-Image-Edit-2511 --local_dir DIR``.
 2. otherwise DiffSynth's own download folder ``$DIFFSYNTH_MODEL_BASE_PATH/<model_id>``
-   (default ``./models/<model_id>``) and ModelScope's cache
-   (``$MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``);
+   (default ``./models/<model_id>``) and ModelScope's cache, as ModelScope itself
+   finds it (``snapshot_download(..., local_files_only=True)``: ``$MODELSCOPE_CACHE``,
+   its current and legacy layouts; nothing is downloaded or created);
 3. otherwise DiffSynth downloads it, unless ``DIFFSYNTH_SKIP_DOWNLOAD`` is true or
    the hub is unreachable, in which case :func:`load_pipeline` fails fast.
+
+DiffSynth's loader prints a download-source box, every loaded model's config as
+JSON and a line per optional model it did not find; :func:`load_pipeline` sends
+those lines to the ``diffsynth`` logger at DEBUG (``qie --verbose`` shows them).
 
 The ``tiny`` preset lives in ``$QIE_HOME/models/Qwen-Image-Edit-tiny`` by default
 (``QIE_HOME`` defaults to ``~/.cache/diffsynth-qie``) and is built there on first use.
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 from urllib.parse import urlparse
 
+from ..utils.logging import library_logs_to_debug, library_warnings_once, prints_to_log
 from .presets import Preset, Source, get_preset
 
 log = logging.getLogger(__name__)
@@ -58,10 +64,24 @@ def diffsynth_model_base() -> Path:
     return Path(os.environ.get("DIFFSYNTH_MODEL_BASE_PATH") or "./models")
 
 
-def _modelscope_cache_dirs(model_id: str) -> list[Path]:
-    root = Path(os.environ.get("MODELSCOPE_CACHE") or Path.home() / ".cache" / "modelscope" / "hub").expanduser()
-    # modelscope >= 1.x stores snapshots under models/<owner>/<name>; older ones under <owner>/<name>.
-    return [root / "models" / model_id, root / model_id]
+def _modelscope_snapshot(model_id: str) -> list[Path]:
+    """ModelScope's cached snapshot folder of ``model_id`` (``[]`` if it has none), found by ModelScope's own
+    ``snapshot_download(local_files_only=True)``: no network, nothing created, every cache layout it knows
+    (current and pre-1.38). Not asked at all when the cache root (``$MODELSCOPE_CACHE``, default
+    ``~/.cache/modelscope``) does not exist, which keeps a hopeless load fast."""
+    root = Path(os.environ.get("MODELSCOPE_CACHE") or Path.home() / ".cache" / "modelscope").expanduser()
+    if not root.is_dir():
+        return []
+    try:  # modelscope >= 1.38 delegates to the light modelscope-hub package (no torch import)
+        from modelscope_hub.compat.snapshot_download import snapshot_download
+    except ImportError:
+        from modelscope.hub.snapshot_download import snapshot_download
+    with library_logs_to_debug("modelscope", "modelscope_hub"):  # "using cached revision ..." is not news
+        try:
+            return [Path(snapshot_download(model_id=model_id, local_files_only=True))]
+        except Exception as e:  # CacheNotFound and friends: not cached here
+            log.debug("no ModelScope cache of %s: %s", model_id, e)
+            return []
 
 
 def _skip_download() -> bool:
@@ -121,6 +141,15 @@ def _shards_complete(files: list[str]) -> bool:
     return True
 
 
+def _candidate_roots(repos: Sequence[str]):
+    """Where downloaded repos may lie, cheapest first: DiffSynth's download folder, then ModelScope's cache
+    (asked lazily: most loads are satisfied by the first)."""
+    for repo in repos:
+        yield diffsynth_model_base() / repo
+    for repo in repos:
+        yield from _modelscope_snapshot(repo)
+
+
 def _required_components(components: Iterable[str]) -> list[str]:
     components = list(components)
     bad = [c for c in components if c not in MODEL_COMPONENTS]
@@ -168,8 +197,7 @@ def resolve_model_configs(preset: str | Preset, model_dir: str | os.PathLike | N
             # DiffSynth's download folder and ModelScope's cache, for the component's own
             # repo and for the preset's repo (every Edit repo holds all five components).
             repos = list(dict.fromkeys((source.model_id, preset.repo_id)))
-            roots = [diffsynth_model_base() / r for r in repos] + [d for r in repos for d in _modelscope_cache_dirs(r)]
-            paths = next((p for p in (_find_local(r, source) for r in roots) if p is not None), None)
+            paths = next((p for p in (_find_local(r, source) for r in _candidate_roots(repos)) if p is not None), None)
             if paths is None:
                 missing.append(f"{name}: {source.pattern} of {source.model_id} "
                                f"(looked in {(diffsynth_model_base() / source.model_id).resolve()})")
@@ -230,7 +258,11 @@ def _hub_address() -> tuple[str, int]:
 
 
 def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
-    """One TCP connect to the hub (DNS included) bounded by ``timeout`` seconds."""
+    """One TCP connect to the hub (DNS included) bounded by ``timeout`` seconds.
+
+    Not a ModelScope API call: ``HubApi(timeout=..., max_retries=0).get_model`` still
+    takes about 16 s to give up on a refused connection, which is the wait this check
+    exists to avoid."""
     host, port = _hub_address()
     result: list[bool] = []
 
@@ -287,6 +319,7 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
     for DiffSynth's VRAM management on small GPUs).
     """
     preset = get_preset(preset_or_name, zero_cond_t=zero_cond_t)
+    library_warnings_once()
     if preset.is_tiny:
         from .tiny import ensure_tiny, register_tiny_model_configs
 
@@ -300,12 +333,13 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
     if model_config_kwargs:
         _apply_model_config_kwargs(resolved, model_config_kwargs)
     try:
-        pipe = QwenImagePipeline.from_pretrained(
-            torch_dtype=torch_dtype, device=device, model_configs=resolved.model_configs,
-            # Explicit None (not DiffSynth's default) so nothing falls back to a hub download.
-            tokenizer_config=resolved.tokenizer_config, processor_config=resolved.processor_config,
-            vram_limit=vram_limit,
-        )
+        with prints_to_log("diffsynth"):
+            pipe = QwenImagePipeline.from_pretrained(
+                torch_dtype=torch_dtype, device=device, model_configs=resolved.model_configs,
+                # Explicit None (not DiffSynth's default) so nothing falls back to a hub download.
+                tokenizer_config=resolved.tokenizer_config, processor_config=resolved.processor_config,
+                vram_limit=vram_limit,
+            )
     except ValueError as e:
         if "Cannot detect the model type" not in str(e):
             raise

@@ -264,7 +264,9 @@ def build_tiny(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     import transformers
 
     from ..utils.atomic import atomic_path, atomic_write_json
+    from ..utils.logging import library_warnings_once
 
+    library_warnings_once()
     out_dir = Path(out_dir)
     # The info file marks a finished build: drop an old one first so a build killed
     # half-way through overwriting never looks complete.
