@@ -57,6 +57,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 import torch
 
 from benchmarks import build, common, flops
+from benchmarks.stock_step import make_stock_step, stock_inputs, stock_pipeline  # noqa: F401
 from benchmarks.flops import SampleShape
 
 log = logging.getLogger("benchmarks.train_step")
@@ -161,31 +162,6 @@ def ours_batch(entries: Sequence[dict]) -> dict:
             "prompt_emb": [e["prompt"] for e in entries], "back_mask": [None] * len(entries)}
 
 
-def stock_inputs(entry: dict, gradient_checkpointing: bool) -> dict:
-    """The cached input dict DiffSynth's ``sft:train`` feeds ``FlowMatchSFTLoss`` (batch 1, 2511)."""
-    h, w = entry["target"].shape[-2:]
-    return {
-        "input_latents": entry["target"][None], "edit_latents": [r[None] for r in entry["refs"]],
-        "prompt_emb": entry["prompt"][None],
-        "prompt_emb_mask": torch.ones(1, entry["prompt"].shape[0], dtype=torch.long, device=entry["prompt"].device),
-        "height": int(h) * 8, "width": int(w) * 8, "zero_cond_t": True, "edit_rope_interpolation": False,
-        "use_gradient_checkpointing": gradient_checkpointing, "use_gradient_checkpointing_offload": False,
-        "cfg_scale": 1,
-    }
-
-
-# --- the two training steps ------------------------------------------------------------
-def stock_pipeline(dit, device, dtype):
-    """A ``QwenImagePipeline`` holding only the DiT, its scheduler in training mode (as DiffSynth's trainer)."""
-    from diffsynth.pipelines.qwen_image import QwenImagePipeline, QwenImageBlockwiseMultiControlNet
-
-    pipe = QwenImagePipeline(device=str(device), torch_dtype=dtype)
-    pipe.dit = dit
-    pipe.blockwise_controlnet = QwenImageBlockwiseMultiControlNet([])
-    pipe.scheduler.set_timesteps(1000, training=True)
-    return pipe
-
-
 def our_module(dit, rank: int, gradient_checkpointing: bool, batch_size: int):
     """Our ``QIETrainingModule`` for the 2511 preset (injects the LoRA into ``dit`` in place)."""
     from diffsynth_qie.models.presets import get_preset
@@ -231,26 +207,6 @@ def make_ours_step(module, entries, seed: int, autocast_dtype: torch.dtype | Non
             torch.nn.utils.clip_grad_norm_(params, max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, optimizer
-
-
-def make_stock_step(pipe, params, entry, gradient_checkpointing: bool
-                    ) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
-    """DiffSynth's step: ``FlowMatchSFTLoss`` + backward + AdamW + ``ConstantLR`` (runner.py's defaults)."""
-    from diffsynth.diffusion.loss import FlowMatchSFTLoss
-
-    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-2)
-    scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer)
-    inputs = stock_inputs(entry, gradient_checkpointing)
-
-    def step() -> torch.Tensor:
-        loss = FlowMatchSFTLoss(pipe, **inputs)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
         return loss.detach()
 
     return step, optimizer
