@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MODELSCOPE_CACHE", "/nonexistent-modelscope-cache")
 
 import importlib.util
+import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,27 @@ _spec = importlib.util.spec_from_file_location(
     "make_train_loss_curve", Path(__file__).parent / "assets" / "make_train_loss_curve.py")
 curve_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(curve_script)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (for launchers and servers the tests start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """One intra-op thread for the whole run: tiny tensors gain nothing from more, and on a busy 2-core machine
+    OpenMP's spinning threads made tiny runs up to 10-15x slower (an edit 0.4 s -> 3.7 s, the LBM toy training
+    7 s -> 130 s). Subprocess tests set OMP_NUM_THREADS=1 for the same reason. Thread count does not change
+    the numbers the tests pin (the pinned loss curve is identical with 1 and 2 threads)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

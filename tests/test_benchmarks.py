@@ -20,15 +20,6 @@ if str(REPO) not in sys.path:
 from benchmarks import build, common, flops  # noqa: E402
 from benchmarks.flops import DiTDims, SampleShape  # noqa: E402
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread avoids oversubscription on busy CI cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 TINY_DIMS = DiTDims(dim=64, num_layers=2, text_dim=32, in_channels=64, ff_mult=4, timestep_dim=256)
 
 
