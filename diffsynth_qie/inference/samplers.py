@@ -18,9 +18,9 @@ toy model in the LBM tests, or a DiT under training (validation). Convention
   last. :func:`bridge_sigmas`, :func:`bridge_step`, :func:`bridge_interpolate` and
   :func:`bridge_target` are the pure math the LBM loss shares.
 
-Timesteps are cast to the pipeline dtype before the DiT sees them, exactly as
-DiffSynth's pipeline and its training loss do (bf16 rounds 1000·σ), so LoRAs see
-the same values at training and inference.
+Timesteps stay fp32 here: ``dit_forward`` casts them to the DiT's compute dtype, exactly
+as DiffSynth's pipeline and its training loss do (bf16 rounds 1000·σ), so LoRAs see the
+same values at training, validation and inference.
 """
 from __future__ import annotations
 
@@ -102,12 +102,11 @@ def predict_velocity(dit, x: Tensor, timesteps: Tensor, cond: Conditioning, cfg:
     return neg + cfg * (pos - neg)
 
 
-def dit_velocity(dit, cond: Conditioning, cfg: float = 1.0, timestep_dtype: torch.dtype | None = None) -> VelocityFn:
-    """A :data:`VelocityFn` driving ``dit``; timesteps are cast to ``timestep_dtype`` (the pipe dtype)."""
+def dit_velocity(dit, cond: Conditioning, cfg: float = 1.0) -> VelocityFn:
+    """A :data:`VelocityFn` driving ``dit`` (``dit_forward`` casts the timesteps to the DiT's dtype)."""
 
     def velocity(x: Tensor, timesteps: Tensor) -> Tensor:
-        t = timesteps.to(device=x.device, dtype=timestep_dtype or x.dtype)
-        return predict_velocity(dit, x, t, cond, cfg)
+        return predict_velocity(dit, x, timesteps.to(device=x.device), cond, cfg)
 
     return velocity
 

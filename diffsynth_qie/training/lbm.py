@@ -224,7 +224,7 @@ def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = 
     bridge = make_bridge_batch(batch, lbm, generator)
     first = bridge.noisy[0]
     pred = dit_forward(
-        dit, bridge.noisy, bridge.timesteps.to(first.device, first.dtype), batch["prompt_emb"], batch["edit_latents"],
+        dit, bridge.noisy, bridge.timesteps.to(first.device), batch["prompt_emb"], batch["edit_latents"],
         zero_cond_t=bool(config.train.zero_cond_t),
         use_gradient_checkpointing=bool(config.train.gradient_checkpointing) and torch.is_grad_enabled(),
     )

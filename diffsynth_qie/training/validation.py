@@ -90,7 +90,7 @@ class _Job:
 
 
 # --- sampling through inference.samplers ---------------------------------------------
-def runner_velocity(run_dit: DiTRunner, cond, cfg: float, dtype: torch.dtype):
+def runner_velocity(run_dit: DiTRunner, cond, cfg: float):
     """The samplers' ``dit_velocity`` with every DiT call made by ``run_dit`` (the wrapped module).
 
     The velocity is cast to the latents' dtype: accelerate's mixed-precision wrapper
@@ -99,7 +99,7 @@ def runner_velocity(run_dit: DiTRunner, cond, cfg: float, dtype: torch.dtype):
     from ..inference.samplers import dit_velocity
 
     def velocity(x: Tensor, timesteps: Tensor) -> Tensor:
-        return run_dit(lambda dit: dit_velocity(dit, cond, cfg, dtype)(x, timesteps)).to(x.dtype)
+        return run_dit(lambda dit: dit_velocity(dit, cond, cfg)(x, timesteps)).to(x.dtype)
 
     return velocity
 
@@ -161,7 +161,7 @@ def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequenc
     renders = {}
     for group in _by_shape(jobs):
         cond = _conditioning([entries[j.entry] for j in group], cfg, zero_cond_t, device, dtype)
-        velocity = runner_velocity(run_dit, cond, cfg, dtype)
+        velocity = runner_velocity(run_dit, cond, cfg)
         prior = torch.stack([j.prior for j in group]).to(device=device, dtype=dtype)
         if lbm:
             generator = torch.Generator("cpu").manual_seed(entry_seed(group[0].entry))
