@@ -269,6 +269,40 @@ def test_trainable_parameters_are_exactly_the_lora_set(tiny_model_dir, cache_dir
             cache_dir, tmp_path, tiny_model_dir, {"lora": {"lora_target_modules": ["to_q", "no_such_layer"]}})), "tiny")
 
 
+def test_prodigy_schedule_free_is_refused_under_sharded_deepspeed():
+    """Prodigy's d would be estimated per ZeRO shard with several processes: refused, naming DDP / AdamW."""
+    from diffsynth_qie.training.config import OptimConfig
+    from diffsynth_qie.training.optim import check_schedule_free_sharding
+
+    sf, adamw = OptimConfig(optimizer="prodigy_sf"), OptimConfig(optimizer="adamw")
+    for stage in (2, 3):
+        ds = {"zero_optimization": {"stage": stage}, "gradient_clipping": 0}
+        with pytest.raises(ValueError, match=r"(?s)prodigy_sf.*2 processes.*--multi_gpu.*adamw"):
+            check_schedule_free_sharding(sf, ds, 2)
+        check_schedule_free_sharding(sf, ds, 1)      # one process holds the whole flat group: same d
+        check_schedule_free_sharding(adamw, ds, 8)   # AdamW has no global step-size estimate
+    check_schedule_free_sharding(sf, None, 8)        # DDP: whole parameters, averaged gradients
+
+
+def test_schedule_free_eval_refuses_an_engine_it_cannot_sync():
+    """An engine whose module weights cannot receive the average x is an error, not a silent save of y;
+    the optimizer is left in training mode."""
+    import types
+
+    from diffsynth_qie.training.config import OptimConfig
+    from diffsynth_qie.training.optim import build_optimizer, schedule_free_eval
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = build_optimizer([p], OptimConfig(optimizer="prodigy_sf", learning_rate=1.0))
+    engine = types.SimpleNamespace(optimizer=object())  # neither ZeRO-1/2 nor ZeRO-3
+    with pytest.raises(ValueError, match="schedule-free average"):
+        with schedule_free_eval(opt, engine):
+            pass
+    assert opt.param_groups[0]["train_mode"] is True
+    with schedule_free_eval(opt, None) as held:  # no engine: eval() moves the parameters themselves
+        assert held == "schedule-free average x"
+
+
 def _grads(module):
     return {n: p.grad.detach().clone() for n, p in module.trainable_named_parameters() if p.grad is not None}
 

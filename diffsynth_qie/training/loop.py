@@ -148,7 +148,7 @@ def setup(config: RunConfig) -> _Run:
     from . import checkpoint as ckpt
     from .data import build_training_data
     from .module import QIETrainingModule
-    from .optim import build_lr_scheduler, build_optimizer, check_clipping
+    from .optim import build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding
     from .tracking import Tracker
     from .validation import Validator
 
@@ -157,6 +157,7 @@ def setup(config: RunConfig) -> _Run:
     preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
     cfg = config.resolved(preset)
     check_clipping(cfg.optim, ds_config)
+    check_schedule_free_sharding(cfg.optim, ds_config, accelerator.num_processes)
     t = cfg.train
     log.info("training %s (zero_cond_t=%s) on %d process(es), %s, mixed precision %s", preset.name, t.zero_cond_t,
              accelerator.num_processes, "DeepSpeed ZeRO-%s" % ds_config.get("zero_optimization", {}).get("stage")

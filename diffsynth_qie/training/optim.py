@@ -11,7 +11,10 @@ DeepSpeed ZeRO the optimizer only sees ZeRO's flat fp32 partitions, so ``eval()`
 those and *not* the module's bf16 weights; :func:`schedule_free_eval` therefore copies
 the fp32 partitions back into the module weights after ``eval()`` and again after
 ``train()`` (DeepSpeed's own ``update_lp_params`` / stage-3 re-partition), so
-validation and saved LoRAs use ``x`` under ZeRO as well.
+validation and saved LoRAs use ``x`` under ZeRO as well; an engine it cannot do that
+for is an error, never a silent save of ``y``. Under DeepSpeed with several processes
+Prodigy would estimate its step size per shard: :func:`check_schedule_free_sharding`
+refuses that (train LoRAs with DDP).
 """
 from __future__ import annotations
 
@@ -111,6 +114,25 @@ def check_clipping(config: OptimConfig, ds_config: Optional[dict] = None) -> Non
                          "(deepspeed_configs/*lbm* do)")
 
 
+def check_schedule_free_sharding(config: OptimConfig, ds_config: Optional[dict], num_processes: int) -> None:
+    """Refuse ProdigyPlusScheduleFree under DeepSpeed with more than one process.
+
+    Under DeepSpeed the client optimizer steps each rank's own flat partition, and Prodigy's
+    step-size estimate ``d`` is computed from that partition alone (no cross-rank reduction):
+    every rank would move its shard at its own rate, unlike a single-process run. DDP keeps
+    whole parameters on every rank (gradients averaged), so ``d`` is the same everywhere and
+    equals the single-process value. One process under DeepSpeed holds the whole flat group.
+    """
+    config = config.resolved()
+    if config.optimizer != "prodigy_sf" or ds_config is None or num_processes <= 1:
+        return
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    raise ValueError(f"--optimizer prodigy_sf under DeepSpeed (ZeRO stage {stage}) with {num_processes} processes "
+                     "would estimate its step size per shard, so every rank would train at its own rate; train "
+                     "the LoRA with DDP instead (`accelerate launch --multi_gpu`, no DeepSpeed config: with "
+                     "Qwen-Image-Edit-LBM.sh leave DS_CONFIG unset), or use --optimizer adamw under DeepSpeed")
+
+
 def _zero_optimizer(engine: Any) -> Any:
     return getattr(engine, "optimizer", None) if engine is not None else None
 
@@ -177,13 +199,15 @@ def schedule_free_eval(optimizer: Any, engine: Any = None) -> Iterator[str]:
         yield "trained weights"
         return
     set_schedule_free_mode(optimizer, False, engine)
-    synced = engine is not None and sync_deepspeed_module_weights(engine)
-    if engine is not None and not synced:
-        log.warning("could not copy the schedule-free average into the DeepSpeed module weights: "
-                    "validation and saved LoRAs use the training point y, not the average x")
+    if engine is not None and not sync_deepspeed_module_weights(engine):
+        # Saving now would silently store the training point y as if it were the average x.
+        set_schedule_free_mode(optimizer, True, engine)
+        raise ValueError(f"cannot copy the schedule-free average into the module weights of this DeepSpeed "
+                         f"engine (its optimizer {type(_zero_optimizer(engine)).__name__} is neither ZeRO-1/2 "
+                         "nor ZeRO-3); train with --optimizer adamw, or with DDP (no DeepSpeed config)")
     try:
-        yield "schedule-free average x" if (engine is None or synced) else "schedule-free training point y"
+        yield "schedule-free average x"
     finally:
         set_schedule_free_mode(optimizer, True, engine)
-        if engine is not None and synced:
+        if engine is not None:
             sync_deepspeed_module_weights(engine)
