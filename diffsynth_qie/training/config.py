@@ -73,7 +73,7 @@ class OptimConfig:
     min_lr_ratio: float = field(default=0.0, metadata=_help("cosine: final learning rate as a fraction of the peak"))
     max_grad_norm: Optional[float] = field(default=None, metadata=_help(
         "clip the gradient norm (0 = off); default 1.0 for adamw, 0 for prodigy_sf (which refuses clipping). "
-        "Under DeepSpeed the config's gradient_clipping applies instead"))
+        "Under DeepSpeed it is written into the config's gradient_clipping (\"auto\" there)"))
 
     def resolved(self) -> "OptimConfig":
         """A copy with every ``None`` replaced by the optimizer's default."""

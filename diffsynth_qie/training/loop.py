@@ -148,7 +148,8 @@ def setup(config: RunConfig) -> _Run:
     from . import checkpoint as ckpt
     from .data import build_training_data
     from .module import QIETrainingModule
-    from .optim import build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding
+    from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
+                        configure_deepspeed)
     from .tracking import Tracker
     from .validation import Validator
 
@@ -176,11 +177,7 @@ def setup(config: RunConfig) -> _Run:
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
     if ds_config is not None:
-        if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-            ds_config["train_micro_batch_size_per_gpu"] = t.batch_size  # we prepare no DataLoader
-        if cfg.optim.max_grad_norm:
-            log.info("DeepSpeed clips gradients per its config (gradient_clipping=%s); --max_grad_norm is not used",
-                     ds_config.get("gradient_clipping"))
+        configure_deepspeed(ds_config, cfg.optim, t.batch_size)  # micro-batch size and --max_grad_norm
     wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler)
     ckpt.install_state_hooks(accelerator, module)
 
@@ -236,7 +233,8 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
     from .data import batch_image_tokens, iterate_batches
 
     t, acc, state = run.cfg.train, run.accelerator, run.state
-    max_norm = run.cfg.optim.max_grad_norm if run.engine is None else 0.0  # DeepSpeed clips per its JSON
+    # DeepSpeed clips itself (setup wrote --max_grad_norm into its config)
+    max_norm = run.cfg.optim.resolved().max_grad_norm if run.engine is None else 0.0
     result = TrainResult(lora_path=Path(t.output_dir) / ckpt.LORA_NAME, steps=state.step, total_steps=run.total_steps)
     stream = iterate_batches(run.dataset, run.sampler, state.position, t.num_workers)
     bar = tqdm(total=run.total_steps, initial=state.step, disable=not acc.is_main_process, unit="step",

@@ -89,29 +89,38 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, to
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def deepspeed_gradient_clipping(ds_config: Optional[dict]) -> float:
-    """The gradient_clipping a DeepSpeed config will apply (accelerate turns a missing key into 1.0)."""
-    if ds_config is None:
-        return 0.0
-    value = ds_config.get("gradient_clipping", "auto")
-    if value == "auto" or value is None:
-        return 1.0
-    return float(value)
+def check_clipping(config: OptimConfig, ds_config: Optional[dict] = None) -> float:
+    """The gradient-norm clip of the run (0 = off): ``--max_grad_norm`` resolved per optimizer.
 
-
-def check_clipping(config: OptimConfig, ds_config: Optional[dict] = None) -> None:
-    """Refuse gradient clipping with a schedule-free Prodigy (it defeats the step-size estimate)."""
+    ``--max_grad_norm`` is the one place clipping is configured: :func:`configure_deepspeed`
+    writes it into the DeepSpeed config, whose shipped ``gradient_clipping`` is ``"auto"``. A
+    config that sets another number is refused rather than silently preferred. A schedule-free
+    Prodigy must not clip at all (it defeats the step-size estimate).
+    """
     config = config.resolved()
-    if config.optimizer != "prodigy_sf":
-        return
-    if config.max_grad_norm and config.max_grad_norm > 0:
+    norm = float(config.max_grad_norm or 0.0)
+    if config.optimizer == "prodigy_sf" and norm > 0:
         raise ValueError(f"--optimizer prodigy_sf must not clip gradients, but --max_grad_norm is "
                          f"{config.max_grad_norm}; pass --max_grad_norm 0")
-    clip = deepspeed_gradient_clipping(ds_config)
-    if clip > 0:
-        raise ValueError(f"--optimizer prodigy_sf must not clip gradients, but the DeepSpeed config sets "
-                         f"gradient_clipping to {clip} (a missing key becomes 1.0); set \"gradient_clipping\": 0 "
-                         "(deepspeed_configs/*lbm* do)")
+    value = (ds_config or {}).get("gradient_clipping", "auto")
+    if value not in ("auto", None) and float(value) != norm:
+        if config.optimizer == "prodigy_sf":
+            raise ValueError(f"--optimizer prodigy_sf must not clip gradients, but the DeepSpeed config sets "
+                             f"gradient_clipping to {value}; set \"gradient_clipping\": \"auto\" (filled from "
+                             "--max_grad_norm, 0 for prodigy_sf) as deepspeed_configs/*.json do")
+        raise ValueError(f"the DeepSpeed config sets gradient_clipping to {value} but --max_grad_norm is {norm}; "
+                         "set \"gradient_clipping\": \"auto\" in the JSON (deepspeed_configs/*.json do) so "
+                         f"--max_grad_norm decides, or pass --max_grad_norm {value}")
+    return norm
+
+
+def configure_deepspeed(ds_config: dict, config: OptimConfig, micro_batch_size: int) -> None:
+    """Fill the run's values into the DeepSpeed config before ``accelerator.prepare``: the micro-batch size
+    (no DataLoader is prepared) and the gradient clipping (``--max_grad_norm``; accelerate would turn a
+    missing or ``"auto"`` value into 1.0)."""
+    if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    ds_config["gradient_clipping"] = check_clipping(config, ds_config)
 
 
 def check_schedule_free_sharding(config: OptimConfig, ds_config: Optional[dict], num_processes: int) -> None:
