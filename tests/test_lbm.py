@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffsynth_qie.inference import samplers
+from diffsynth_qie.models import sampling as samplers
 from diffsynth_qie.training import lbm
 from diffsynth_qie.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig
 from diffsynth_qie.models.bridge import bridge_interpolate, bridge_target
 from diffsynth_qie.training.lbm import (LBMConfig, draw_sigmas, lbm_loss,
                                         make_bridge_batch, stream_ends)
-from diffsynth_qie.training.losses import get_loss, mask_weights, per_sample_mse
+from diffsynth_qie.training.loss_common import mask_weights, per_sample_mse
+from diffsynth_qie.training.loss_registry import get_loss
 from diffsynth_qie.training.optim import check_clipping
 
 ROOT = Path(__file__).resolve().parents[1]

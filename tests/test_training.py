@@ -198,7 +198,7 @@ def test_timesteps_are_per_sample_from_the_qwen_schedule():
 
 
 def test_mask_weights_keep_the_loss_scale_and_ratio():
-    from diffsynth_qie.training.losses import mask_weights, per_sample_mse
+    from diffsynth_qie.training.loss_common import mask_weights, per_sample_mse
 
     pred = torch.zeros(16, 8, 8)
     target = torch.full((16, 8, 8), 2.0)  # uniform squared error 4

@@ -43,7 +43,7 @@ from PIL import Image
 from ..data.images import fit_to_budget, resize_to, to_rgb
 from ..models.encoding import decode_latents, encode_image, encode_prompt, white_latents
 from .masking import LatentMaskBlend, blend_pixels, check_strength, latent_keep_weight
-from .samplers import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
+from ..models.sampling import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,8 @@
 """Samplers: Qwen-Image flow matching (with true CFG in one batch) and the LBM bridge.
 
+Pure functions of a DiT forward, below training and inference: ``inference.Editor`` and
+training's validation (``training/validation.py``) both sample through this module.
+
 Both samplers take a *velocity function* ``velocity(x [B,16,h,w], timesteps [B]) -> v``
 rather than a DiT, so the same loop runs the real model (:func:`dit_velocity`), a
 toy model in the LBM tests, or a DiT under training (validation). Convention
@@ -29,9 +32,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..models.bridge import (bridge_interpolate, bridge_noise_scale, bridge_sigmas,  # noqa: F401 (re-exported)
+from .bridge import (bridge_interpolate, bridge_noise_scale, bridge_sigmas,  # noqa: F401 (re-exported)
                              bridge_step, bridge_target)
-from ..models.forward import dit_forward
+from .forward import dit_forward
 
 Tensor = torch.Tensor
 #: (x [B, 16, h, w], timesteps [B] on the 0..1000 scale) -> velocity [B, 16, h, w]
