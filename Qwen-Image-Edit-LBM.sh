@@ -3,7 +3,8 @@
 #   phase 1  `qie cache`: reuses the 2511 run's cache (outputs/qie-2511/cache) when it exists: re-running
 #            `qie cache` on it only checks it (unchanged rows are skipped); otherwise builds $OUTPUT_DIR/cache
 #   phase 2  `qie train --loss lbm`: source->target main stream + white->target sub-stream,
-#            ProdigyPlusScheduleFree (lr 1.0), gradient clipping off (deepspeed_configs/*_lbm.yaml on GPUs)
+#            ProdigyPlusScheduleFree (lr 1.0), gradient clipping off; on several GPUs DDP, not ZeRO
+#            (Prodigy's step-size estimate needs whole parameters on every rank)
 #   then     `qie edit --lbm_steps 1` with the new LoRA: writes after.png (main) and after_sub.png (sub-stream)
 # Start from an SFT LoRA of the same rank:  bash Qwen-Image-Edit-LBM.sh --lora_checkpoint outputs/qie-2511/lora.safetensors
 # With no environment set: tiny model + demo data on CPU, a few minutes.
@@ -17,11 +18,8 @@ if [ -z "${CACHE_DIR:-}" ] && [ -f "$SFT_CACHE/manifest.json" ]; then
   CACHE_DIR="$SFT_CACHE"
   echo "LBM: reusing the phase-1 cache of Qwen-Image-Edit-2511.sh: $CACHE_DIR"
 fi
-USER_DS_CONFIG="${DS_CONFIG+set}"
+DS_CONFIG="${DS_CONFIG-}"   # unset: no DeepSpeed (a single process, or DDP on several GPUs)
 launch_defaults qie-lbm 2511
-if [ -z "$USER_DS_CONFIG" ] && [ -n "$DS_CONFIG" ]; then   # GPUs: the ZeRO-3 config without clipping
-  DS_CONFIG="$ROOT/deepspeed_configs/zero3_lbm.yaml"
-fi
 
 TRAIN_FLAGS=(--loss lbm --zero_cond_t --gradient_accumulation_steps 16 --gradient_checkpointing)
 EDIT_FLAGS=(--zero_cond_t --lbm_steps 1)

@@ -12,7 +12,9 @@
 #   OUTPUT_DIR        checkpoints, LoRA, logs, validation images (default: outputs/<run name>)
 #   NUM_GPUS          processes per node (default: number of visible GPUs, 1 on CPU)
 #   NNODES NODE_RANK MASTER_ADDR MASTER_PORT   multi-node rendezvous (defaults: 1 0 127.0.0.1 29500)
-#   DS_CONFIG         accelerate config YAML (default: deepspeed_configs/zero3.yaml on GPUs, none on CPU)
+#   DS_CONFIG         accelerate config YAML, e.g. deepspeed_configs/zero2.yaml (default: deepspeed_configs/zero3.yaml
+#                     with more than one GPU process in all, none (a single process, no ZeRO) on one GPU or on
+#                     CPU; the LBM launcher defaults to none: DDP on several GPUs). DS_CONFIG= (empty) asks for none
 #   CACHE_ARGS        extra flags for phase 1 (`qie cache`), e.g. "--max_pixels 589824"
 #   QIE_SKIP_SETUP=1  don't run scripts/setup.sh first
 # Extra command-line arguments of the launcher go to phase 2 (`qie train`).
@@ -52,8 +54,13 @@ launch_defaults() {
   MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"; MASTER_PORT="${MASTER_PORT:-29500}"
   local gpus; gpus="$(gpu_count)"
   NUM_GPUS="${NUM_GPUS:-$(( gpus > 0 ? gpus : 1 ))}"
-  if [ -z "${DS_CONFIG+x}" ]; then
-    if [ "$gpus" -gt 0 ]; then DS_CONFIG="$ROOT/deepspeed_configs/zero3.yaml"; else DS_CONFIG=""; fi
+  GPU_COUNT="$gpus"
+  if [ -z "${DS_CONFIG+x}" ]; then   # ZeRO only where it shards something: several GPU processes
+    if [ "$gpus" -gt 0 ] && [ $(( NUM_GPUS * NNODES )) -gt 1 ]; then
+      DS_CONFIG="$ROOT/deepspeed_configs/zero3.yaml"
+    else
+      DS_CONFIG=""
+    fi
   fi
 }
 
@@ -64,7 +71,11 @@ qie_launch() {
     return
   fi
   local cfg=()
-  [ -z "$DS_CONFIG" ] || cfg=(--config_file "$DS_CONFIG")
+  if [ -n "$DS_CONFIG" ]; then
+    cfg=(--config_file "$DS_CONFIG")
+  elif [ "${GPU_COUNT:-0}" -gt 0 ]; then
+    cfg=(--multi_gpu --mixed_precision bf16)   # DDP: every GPU holds the whole (bf16) DiT
+  fi
   accelerate launch "${cfg[@]}" \
     --num_machines "$NNODES" --machine_rank "$NODE_RANK" \
     --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \

@@ -135,3 +135,39 @@ def test_bad_inputs_raise(dit):
         dit_forward(dit, [target, target], torch.tensor([1.0, 2.0, 3.0]), [torch.randn(4, TEXT_DIM)] * 2)
     with pytest.raises(ValueError, match="even h, w"):
         dit_forward(dit, [torch.randn(16, 7, 8)], torch.tensor([1.0]), [torch.randn(4, TEXT_DIM)])
+
+
+def test_timesteps_take_the_dit_dtype_as_in_diffsynth(dit, monkeypatch):
+    """bf16 DiT: ``dit_forward`` feeds the time embedding 1000·σ rounded to bf16, then /1000 in bf16, exactly
+    as DiffSynth's pipeline (``timestep.to(torch_dtype)``) feeds ``model_fn_qwen_image``, whether the caller
+    passes fp32 (training, validation) or bf16 timesteps (inference); the outputs equal DiffSynth's."""
+    import copy
+
+    from diffsynth.pipelines.qwen_image import model_fn_qwen_image
+
+    bf16 = copy.deepcopy(dit).to(torch.bfloat16)
+    seen = []
+    original = type(bf16.time_text_embed).forward
+
+    def spy(self, timestep, dtype, *args, **kwargs):
+        seen.append(timestep.detach().clone())
+        return original(self, timestep, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(type(bf16.time_text_embed), "forward", spy)
+    gen = torch.Generator().manual_seed(4)
+    target, edits, prompt = (x.to(torch.bfloat16) if isinstance(x, torch.Tensor) else [e.to(torch.bfloat16) for e in x]
+                             for x in make_sample(gen, 4, 4, [(4, 4)], 5))
+    t32 = torch.tensor([973.7])  # not representable in bf16 (-> 974.0)
+    with torch.no_grad():
+        ours32 = dit_forward(bf16, [target], t32, [prompt], [edits])[0]
+        ours16 = dit_forward(bf16, [target], t32.to(torch.bfloat16), [prompt], [edits])[0]
+        ref = model_fn_qwen_image(
+            dit=bf16, latents=target[None], timestep=t32.to(torch.bfloat16), prompt_emb=prompt[None],
+            prompt_emb_mask=torch.ones(1, prompt.shape[0], dtype=torch.long),
+            height=target.shape[1] * 8, width=target.shape[2] * 8, edit_latents=[e[None] for e in edits],
+        )[0]
+    ours_t, _, ref_t = seen
+    assert ours_t.dtype == ref_t.dtype == torch.bfloat16
+    assert torch.equal(ours_t, ref_t) and torch.equal(ours_t, t32.to(torch.bfloat16) / 1000)
+    assert float(ours_t[0]) != pytest.approx(0.9737, abs=1e-5)  # really rounded
+    assert torch.equal(ours32, ours16) and torch.equal(ours32, ref)

@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 
 from diffsynth_qie.inference import EditRequest, Editor, parse_device_map
-from diffsynth_qie.inference import samplers
+from diffsynth_qie.models import sampling as samplers
 from diffsynth_qie.inference.masking import blend_pixels, latent_keep_weight
-from diffsynth_qie.inference.samplers import (Conditioning, bridge_interpolate, bridge_sigmas, bridge_step,
+from diffsynth_qie.models.sampling import (Conditioning, bridge_interpolate, bridge_sigmas, bridge_step,
                                               bridge_target, predict_velocity, sample_bridge)
 
 PROMPT = "make the red circle blue"

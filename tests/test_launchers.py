@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,41 @@ def test_lbm_script_trains_and_writes_main_and_sub_images(tmp_path, demo_data_di
     out = run_script("Qwen-Image-Edit-LBM.sh", tmp_path, demo_data_dir)
     check_common(out, zero_cond_t=True, loss="lbm")
     assert Image.open(out / "after_sub.png").size == Image.open(out / "after.png").size
+
+
+def launch_plan(tmp_path: Path, gpus: int, script: str = "", **env_extra: str) -> str:
+    """What a launcher would run for `qie train` with ``gpus`` visible GPUs (``accelerate``, ``gpu_count`` and
+    the Python entry point replaced by stubs that print their arguments): no model, no GPU needed."""
+    prelude = f'''
+set -euo pipefail
+source "{ROOT}/scripts/launch_lib.sh"
+gpu_count() {{ echo {gpus}; }}
+accelerate() {{ echo "accelerate $*"; }}
+PY=echo
+split_training() {{ qie_launch train "${{TRAIN_FLAGS[@]}}"; }}
+after_training() {{ :; }}
+'''
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_CONFIG", "NUM_GPUS", "NNODES")}
+    env.update(QIE_SKIP_SETUP="1", DATASET_METADATA=str(tmp_path / "m.json"), OUTPUT_DIR=str(tmp_path / "o"),
+               **env_extra)
+    if script:  # the script without its own `source launch_lib.sh` line, which would replace the stubs
+        (tmp_path / "s.sh").write_text(re.sub(r"(?m)^source .*launch_lib\.sh.*$", ":", (ROOT / script).read_text()))
+        text = prelude + f'source "{tmp_path}/s.sh"'
+    else:
+        text = prelude + "launch_defaults run 2511; qie_launch train"
+    proc = subprocess.run(["bash", "-c", text], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_launchers_use_zero_only_with_several_gpu_processes(tmp_path):
+    one_gpu = launch_plan(tmp_path, 1)
+    assert not one_gpu.startswith("accelerate") and "train" in one_gpu  # a plain process, no ZeRO
+    assert "deepspeed_configs/zero3.yaml" in launch_plan(tmp_path, 4)
+    assert not launch_plan(tmp_path, 0).startswith("accelerate")  # CPU
+    asked = launch_plan(tmp_path, 1, DS_CONFIG="deepspeed_configs/zero2.yaml")  # unless the user asks for it
+    assert asked.startswith("accelerate") and "--config_file deepspeed_configs/zero2.yaml" in asked
+    # LBM (ProdigyPlusScheduleFree): DDP on several GPUs, a single process on one
+    lbm = launch_plan(tmp_path, 4, "Qwen-Image-Edit-LBM.sh")
+    assert "--multi_gpu" in lbm and "--config_file" not in lbm and "--loss lbm" in lbm
+    assert not launch_plan(tmp_path, 1, "Qwen-Image-Edit-LBM.sh").startswith("accelerate")

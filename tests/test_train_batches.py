@@ -373,3 +373,83 @@ def test_stream_resumes_exactly_with_the_bucket_sampler(jsonl_cache, demo_cache)
     assert [e[1] for e in full[:per_epoch]] == data.sampler.epoch_batches(0)
     for cut in (2, per_epoch - 1, per_epoch + 1):
         assert take(full[cut][0], 5) == full[cut + 1:cut + 6]
+
+
+# --- unequal micro-batches: every sample of the optimizer step counts once ------------------------
+def test_micro_loss_scale_weighs_every_sample_of_the_step_once():
+    """Simulated ranks with unequal micro-batches: after accelerate's 1/G and the DDP rank average,
+    each sample's weight in the step's gradient is 1/N (N = samples of the step over all ranks)."""
+    from diffsynth_qie.training.accumulation import micro_loss_scale, step_mean, step_sample_count
+
+    for sizes_per_rank in ([[1, 3]], [[1, 3], [2, 2]], [[4, 1, 2], [1, 1, 1], [3, 3, 3]]):
+        world, accumulation = len(sizes_per_rank), len(sizes_per_rank[0])
+        total = sum(step_sample_count(sizes) for sizes in sizes_per_rank)
+        weights = []  # what one sample of micro-batch m contributes: scale · (1/n_m) · (1/G) · (1/W)
+        for sizes in sizes_per_rank:
+            for n in sizes:
+                scale = micro_loss_scale(n, total, accumulation, world)
+                weights += [scale / n / accumulation / world] * n
+        assert len(weights) == total
+        assert weights == pytest.approx([1 / total] * total, rel=1e-12)
+        # the logged loss: mean over ranks of each rank's step_mean = Σ n_m·loss_m / N
+        losses = [[torch.tensor(float(7 * r + m + 1)) for m in range(accumulation)] for r in range(world)]
+        logged = sum(float(step_mean(ls, [micro_loss_scale(n, total, accumulation, world) for n in sizes]))
+                     for ls, sizes in zip(losses, sizes_per_rank)) / world
+        expected = sum(float(l) * n for ls, sizes in zip(losses, sizes_per_rank) for l, n in zip(ls, sizes)) / total
+        assert logged == pytest.approx(expected, rel=1e-6)
+    # equal micro-batches: the scale is exactly 1 (today's numbers, the pinned curve, stay bit for bit)
+    assert micro_loss_scale(2, 2 * 2 * 3, 2, 3) == 1.0
+
+
+def test_unequal_micro_batches_give_the_gradient_of_one_batch(cache_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """Micro-batches of 1 and 3 samples accumulated into one step give the gradient (and the logged loss)
+    of the per-sample mean over the 4 samples, i.e. of one batch of 4 with the same draws."""
+    from accelerate.utils import set_seed
+
+    from diffsynth_qie.cache.store import CacheStore
+    from diffsynth_qie.data.sampling import BucketBatchSampler
+    from diffsynth_qie.training import optim
+    from diffsynth_qie.training.data import CacheDataset, SampleKey, collate
+    from diffsynth_qie.training.loop import micro_seed, train
+    from diffsynth_qie.training.module import QIETrainingModule
+
+    micro_batches = [[0], [1, 2, 3]]
+    monkeypatch.setattr(BucketBatchSampler, "epoch_batches", lambda self, epoch: [list(b) for b in micro_batches])
+    spies = []
+
+    class GradSpy(torch.optim.SGD):  # records the accumulated gradients the optimizer step sees
+        def __init__(self, params, config):
+            super().__init__(list(params), lr=0.0)
+            self.grads = []
+            spies.append(self)
+
+        def step(self, closure=None):
+            self.grads.append([p.grad.detach().clone() if p.grad is not None else None
+                               for g in self.param_groups for p in g["params"]])
+            return super().step(closure)
+
+    monkeypatch.setattr(optim, "build_optimizer", GradSpy)
+    cfg = run_config(str(cache_dir), tmp_path / "run", tiny_model_dir, batch_size=3, gradient_accumulation_steps=2,
+                     max_steps=1, zero_cond_t=True)
+    result = train(cfg)
+    (got,) = spies[0].grads
+
+    set_seed(cfg.train.seed)  # the LoRA init, as the loop makes it
+    module = QIETrainingModule(fresh_dit(tiny_model_dir), resolved(cfg), "tiny")
+    module.upcast_trainable(torch.float32)
+    ds = CacheDataset(CacheStore.open(cache_dir), seed=cfg.train.seed)
+    total = sum(len(b) for b in micro_batches)
+    losses = []
+    for m, positions in enumerate(micro_batches):
+        gen = torch.Generator().manual_seed(micro_seed(cfg.train.seed, 0, 0, m))
+        loss, _ = module(collate([ds[SampleKey(p, 0)] for p in positions]), gen)
+        (loss * len(positions) / total).backward()  # the batch mean times its share = sum over samples / 4
+        losses.append(float(loss.detach()))
+    want = [p.grad for p in module.trainable_modules()]
+    assert len(got) == len(want) and sum(g is not None for g in want) > 0
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if w is not None:
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-8), float((g - w).abs().max())
+    assert result.losses[0] == pytest.approx((losses[0] * 1 + losses[1] * 3) / total, rel=1e-5)
+    assert abs(losses[0] - losses[1]) > 1e-3  # the two micro-batch means differ: a plain mean would not match

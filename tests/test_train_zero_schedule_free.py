@@ -4,7 +4,7 @@ Under ZeRO the optimizer only holds flat fp32 partitions (ZeRO-3 even empties it
 groups between steps), so a bare ``optimizer.eval()`` moves nothing the module uses
 (FINDINGS). ``optim.schedule_free_eval`` moves every partition and copies them into the
 module weights, and moves them back after. This launches the shipped
-``deepspeed_configs/zero3_lbm.json`` (gradient_clipping 0, required with this optimizer;
+``deepspeed_configs/zero3.json`` (gradient_clipping "auto": the trainer writes 0, required with this optimizer;
 persistence threshold lowered so the tiny tensors are partitioned) with a small driver that
 gathers the LoRA before, inside and after ``schedule_free_eval`` at the final save.
 """
@@ -62,12 +62,12 @@ def test_schedule_free_average_reaches_the_module_under_zero3(cache_dir, tiny_mo
     from diffsynth_qie.models.lora_io import load_lora_state, peft_state_dict
     from diffsynth_qie.training.module import canonical_param_name
 
-    ds = json.loads((ROOT / "deepspeed_configs" / "zero3_lbm.json").read_text())
-    assert ds["gradient_clipping"] == 0 and ds["zero_optimization"]["stage"] == 3
+    ds = json.loads((ROOT / "deepspeed_configs" / "zero3.json").read_text())
+    assert ds["gradient_clipping"] == "auto" and ds["zero_optimization"]["stage"] == 3
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    yaml = (ROOT / "deepspeed_configs" / "zero3_lbm.yaml").read_text()
-    yaml = (yaml.replace("deepspeed_configs/zero3_lbm.json", str(tmp_path / "ds.json"))
+    yaml = (ROOT / "deepspeed_configs" / "zero3.yaml").read_text()
+    yaml = (yaml.replace("deepspeed_configs/zero3.json", str(tmp_path / "ds.json"))
             .replace("num_processes: 8", "num_processes: 1").replace("use_cpu: false", "use_cpu: true"))
     (tmp_path / "acc.yaml").write_text(yaml)
     (tmp_path / "driver.py").write_text(DRIVER)

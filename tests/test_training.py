@@ -129,8 +129,18 @@ def test_clipping_guard_refuses_prodigy_with_clipping(cache_dir, tiny_model_dir,
         check_clipping(OptimConfig(optimizer="prodigy_sf", max_grad_norm=1.0))
     with pytest.raises(ValueError, match="gradient_clipping"):
         check_clipping(sf, {"gradient_clipping": 0.5})
-    with pytest.raises(ValueError, match="gradient_clipping"):
-        check_clipping(sf, {})  # accelerate turns a missing key into 1.0
+    # --max_grad_norm is the one place clipping is configured: it is written into the DeepSpeed config
+    from diffsynth_qie.training.optim import configure_deepspeed
+
+    for shipped in ({}, {"gradient_clipping": "auto"}):  # accelerate would turn either into 1.0
+        ds = dict(shipped)
+        configure_deepspeed(ds, sf, 3)
+        assert ds == {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 3}
+    ds = {"gradient_clipping": "auto"}
+    configure_deepspeed(ds, OptimConfig(optimizer="adamw"), 2)
+    assert ds["gradient_clipping"] == 1.0  # adamw's default
+    with pytest.raises(ValueError, match=r"gradient_clipping to 1.0 but --max_grad_norm is 0.5"):
+        check_clipping(OptimConfig(optimizer="adamw", max_grad_norm=0.5), {"gradient_clipping": 1.0})
     # and train() refuses before touching the model
     cfg = make_config(cache_dir, tmp_path, tiny_model_dir, {"optim": {"optimizer": "prodigy_sf", "max_grad_norm": 0.5,
                                                                       "learning_rate": 1.0}})
@@ -188,7 +198,7 @@ def test_timesteps_are_per_sample_from_the_qwen_schedule():
 
 
 def test_mask_weights_keep_the_loss_scale_and_ratio():
-    from diffsynth_qie.training.losses import mask_weights, per_sample_mse
+    from diffsynth_qie.training.loss_common import mask_weights, per_sample_mse
 
     pred = torch.zeros(16, 8, 8)
     target = torch.full((16, 8, 8), 2.0)  # uniform squared error 4
@@ -267,6 +277,40 @@ def test_trainable_parameters_are_exactly_the_lora_set(tiny_model_dir, cache_dir
     with pytest.raises(ValueError, match="match no module"):
         QIETrainingModule(fresh_dit(tiny_model_dir), resolved(make_config(
             cache_dir, tmp_path, tiny_model_dir, {"lora": {"lora_target_modules": ["to_q", "no_such_layer"]}})), "tiny")
+
+
+def test_prodigy_schedule_free_is_refused_under_sharded_deepspeed():
+    """Prodigy's d would be estimated per ZeRO shard with several processes: refused, naming DDP / AdamW."""
+    from diffsynth_qie.training.config import OptimConfig
+    from diffsynth_qie.training.optim import check_schedule_free_sharding
+
+    sf, adamw = OptimConfig(optimizer="prodigy_sf"), OptimConfig(optimizer="adamw")
+    for stage in (2, 3):
+        ds = {"zero_optimization": {"stage": stage}, "gradient_clipping": 0}
+        with pytest.raises(ValueError, match=r"(?s)prodigy_sf.*2 processes.*--multi_gpu.*adamw"):
+            check_schedule_free_sharding(sf, ds, 2)
+        check_schedule_free_sharding(sf, ds, 1)      # one process holds the whole flat group: same d
+        check_schedule_free_sharding(adamw, ds, 8)   # AdamW has no global step-size estimate
+    check_schedule_free_sharding(sf, None, 8)        # DDP: whole parameters, averaged gradients
+
+
+def test_schedule_free_eval_refuses_an_engine_it_cannot_sync():
+    """An engine whose module weights cannot receive the average x is an error, not a silent save of y;
+    the optimizer is left in training mode."""
+    import types
+
+    from diffsynth_qie.training.config import OptimConfig
+    from diffsynth_qie.training.optim import build_optimizer, schedule_free_eval
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = build_optimizer([p], OptimConfig(optimizer="prodigy_sf", learning_rate=1.0))
+    engine = types.SimpleNamespace(optimizer=object())  # neither ZeRO-1/2 nor ZeRO-3
+    with pytest.raises(ValueError, match="schedule-free average"):
+        with schedule_free_eval(opt, engine):
+            pass
+    assert opt.param_groups[0]["train_mode"] is True
+    with schedule_free_eval(opt, None) as held:  # no engine: eval() moves the parameters themselves
+        assert held == "schedule-free average x"
 
 
 def _grads(module):
@@ -532,7 +576,7 @@ def test_lora_checkpoint_initialises_the_run(reference_run, cache_dir, tiny_mode
 
 
 def test_deepspeed_configs_are_explicit():
-    """Shipped DeepSpeed configs: bf16, explicit numeric buckets, explicit clipping (0 for the LBM ones)."""
+    """Shipped DeepSpeed configs: bf16, explicit numeric buckets, clipping "auto" (filled from --max_grad_norm)."""
     import yaml
 
     from diffsynth_qie.training.config import OptimConfig
@@ -540,13 +584,12 @@ def test_deepspeed_configs_are_explicit():
 
     root = Path(__file__).resolve().parents[1] / "deepspeed_configs"
     names = {p.stem for p in root.glob("*.json")}
-    assert {"zero2", "zero3", "zero3_offload", "zero2_lbm", "zero3_lbm"} <= names
+    assert names == {"zero2", "zero3", "zero3_offload"}  # no per-optimizer copies: clipping comes from the flags
     for name in names:
         ds = json.loads((root / f"{name}.json").read_text())
         zero = ds["zero_optimization"]
         assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
-        assert isinstance(ds["gradient_clipping"], (int, float))
-        assert ds["gradient_clipping"] == (0 if name.endswith("_lbm") else 1.0)
+        assert ds["gradient_clipping"] == "auto"
         assert zero["overlap_comm"] is True and zero["reduce_bucket_size"] == 5e8
         assert all(v != "auto" for k, v in zero.items() if "bucket" in k or "threshold" in k)
         offload = name.endswith("_offload")
@@ -562,9 +605,5 @@ def test_deepspeed_configs_are_explicit():
         assert launcher["deepspeed_config"]["deepspeed_config_file"] == f"deepspeed_configs/{name}.json"
         assert launcher["deepspeed_config"]["zero3_init_flag"] == (zero["stage"] == 3)
         assert "mixed_precision" not in launcher  # accelerate refuses it next to a JSON file
-        sf = OptimConfig(optimizer="prodigy_sf")
-        if name.endswith("_lbm"):
-            check_clipping(sf, ds)
-        else:
-            with pytest.raises(ValueError, match="gradient_clipping"):
-                check_clipping(sf, ds)
+        for optim, clip in ((OptimConfig(optimizer="prodigy_sf"), 0.0), (OptimConfig(optimizer="adamw"), 1.0)):
+            assert check_clipping(optim, ds) == clip

@@ -1,7 +1,7 @@
 """Training-time validation: it runs the inference samplers, not a sampler of its own.
 
 - flow matching: validation latents equal the ``Editor``'s own sampling (``Editor._sample``,
-  i.e. ``inference.samplers`` as the CLI drives them) with the same cached conditioning,
+  i.e. ``models.sampling`` as the CLI drives them) with the same cached conditioning,
   seed, cfg and ``zero_cond_t``, and they come from the module's trained weights;
 - LBM: both streams start at the loss's priors (``lbm_source_latents``, ``sub_noise``), match
   the Editor's LBM sampling, and a row without a source renders the sub-stream only;
@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffsynth_qie.inference.samplers import Conditioning
+from diffsynth_qie.models.sampling import Conditioning
 from diffsynth_qie.training.config import LoRAConfig, LossConfig, RunConfig, TrainConfig
 from diffsynth_qie.training.lbm import LBMConfig
 from diffsynth_qie.training.validation import Validator, entry_seed, output_name, side_by_side

@@ -1,12 +1,13 @@
 """Inference: the ``Editor`` API, flow-matching and LBM bridge samplers, mask blending.
 
 ``Editor`` is the one entry point the CLI (``qie edit``), training validation, the UI
-and benchmarks share; ``samplers`` holds the sampling loops and the pure bridge math
-that the LBM loss reuses; ``masking`` the mask semantics.
+and benchmarks share; the sampling loops live one layer down in ``models.sampling``
+(training's validation runs them too) and are re-exported here; ``masking`` holds the
+mask semantics.
 """
 from .editor import EditRequest, EditResult, Editor, parse_device_map, parse_dtype
-from .samplers import (Conditioning, bridge_interpolate, bridge_sigmas, bridge_step, bridge_target,
-                       dit_velocity, predict_velocity, sample_bridge, sample_flow_match)
+from ..models.sampling import (Conditioning, bridge_interpolate, bridge_sigmas, bridge_step, bridge_target,
+                               dit_velocity, predict_velocity, sample_bridge, sample_flow_match)
 
 __all__ = [
     "EditRequest", "EditResult", "Editor", "parse_device_map", "parse_dtype",

@@ -43,7 +43,7 @@ from PIL import Image
 from ..data.images import fit_to_budget, resize_to, to_rgb
 from ..models.encoding import decode_latents, encode_image, encode_prompt, white_latents
 from .masking import LatentMaskBlend, blend_pixels, check_strength, latent_keep_weight
-from .samplers import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
+from ..models.sampling import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
 
 log = logging.getLogger(__name__)
 
@@ -330,13 +330,13 @@ class Editor:
             self.pipe.load_models_to_device(["dit"])  # DiffSynth VRAM management, else no-op
             if request.lbm_steps is not None:
                 prior = torch.stack([to_dit(z_src), to_dit(z_white)])  # main stream, sub-stream
-                velocity = dit_velocity(self.pipe.dit, cond.repeat(2), cfg, self.dtype)
+                velocity = dit_velocity(self.pipe.dit, cond.repeat(2), cfg)
                 keep = self._latent_blend(request, z_src=to_dit(z_src).expand_as(prior), prior=prior)
                 generator = torch.Generator("cpu").manual_seed(int(request.seed))
                 return sample_bridge(velocity, prior, int(request.lbm_steps), request.lbm_noise, generator, keep,
                                      request.progress)
             noise = seeded_noise((1, 16, *latent_hw), request.seed, self.dtype, dit_device)
-            velocity = dit_velocity(self.pipe.dit, cond, cfg, self.dtype)
+            velocity = dit_velocity(self.pipe.dit, cond, cfg)
             keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
             return sample_flow_match(velocity, noise, int(request.steps), keep, request.progress)
 

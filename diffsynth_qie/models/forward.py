@@ -17,6 +17,11 @@ DiffSynth's own code, driven unchanged:
 - **zero_cond_t (2511).** The conditioning is ``cat([temb(t), temb(0)])`` and
   ``modulate_index[b, s]`` is 0 for sample b's target tokens and 1 for its reference
   tokens: per sample, because each sample's target length differs.
+- **Timestep dtype.** The timesteps are cast to the DiT's compute dtype (the dtype
+  ``img_in`` returns) and then divided by 1000, exactly as ``QwenImagePipeline.__call__``
+  and DiffSynth's ``FlowMatchSFTLoss`` feed ``model_fn_qwen_image`` (the pipeline dtype):
+  in bf16, 1000·σ is rounded. Callers pass fp32 timesteps; this is the only place that
+  decides, so a LoRA sees the same timesteps at training, validation and inference.
 - **Fast path.** When every sample has the same image layout and prompt length no mask is
   built and RoPE is shared, so the attention can use flash/cuDNN kernels.
 
@@ -155,7 +160,9 @@ def dit_forward(
     Args:
         dit: DiffSynth ``QwenImageDiT`` (or a subclass with the same attributes).
         latents: noisy targets, ``[B, 16, h, w]`` or a list of ``[16, h_b, w_b]``.
-        timesteps: ``[B]`` in DiffSynth's 0..1000 scale (σ·1000), one per sample.
+        timesteps: ``[B]`` in DiffSynth's 0..1000 scale (σ·1000), one per sample, any float dtype:
+            they are cast to the DiT's compute dtype here (bf16 rounds them, as in DiffSynth), so
+            training, validation and inference all feed the DiT the same values.
         prompt_embs: per sample ``[L_b, D_txt]``, valid tokens only (no padding).
         edit_latents: per sample a list (possibly empty) of reference latents ``[16, h_i, w_i]``.
         zero_cond_t: Qwen-Image-Edit-2511's zero-timestep modulation of reference tokens.
@@ -177,7 +184,9 @@ def dit_forward(
 
     image = dit.img_in(packed.image)
     text = dit.txt_in(dit.txt_norm(packed.text))
-    t = timesteps.to(device=device) / 1000
+    # The one place the timestep dtype is decided: the DiT's compute dtype, before the /1000, as
+    # DiffSynth's pipeline and its training loss feed model_fn_qwen_image (bf16 rounds 1000·σ).
+    t = timesteps.to(device=device, dtype=image.dtype) / 1000
     index = None
     if zero_cond_t:
         t = torch.cat([t, t * 0], dim=0)

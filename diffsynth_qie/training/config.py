@@ -7,9 +7,9 @@ other choices (the optimizer's learning rate, the preset's LoRA targets and
 nothing is ever read back from the cache except tensors (``zero_cond_t``,
 checkpointing and dropout are training-time decisions).
 
-Room for other losses: :attr:`LossConfig.loss` picks the loss function from the
-registry in ``losses.py``; the LBM engineer adds ``"lbm"`` there and an ``LBMConfig``
-as :attr:`RunConfig.lbm` (typed ``Any`` here so this module doesn't import it).
+:attr:`LossConfig.loss` picks the loss function from the registry in
+``loss_registry.py``; :attr:`RunConfig.lbm` holds the LBM loss's :class:`~.lbm.LBMConfig`
+(``lbm.py`` imports no torch at import time, so the flags stay cheap to build).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from ..data.sampling import SamplingConfig
+from .lbm import LBMConfig
 
 OptimizerName = Literal["adamw", "prodigy_sf"]
 ScheduleName = Literal["constant", "cosine"]
@@ -73,7 +74,7 @@ class OptimConfig:
     min_lr_ratio: float = field(default=0.0, metadata=_help("cosine: final learning rate as a fraction of the peak"))
     max_grad_norm: Optional[float] = field(default=None, metadata=_help(
         "clip the gradient norm (0 = off); default 1.0 for adamw, 0 for prodigy_sf (which refuses clipping). "
-        "Under DeepSpeed the config's gradient_clipping applies instead"))
+        "Under DeepSpeed it is written into the config's gradient_clipping (\"auto\" there)"))
 
     def resolved(self) -> "OptimConfig":
         """A copy with every ``None`` replaced by the optimizer's default."""
@@ -172,7 +173,7 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     # Bucketing / weighted sampling. Its batch_size and seed are always TrainConfig's (copied by resolved()).
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    lbm: Any = None  # LBMConfig, added by the LBM loss
+    lbm: LBMConfig = field(default_factory=LBMConfig)  # used with --loss lbm
 
     def resolved(self, preset=None) -> "RunConfig":
         """Check values and fill the defaults that depend on other choices.

@@ -12,7 +12,7 @@ DiffSynth's scheduler convention throughout: σ = 1 at the prior, σ = 0 at the 
 Bridge ``x_σ = (1−σ)·z_T + σ·z_prior + s·√(σ(1−σ))·ε``, regression target
 ``v* = z_prior − z_T`` (``models/bridge.py``, shared with the sampler). The DiT sees the noisy target tokens next to the reference
 images' tokens and the cached prompt embedding exactly as in editing (``zero_cond_t``
-from the run config), so the sampler (``inference/samplers.py``: start at the prior,
+from the run config), so the sampler (``models/sampling.py``: start at the prior,
 σ_k = linspace(1, 1/N, N), Euler ``x ← x + (σ_{k+1} − σ_k)·v``) runs the same
 conditioning. Loss: MSE over the target tokens, optionally ``back_mask``-weighted
 (``--mask_loss_weights``), at weight 1 — not DiffSynth's bell-shaped
@@ -25,7 +25,7 @@ Per sample, in this order from the loss's generator: a uniform draw u for the st
 used. The whole batch is one ``dit_forward`` call.
 
 This module imports no torch at import time (``qie --help`` builds the flags from
-:class:`LBMConfig`); ``losses.py`` lists :func:`lbm_loss` in ``LOSSES`` as ``"lbm"``.
+:class:`LBMConfig`); ``loss_registry.py`` lists :func:`lbm_loss` in ``LOSSES`` as ``"lbm"``.
 With ``--loss lbm`` the optimizer defaults to ProdigyPlusScheduleFree (lr 1.0, no
 weight decay, no clipping: ``RunConfig.resolved``), and training refuses clipping
 with it (``optim.check_clipping``).
@@ -192,7 +192,7 @@ def make_bridge_batch(batch: dict, config: LBMConfig, generator: Optional["torch
     import torch
 
     from ..models.bridge import bridge_interpolate, bridge_target
-    from .losses import sample_noise
+    from .loss_common import sample_noise
 
     ends, sigmas, noise, noisy, velocity = [], [], [], [], []
     for b in range(len(batch["target_latents"])):
@@ -218,13 +218,13 @@ def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = 
     import torch
 
     from ..models.forward import dit_forward
-    from .losses import mask_weights, per_sample_mse
+    from .loss_common import mask_weights, per_sample_mse
 
     lbm = lbm_config_of(config)
     bridge = make_bridge_batch(batch, lbm, generator)
     first = bridge.noisy[0]
     pred = dit_forward(
-        dit, bridge.noisy, bridge.timesteps.to(first.device, first.dtype), batch["prompt_emb"], batch["edit_latents"],
+        dit, bridge.noisy, bridge.timesteps.to(first.device), batch["prompt_emb"], batch["edit_latents"],
         zero_cond_t=bool(config.train.zero_cond_t),
         use_gradient_checkpointing=bool(config.train.gradient_checkpointing) and torch.is_grad_enabled(),
     )

@@ -17,7 +17,7 @@ non-determinism) without carrying generator states around.
 
 Hooks (all optional, on :class:`Hooks`): ``on_step_end(step, record)`` runs on every
 process after each optimizer step, before validation and saving; ``record`` holds the
-step's logged values (loss averaged over micro-batches and ranks, lr, metrics), or is
+step's logged values (the per-sample mean loss over the step's micro-batches and ranks, lr, metrics), or is
 empty on steps ``--log_every`` skips. ``on_save(path)`` runs on the main process after a
 checkpoint directory is complete.
 """
@@ -148,7 +148,8 @@ def setup(config: RunConfig) -> _Run:
     from . import checkpoint as ckpt
     from .data import build_training_data
     from .module import QIETrainingModule
-    from .optim import build_lr_scheduler, build_optimizer, check_clipping
+    from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
+                        configure_deepspeed)
     from .tracking import Tracker
     from .validation import Validator
 
@@ -157,6 +158,7 @@ def setup(config: RunConfig) -> _Run:
     preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
     cfg = config.resolved(preset)
     check_clipping(cfg.optim, ds_config)
+    check_schedule_free_sharding(cfg.optim, ds_config, accelerator.num_processes)
     t = cfg.train
     log.info("training %s (zero_cond_t=%s) on %d process(es), %s, mixed precision %s", preset.name, t.zero_cond_t,
              accelerator.num_processes, "DeepSpeed ZeRO-%s" % ds_config.get("zero_optimization", {}).get("stage")
@@ -175,11 +177,7 @@ def setup(config: RunConfig) -> _Run:
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
     if ds_config is not None:
-        if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-            ds_config["train_micro_batch_size_per_gpu"] = t.batch_size  # we prepare no DataLoader
-        if cfg.optim.max_grad_norm:
-            log.info("DeepSpeed clips gradients per its config (gradient_clipping=%s); --max_grad_norm is not used",
-                     ds_config.get("gradient_clipping"))
+        configure_deepspeed(ds_config, cfg.optim, t.batch_size)  # micro-batch size and --max_grad_norm
     wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler)
     ckpt.install_state_hooks(accelerator, module)
 
@@ -231,17 +229,19 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
     from tqdm import tqdm
 
     from . import checkpoint as ckpt
+    from .accumulation import micro_loss_scale, step_sample_count
     from .data import batch_image_tokens, iterate_batches
 
     t, acc, state = run.cfg.train, run.accelerator, run.state
-    max_norm = run.cfg.optim.max_grad_norm if run.engine is None else 0.0  # DeepSpeed clips per its JSON
+    # DeepSpeed clips itself (setup wrote --max_grad_norm into its config)
+    max_norm = run.cfg.optim.resolved().max_grad_norm if run.engine is None else 0.0
     result = TrainResult(lora_path=Path(t.output_dir) / ckpt.LORA_NAME, steps=state.step, total_steps=run.total_steps)
     stream = iterate_batches(run.dataset, run.sampler, state.position, t.num_workers)
     bar = tqdm(total=run.total_steps, initial=state.step, disable=not acc.is_main_process, unit="step",
                desc="qie train", dynamic_ncols=True)
     last_saved = state.step if run.resumed else -1
     first_step, t_loop = state.step, time.perf_counter()
-    micro: list[tuple[torch.Tensor, dict]] = []
+    accumulation = t.gradient_accumulation_steps
 
     def save():
         path = ckpt.save_checkpoint(acc, run.module, run.optimizer, run.engine, t.output_dir, state, t.keep_last)
@@ -253,26 +253,33 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
     run.wrapped.train()
     try:
         while state.step < run.total_steps:
-            batch, next_position = next(stream)
-            # σ and noise of this micro-batch depend only on (seed, rank, step, micro index): exact resumes
-            gen = torch.Generator().manual_seed(micro_seed(t.seed, acc.process_index, state.step, len(micro)))
+            # The whole step's micro-batches first: their sizes summed over the ranks normalise the loss,
+            # so every sample of the step weighs the same whatever micro-batch it lands in (accumulation.py).
+            fetched = [next(stream) for _ in range(accumulation)]
+            sizes = [len(batch["target_latents"]) for batch, _ in fetched]
+            step_samples = step_sample_count(sizes, acc)
+            micro: list[tuple[torch.Tensor, dict, float]] = []
             grad_norm = None
-            with acc.accumulate(run.wrapped):
-                loss, metrics = run.wrapped(batch, gen)
-                acc.backward(loss)
-                if acc.sync_gradients and max_norm:
-                    grad_norm = acc.clip_grad_norm_(run.module.trainable_modules(), max_norm)
-                run.wrapped_optimizer.step()  # no-op until the last micro-batch of the step
-                run.wrapped_optimizer.zero_grad(set_to_none=True)
-            real, padded = batch_image_tokens(batch)
-            micro.append((loss.detach(), {**metrics, "image_tokens": real, "padded_image_tokens": padded}))
-            if not acc.sync_gradients:
-                continue
+            for m, (batch, _) in enumerate(fetched):
+                # σ and noise of this micro-batch depend only on (seed, rank, step, micro index): exact resumes
+                gen = torch.Generator().manual_seed(micro_seed(t.seed, acc.process_index, state.step, m))
+                scale = micro_loss_scale(sizes[m], step_samples, accumulation, acc.num_processes)
+                with acc.accumulate(run.wrapped):
+                    loss, metrics = run.wrapped(batch, gen)
+                    acc.backward(loss * scale if scale != 1.0 else loss)
+                    if acc.sync_gradients and max_norm:
+                        grad_norm = acc.clip_grad_norm_(run.module.trainable_modules(), max_norm)
+                    run.wrapped_optimizer.step()  # no-op until the last micro-batch of the step
+                    run.wrapped_optimizer.zero_grad(set_to_none=True)
+                real, padded = batch_image_tokens(batch)
+                micro.append((loss.detach(), {**metrics, "image_tokens": real, "padded_image_tokens": padded,
+                                              "samples": sizes[m]}, scale))
+            assert acc.sync_gradients, "the step's last micro-batch must step the optimizer"
             # -- one optimizer step is complete
             lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used
             run.lr_scheduler.step()
             state.step += 1
-            state.position = next_position
+            state.position = fetched[-1][1]
             record: dict = {}
             if state.step % t.log_every == 0 or state.step == run.total_steps:
                 record = _step_record(acc, micro, lr, run.optimizer, grad_norm, run.engine, state)
@@ -285,7 +292,6 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
             if hooks.on_step_end is not None:
                 hooks.on_step_end(state.step, record)
-            micro = []
             bar.update(1)
             if run.validator is not None and state.step % t.validate_every == 0:
                 _validate(run, state.step)
@@ -304,19 +310,23 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
 
 
 def _step_record(accelerator, micro, lr, optimizer, grad_norm, engine, state) -> dict:
-    """The logged values of one optimizer step: loss averaged over micro-batches and ranks, and the
-    padding fraction of the image tokens the step computed on (token-weighted, all ranks)."""
-    tokens = [(m.pop("image_tokens"), m.pop("padded_image_tokens")) for _, m in micro]
-    shared = torch.stack([torch.stack([l.float() for l, _ in micro]).mean().cpu(),
+    """The logged values of one optimizer step: the loss as the per-sample mean over all micro-batches
+    and ranks (what the gradient is the gradient of), this rank's other metrics as per-sample means, and
+    the padding fraction of the image tokens the step computed on (token-weighted, all ranks)."""
+    from .accumulation import step_mean
+
+    tokens = [(m.pop("image_tokens"), m.pop("padded_image_tokens")) for _, m, _ in micro]
+    samples = [m.pop("samples") for _, m, _ in micro]
+    shared = torch.stack([step_mean([l for l, _, _ in micro], [s for _, _, s in micro]).cpu(),
                           torch.tensor([float(r) for r, _ in tokens]).mean(),
                           torch.tensor([float(p) for _, p in tokens]).mean()]).to(accelerator.device)
     shared = accelerator.reduce(shared, reduction="mean") if accelerator.num_processes > 1 else shared
     loss, real, padded = (float(v) for v in shared)
     record = {"loss": loss, "lr": float(lr), "epoch": state.position.epoch, "padding_fraction": 1.0 - real / padded}
-    keys = {k for _, m in micro for k in m}
+    keys = {k for _, m, _ in micro for k in m}
     for k in sorted(keys):
-        vals = [float(m[k]) for _, m in micro if k in m]
-        record[k] = sum(vals) / len(vals)
+        pairs = [(float(m[k]), n) for (_, m, _), n in zip(micro, samples) if k in m]
+        record[k] = sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
     group = optimizer.param_groups[0]
     if "d" in group:  # Prodigy's step-size estimate: the effective lr is d * lr
         record["prodigy_d"] = float(group["d"])

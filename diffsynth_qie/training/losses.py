@@ -1,4 +1,4 @@
-"""Training losses: small pure helpers plus the loss functions built from them.
+"""The flow-matching SFT loss, built from the pure helpers of ``loss_common.py``.
 
 A loss function has the signature ``loss_fn(dit, batch, config, generator=None) ->
 (loss, metrics)``: ``dit`` is the (LoRA-injected) DiT, ``batch`` the collated dict from
@@ -6,8 +6,8 @@ A loss function has the signature ``loss_fn(dit, batch, config, generator=None) 
 ``config`` the resolved :class:`~.config.RunConfig`, ``generator`` a CPU
 ``torch.Generator`` for every random draw (None = torch's global RNG). ``loss`` is a
 0-dim tensor to backpropagate; ``metrics`` maps names to floats or detached 0-dim
-tensors for logging (tensors avoid a device sync per micro-batch). Register
-new losses in :data:`LOSSES` (the LBM loss adds ``"lbm"``).
+tensors for logging (tensors avoid a device sync per micro-batch). Losses are
+registered by name in ``loss_registry.py`` (``"sft"`` here, ``"lbm"`` in ``lbm.py``).
 
 Flow-matching SFT, DiffSynth's convention (``diffusion/flow_match.py``): σ = 1 is
 noise, σ = 0 is data; ``x_σ = (1-σ)·x0 + σ·ε``; the DiT predicts the velocity and the
@@ -23,62 +23,14 @@ noise whether it is trained in a batch or alone — that is what makes the batch
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
-
 import torch
 
 from ..models.forward import dit_forward
 from .config import RunConfig
-from .lbm import lbm_loss
+from .loss_common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
 from .timesteps import draw_timesteps
 
 Tensor = torch.Tensor
-LossFn = Callable[..., tuple[Tensor, dict[str, "float | Tensor"]]]
-
-
-# --- pure helpers ----------------------------------------------------------------
-def add_noise(latents: Tensor, noise: Tensor, sigma: Tensor | float) -> Tensor:
-    """``(1-σ)·x0 + σ·ε`` for one sample (DiffSynth's ``scheduler.add_noise``)."""
-    return (1 - sigma) * latents + sigma * noise
-
-
-def flow_target(latents: Tensor, noise: Tensor) -> Tensor:
-    """Velocity target ``ε - x0`` (DiffSynth's ``scheduler.training_target``)."""
-    return noise - latents
-
-
-def mask_weights(back_mask: Tensor, inside: float, outside: float) -> Tensor:
-    """Per-pixel weights ``[1, h, w]`` from a soft edit mask, normalised to mean 1.
-
-    ``w = inside·m + outside·(1-m)``, divided by its mean over the sample: with a
-    uniform error e the weighted loss is e whatever the mask's size, and
-    ``inside/outside`` is the per-pixel ratio. ``inside=1, outside=0`` is the plain
-    mean over the edit region. An all-zero weight map (empty mask with outside=0)
-    stays all zero: the sample contributes nothing.
-    """
-    m = back_mask.float().clamp(0, 1)
-    w = inside * m + outside * (1 - m)
-    mean = w.mean()
-    return w / mean if mean > 0 else w
-
-
-def per_sample_mse(pred: Tensor, target: Tensor, weight: Optional[Tensor] = None) -> Tensor:
-    """Mean squared error of one sample ``[C, h, w]`` (fp32), optionally pixel-weighted ``[1, h, w]``."""
-    err = (pred.float() - target.float()) ** 2
-    if weight is not None:
-        err = err * weight.to(err.dtype)
-    return err.mean()
-
-
-def weighted_batch_mean(losses: Sequence[Tensor], weights: Tensor) -> Tensor:
-    """``mean_b(weight_b · loss_b)`` — DiffSynth's ``mse * training_weight`` per sample."""
-    stacked = torch.stack(list(losses))
-    return (stacked * weights.to(stacked.device, stacked.dtype)).mean()
-
-
-def sample_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Gaussian noise shaped like ``like``, drawn on the CPU (reproducible on any device)."""
-    return torch.randn(like.shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
 
 
 # --- losses ----------------------------------------------------------------------
@@ -115,12 +67,3 @@ def flow_match_sft_loss(dit, batch: dict, config: RunConfig, generator: torch.Ge
         "weight_mean": float(weights.mean()),
     }
     return loss, metrics
-
-
-LOSSES: dict[str, LossFn] = {"sft": flow_match_sft_loss, "lbm": lbm_loss}
-
-
-def get_loss(name: str) -> LossFn:
-    if name not in LOSSES:
-        raise ValueError(f"--loss {name!r} is not available in this build (available: {', '.join(sorted(LOSSES))})")
-    return LOSSES[name]

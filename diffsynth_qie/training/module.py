@@ -5,7 +5,7 @@ Extends DiffSynth's ``DiffusionTrainingModule`` (its PEFT injection
 ``transfer_data_to_device``). What we do differently from DiffSynth's Qwen-Image
 training module: it holds *only* the DiT (phase 2 never loads the encoders), its
 ``forward`` takes a real batch and returns ``(loss, metrics)`` from the configured
-loss (``losses.LOSSES``), and ``zero_cond_t`` comes from the run's config (resolved
+loss (``loss_registry.LOSSES``), and ``zero_cond_t`` comes from the run's config (resolved
 from the preset), never from cached inputs.
 
 LoRA targets are PEFT name suffixes (``to_q`` matches every ``...attn.to_q``); a
@@ -24,7 +24,7 @@ from diffsynth.diffusion.training_module import DiffusionTrainingModule
 
 from .config import RunConfig
 from .data import TENSOR_KEYS
-from .losses import get_loss
+from .loss_registry import get_loss
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class QIETrainingModule(DiffusionTrainingModule):
 
         With ``predict`` (keyword arguments of ``models.forward.dit_forward`` minus the
         DiT, or a callable ``predict(dit)``) it returns the DiT's velocity predictions
-        instead: validation runs the inference samplers' DiT calls through the same
+        instead: validation runs the samplers' DiT calls through the same
         wrapped module, so DDP/DeepSpeed hooks (ZeRO-3 parameter gathering) run.
         """
         if callable(predict):

@@ -11,7 +11,10 @@ DeepSpeed ZeRO the optimizer only sees ZeRO's flat fp32 partitions, so ``eval()`
 those and *not* the module's bf16 weights; :func:`schedule_free_eval` therefore copies
 the fp32 partitions back into the module weights after ``eval()`` and again after
 ``train()`` (DeepSpeed's own ``update_lp_params`` / stage-3 re-partition), so
-validation and saved LoRAs use ``x`` under ZeRO as well.
+validation and saved LoRAs use ``x`` under ZeRO as well; an engine it cannot do that
+for is an error, never a silent save of ``y``. Under DeepSpeed with several processes
+Prodigy would estimate its step size per shard: :func:`check_schedule_free_sharding`
+refuses that (train LoRAs with DDP).
 """
 from __future__ import annotations
 
@@ -86,29 +89,57 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, to
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def deepspeed_gradient_clipping(ds_config: Optional[dict]) -> float:
-    """The gradient_clipping a DeepSpeed config will apply (accelerate turns a missing key into 1.0)."""
-    if ds_config is None:
-        return 0.0
-    value = ds_config.get("gradient_clipping", "auto")
-    if value == "auto" or value is None:
-        return 1.0
-    return float(value)
+def check_clipping(config: OptimConfig, ds_config: Optional[dict] = None) -> float:
+    """The gradient-norm clip of the run (0 = off): ``--max_grad_norm`` resolved per optimizer.
 
-
-def check_clipping(config: OptimConfig, ds_config: Optional[dict] = None) -> None:
-    """Refuse gradient clipping with a schedule-free Prodigy (it defeats the step-size estimate)."""
+    ``--max_grad_norm`` is the one place clipping is configured: :func:`configure_deepspeed`
+    writes it into the DeepSpeed config, whose shipped ``gradient_clipping`` is ``"auto"``. A
+    config that sets another number is refused rather than silently preferred. A schedule-free
+    Prodigy must not clip at all (it defeats the step-size estimate).
+    """
     config = config.resolved()
-    if config.optimizer != "prodigy_sf":
-        return
-    if config.max_grad_norm and config.max_grad_norm > 0:
+    norm = float(config.max_grad_norm or 0.0)
+    if config.optimizer == "prodigy_sf" and norm > 0:
         raise ValueError(f"--optimizer prodigy_sf must not clip gradients, but --max_grad_norm is "
                          f"{config.max_grad_norm}; pass --max_grad_norm 0")
-    clip = deepspeed_gradient_clipping(ds_config)
-    if clip > 0:
-        raise ValueError(f"--optimizer prodigy_sf must not clip gradients, but the DeepSpeed config sets "
-                         f"gradient_clipping to {clip} (a missing key becomes 1.0); set \"gradient_clipping\": 0 "
-                         "(deepspeed_configs/*lbm* do)")
+    value = (ds_config or {}).get("gradient_clipping", "auto")
+    if value not in ("auto", None) and float(value) != norm:
+        if config.optimizer == "prodigy_sf":
+            raise ValueError(f"--optimizer prodigy_sf must not clip gradients, but the DeepSpeed config sets "
+                             f"gradient_clipping to {value}; set \"gradient_clipping\": \"auto\" (filled from "
+                             "--max_grad_norm, 0 for prodigy_sf) as deepspeed_configs/*.json do")
+        raise ValueError(f"the DeepSpeed config sets gradient_clipping to {value} but --max_grad_norm is {norm}; "
+                         "set \"gradient_clipping\": \"auto\" in the JSON (deepspeed_configs/*.json do) so "
+                         f"--max_grad_norm decides, or pass --max_grad_norm {value}")
+    return norm
+
+
+def configure_deepspeed(ds_config: dict, config: OptimConfig, micro_batch_size: int) -> None:
+    """Fill the run's values into the DeepSpeed config before ``accelerator.prepare``: the micro-batch size
+    (no DataLoader is prepared) and the gradient clipping (``--max_grad_norm``; accelerate would turn a
+    missing or ``"auto"`` value into 1.0)."""
+    if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    ds_config["gradient_clipping"] = check_clipping(config, ds_config)
+
+
+def check_schedule_free_sharding(config: OptimConfig, ds_config: Optional[dict], num_processes: int) -> None:
+    """Refuse ProdigyPlusScheduleFree under DeepSpeed with more than one process.
+
+    Under DeepSpeed the client optimizer steps each rank's own flat partition, and Prodigy's
+    step-size estimate ``d`` is computed from that partition alone (no cross-rank reduction):
+    every rank would move its shard at its own rate, unlike a single-process run. DDP keeps
+    whole parameters on every rank (gradients averaged), so ``d`` is the same everywhere and
+    equals the single-process value. One process under DeepSpeed holds the whole flat group.
+    """
+    config = config.resolved()
+    if config.optimizer != "prodigy_sf" or ds_config is None or num_processes <= 1:
+        return
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    raise ValueError(f"--optimizer prodigy_sf under DeepSpeed (ZeRO stage {stage}) with {num_processes} processes "
+                     "would estimate its step size per shard, so every rank would train at its own rate; train "
+                     "the LoRA with DDP instead (`accelerate launch --multi_gpu`, no DeepSpeed config: with "
+                     "Qwen-Image-Edit-LBM.sh leave DS_CONFIG unset), or use --optimizer adamw under DeepSpeed")
 
 
 def _zero_optimizer(engine: Any) -> Any:
@@ -177,13 +208,15 @@ def schedule_free_eval(optimizer: Any, engine: Any = None) -> Iterator[str]:
         yield "trained weights"
         return
     set_schedule_free_mode(optimizer, False, engine)
-    synced = engine is not None and sync_deepspeed_module_weights(engine)
-    if engine is not None and not synced:
-        log.warning("could not copy the schedule-free average into the DeepSpeed module weights: "
-                    "validation and saved LoRAs use the training point y, not the average x")
+    if engine is not None and not sync_deepspeed_module_weights(engine):
+        # Saving now would silently store the training point y as if it were the average x.
+        set_schedule_free_mode(optimizer, True, engine)
+        raise ValueError(f"cannot copy the schedule-free average into the module weights of this DeepSpeed "
+                         f"engine (its optimizer {type(_zero_optimizer(engine)).__name__} is neither ZeRO-1/2 "
+                         "nor ZeRO-3); train with --optimizer adamw, or with DDP (no DeepSpeed config)")
     try:
-        yield "schedule-free average x" if (engine is None or synced) else "schedule-free training point y"
+        yield "schedule-free average x"
     finally:
         set_schedule_free_mode(optimizer, True, engine)
-        if engine is not None and synced:
+        if engine is not None:
             sync_deepspeed_module_weights(engine)

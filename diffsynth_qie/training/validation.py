@@ -1,7 +1,7 @@
 """Validation renders during training: a few held-out cache entries edited by the current model.
 
 There is one sampler for inference and validation: this module only builds the
-inputs and hands them to ``inference.samplers`` exactly as ``Editor`` does, so a
+inputs and hands them to ``models.sampling`` exactly as ``Editor`` does, so a
 validation image is what ``qie edit`` would produce with the same conditioning and
 seed (tests/test_validation.py pins that).
 
@@ -89,23 +89,23 @@ class _Job:
     target: Tensor
 
 
-# --- sampling through inference.samplers ---------------------------------------------
-def runner_velocity(run_dit: DiTRunner, cond, cfg: float, dtype: torch.dtype):
+# --- sampling through models.sampling -------------------------------------------------
+def runner_velocity(run_dit: DiTRunner, cond, cfg: float):
     """The samplers' ``dit_velocity`` with every DiT call made by ``run_dit`` (the wrapped module).
 
     The velocity is cast to the latents' dtype: accelerate's mixed-precision wrapper
     returns fp32, the Editor's DiT the pipeline dtype; sampling stays in the latents' dtype.
     """
-    from ..inference.samplers import dit_velocity
+    from ..models.sampling import dit_velocity
 
     def velocity(x: Tensor, timesteps: Tensor) -> Tensor:
-        return run_dit(lambda dit: dit_velocity(dit, cond, cfg, dtype)(x, timesteps)).to(x.dtype)
+        return run_dit(lambda dit: dit_velocity(dit, cond, cfg)(x, timesteps)).to(x.dtype)
 
     return velocity
 
 
 def _conditioning(entries: Sequence[CacheEntry], cfg: float, zero_cond_t: bool, device, dtype):
-    from ..inference.samplers import Conditioning, uses_cfg
+    from ..models.sampling import Conditioning, uses_cfg
 
     def to(t: Tensor) -> Tensor:
         return t.to(device=device, dtype=dtype)
@@ -126,7 +126,7 @@ def _by_shape(jobs: Sequence[_Job]) -> list[list[_Job]]:
 
 def flow_match_jobs(entries: Sequence[CacheEntry], names: Sequence[str], dtype: torch.dtype) -> list[_Job]:
     """One job per entry, starting from ``seeded_noise`` at the target's latent size."""
-    from ..inference.samplers import seeded_noise
+    from ..models.sampling import seeded_noise
 
     return [_Job(name, k, None, seeded_noise((16, *e.target_latents.shape[-2:]), entry_seed(k), dtype),
                  e.target_latents) for k, (e, name) in enumerate(zip(entries, names))]
@@ -156,12 +156,12 @@ def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequenc
                 cfg: float, zero_cond_t: bool, bridge_noise: float = 0.0, device=None,
                 dtype: torch.dtype = torch.float32) -> list[Render]:
     """Sample every job (flow matching, or LBM when ``lbm``), one sampler call per shape group."""
-    from ..inference.samplers import sample_bridge, sample_flow_match
+    from ..models.sampling import sample_bridge, sample_flow_match
 
     renders = {}
     for group in _by_shape(jobs):
         cond = _conditioning([entries[j.entry] for j in group], cfg, zero_cond_t, device, dtype)
-        velocity = runner_velocity(run_dit, cond, cfg, dtype)
+        velocity = runner_velocity(run_dit, cond, cfg)
         prior = torch.stack([j.prior for j in group]).to(device=device, dtype=dtype)
         if lbm:
             generator = torch.Generator("cpu").manual_seed(entry_seed(group[0].entry))

@@ -1,5 +1,8 @@
 """Samplers: Qwen-Image flow matching (with true CFG in one batch) and the LBM bridge.
 
+Pure functions of a DiT forward, below training and inference: ``inference.Editor`` and
+training's validation (``training/validation.py``) both sample through this module.
+
 Both samplers take a *velocity function* ``velocity(x [B,16,h,w], timesteps [B]) -> v``
 rather than a DiT, so the same loop runs the real model (:func:`dit_velocity`), a
 toy model in the LBM tests, or a DiT under training (validation). Convention
@@ -18,9 +21,9 @@ toy model in the LBM tests, or a DiT under training (validation). Convention
   last. :func:`bridge_sigmas`, :func:`bridge_step`, :func:`bridge_interpolate` and
   :func:`bridge_target` are the pure math the LBM loss shares.
 
-Timesteps are cast to the pipeline dtype before the DiT sees them, exactly as
-DiffSynth's pipeline and its training loss do (bf16 rounds 1000·σ), so LoRAs see
-the same values at training and inference.
+Timesteps stay fp32 here: ``dit_forward`` casts them to the DiT's compute dtype, exactly
+as DiffSynth's pipeline and its training loss do (bf16 rounds 1000·σ), so LoRAs see the
+same values at training, validation and inference.
 """
 from __future__ import annotations
 
@@ -29,9 +32,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..models.bridge import (bridge_interpolate, bridge_noise_scale, bridge_sigmas,  # noqa: F401 (re-exported)
+from .bridge import (bridge_interpolate, bridge_noise_scale, bridge_sigmas,  # noqa: F401 (re-exported)
                              bridge_step, bridge_target)
-from ..models.forward import dit_forward
+from .forward import dit_forward
 
 Tensor = torch.Tensor
 #: (x [B, 16, h, w], timesteps [B] on the 0..1000 scale) -> velocity [B, 16, h, w]
@@ -102,12 +105,11 @@ def predict_velocity(dit, x: Tensor, timesteps: Tensor, cond: Conditioning, cfg:
     return neg + cfg * (pos - neg)
 
 
-def dit_velocity(dit, cond: Conditioning, cfg: float = 1.0, timestep_dtype: torch.dtype | None = None) -> VelocityFn:
-    """A :data:`VelocityFn` driving ``dit``; timesteps are cast to ``timestep_dtype`` (the pipe dtype)."""
+def dit_velocity(dit, cond: Conditioning, cfg: float = 1.0) -> VelocityFn:
+    """A :data:`VelocityFn` driving ``dit`` (``dit_forward`` casts the timesteps to the DiT's dtype)."""
 
     def velocity(x: Tensor, timesteps: Tensor) -> Tensor:
-        t = timesteps.to(device=x.device, dtype=timestep_dtype or x.dtype)
-        return predict_velocity(dit, x, t, cond, cfg)
+        return predict_velocity(dit, x, timesteps.to(device=x.device), cond, cfg)
 
     return velocity
 
