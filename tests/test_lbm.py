@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from diffsynth_qie.models import sampling as samplers
-from diffsynth_qie.training import lbm
 from diffsynth_qie.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig
 from diffsynth_qie.models.bridge import bridge_interpolate, bridge_target
 from diffsynth_qie.training.lbm import (LBMConfig, draw_sigmas, lbm_loss,
@@ -47,16 +46,6 @@ def synthetic_batch(n: int = 3, seed: int = 0, h: int = 4, w: int = 6) -> dict:
         "sub_noise_ref_gt": [None] * n,
         "back_mask": [None] * n,
     }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
-    spinning threads made the toy training ~15x slower (7 s -> 130 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

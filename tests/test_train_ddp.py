@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-from conftest import curve_script  # noqa: E402  (tests/assets/make_train_loss_curve.py)
+from conftest import curve_script, free_port  # noqa: E402  (tests/assets/make_train_loss_curve.py)
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +40,14 @@ def test_ddp_two_processes_train_and_resume_exactly(cache_dir, tiny_model_dir, t
               "--batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "4", "--lora_rank", "4",
               "--learning_rate", "5e-3", "--save_every", "2", "--cfg_dropout", "0.3", "--no-gradient_checkpointing"]
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
-    torchrun([*common, "--output_dir", str(ref)], port=29561)
+    torchrun([*common, "--output_dir", str(ref)], port=free_port())
     assert [p.name for p in list_checkpoints(ref)] == ["checkpoint-2", "checkpoint-4"]
     state = ref / "checkpoint-2" / STATE_DIR
     assert (state / "random_states_0.pkl").is_file() and (state / "random_states_1.pkl").is_file()
     ref_log = read_loss_log(ref / "loss.jsonl")
     assert [r["step"] for r in ref_log] == [1, 2, 3, 4]
 
-    torchrun([*common, "--output_dir", str(resumed), "--resume", str(ref / "checkpoint-2")], port=29562)
+    torchrun([*common, "--output_dir", str(resumed), "--resume", str(ref / "checkpoint-2")], port=free_port())
     log = read_loss_log(resumed / "loss.jsonl")
     assert [r["step"] for r in log] == [3, 4]
     assert [r["loss"] for r in log] == pytest.approx([r["loss"] for r in ref_log[2:]], rel=1e-6, abs=1e-7)

@@ -2,7 +2,7 @@
 
 Under ZeRO the optimizer only holds flat fp32 partitions (ZeRO-3 even empties its param
 groups between steps), so a bare ``optimizer.eval()`` moves nothing the module uses
-(FINDINGS). ``optim.schedule_free_eval`` moves every partition and copies them into the
+(docs/DIFFSYNTH_NOTES.md). ``optim.schedule_free_eval`` moves every partition and copies them into the
 module weights, and moves them back after. This launches the shipped
 ``deepspeed_configs/zero3.json`` (gradient_clipping "auto": the trainer writes 0, required with this optimizer;
 persistence threshold lowered so the tiny tensors are partitioned) with a small driver that
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-from conftest import curve_script  # noqa: E402  (tests/assets/make_train_loss_curve.py)
+from conftest import curve_script, free_port  # noqa: E402  (tests/assets/make_train_loss_curve.py)
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_schedule_free_average_reaches_the_module_under_zero3(cache_dir, tiny_mo
     env = {**os.environ, "DIFFSYNTH_SKIP_DOWNLOAD": "True", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "acc.yaml"),
-         "--num_cpu_threads_per_process", "1", "--main_process_port", "29534", str(tmp_path / "driver.py"),
+         "--num_cpu_threads_per_process", "1", "--main_process_port", str(free_port()), str(tmp_path / "driver.py"),
          str(cache_dir), str(out), str(tiny_model_dir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -32,15 +32,6 @@ ACCELERATOR = SimpleNamespace(device=torch.device("cpu"), is_main_process=True, 
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads on the 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
     from diffsynth_qie.cache.writer import CacheConfig, write_cache

@@ -1,6 +1,6 @@
 """ZeRO-3 through the real launcher: `accelerate launch -m diffsynth_qie.cli train` on DeepSpeed's CPU accelerator.
 
-bf16 only (FINDINGS: ZeRO-3 shards are bf16 on CPU). One process: with several processes
+bf16 only (docs/DIFFSYNTH_NOTES.md: ZeRO-3 shards are bf16 on CPU). One process: with several processes
 on a machine without CUDA, accelerate 1.15 initialises DeepSpeed's process group (world
 size 2) but reports ``num_processes == 1`` and ``process_index == 0`` on every rank
 (``AcceleratorState._prepare_backend`` only knows multi-process DeepSpeed on GPUs), so
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-from conftest import curve_script  # noqa: E402  (tests/assets/make_train_loss_curve.py)
+from conftest import curve_script, free_port  # noqa: E402  (tests/assets/make_train_loss_curve.py)
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def launch(config: Path, args: list[str], timeout: int = 600) -> subprocess.Comp
     env = {**os.environ, "DIFFSYNTH_SKIP_DOWNLOAD": "True", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-           "--num_cpu_threads_per_process", "1", "--main_process_port", "29533", "-m", "diffsynth_qie.cli", "train", *args]
+           "--num_cpu_threads_per_process", "1", "--main_process_port", str(free_port()), "-m", "diffsynth_qie.cli", "train", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
