@@ -31,7 +31,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..utils.atomic import atomic_save, atomic_write_json
+from ..utils.atomic import (DiskFullError, atomic_save, atomic_write_json, finished_files, is_disk_full,
+                            temp_leftovers)
 from .data import DataPosition
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,49 @@ class TrainerState:
 
 
 # --- finding checkpoints --------------------------------------------------------------
+_ASIDE_RE = re.compile(r"^\.checkpoint-(\d+)\.old$")
+
+
+def remove_leftovers(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete what killed writes left in ``output_dir``: temp files (``.lora.*.tmp.safetensors``
+    and the like) and unfinished ``.checkpoint-<step>.tmp``/``.old`` directories.
+
+    Call it on the main process when a run starts, before anything is written. Finished
+    files and ``checkpoint-*`` directories are never touched. Returns what was removed.
+    """
+    out = Path(output_dir)
+    _recover_swapped(out)
+    stale = temp_leftovers(out) + [p for p in finished_files(out, ".checkpoint-*") if _ASIDE_RE.match(p.name)]
+    for p in stale:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d leftover(s) of an interrupted run from %s: %s", len(stale), out,
+                 ", ".join(p.name for p in stale[:5]))
+    return stale
+
+
+def _recover_swapped(out: Path) -> None:
+    """A save of an already existing step killed between its two renames leaves no
+    ``checkpoint-<step>``: put back the complete new one (or else the old one)."""
+    for aside in finished_files(out, ".checkpoint-*"):
+        m = _ASIDE_RE.match(aside.name)
+        final = out / f"{PREFIX}{m.group(1)}" if m else None
+        if final is None or final.exists():
+            continue
+        new = out / f".{PREFIX}{m.group(1)}.tmp"
+        chosen = new if (new / TRAINER_STATE).is_file() else aside
+        os.replace(chosen, final)
+        log.warning("restored %s from %s (a save was interrupted)", final, chosen.name)
+
+
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints, oldest first."""
     out = Path(output_dir)
     found = []
-    for p in out.iterdir() if out.is_dir() else []:
+    for p in finished_files(out, f"{PREFIX}*"):
         m = _CKPT_RE.match(p.name)
         if m and (p / TRAINER_STATE).is_file():
             found.append((int(m.group(1)), p))
@@ -164,11 +203,27 @@ def save_checkpoint(accelerator, module, optimizer, engine, output_dir: str | os
     """Write ``checkpoint-<step>`` (all ranks call this) and prune old ones; returns its path.
 
     ``module`` is the unwrapped training module, ``optimizer`` the optimizer as built
-    (for schedule-free eval/train), ``engine`` the DeepSpeed engine or None.
+    (for schedule-free eval/train), ``engine`` the DeepSpeed engine or None. A full disk
+    raises :class:`DiskFullError` naming the newest complete checkpoint.
     """
+    try:
+        return _save_checkpoint(accelerator, module, optimizer, engine, Path(output_dir), state, keep_last, metadata)
+    except Exception as e:  # also accelerate's save_state, which writes without atomic_path
+        if not is_disk_full(e):
+            raise
+        tmp = Path(output_dir) / f".{PREFIX}{state.step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        done = list_checkpoints(output_dir)
+        safe = (f"the newest complete checkpoint is {done[-1]} (--resume latest continues from it)" if done
+                else "no checkpoint is complete yet")
+        raise DiskFullError(getattr(e, "path", tmp / STATE_DIR),
+                            f"{PREFIX}{state.step} was not saved; {safe}") from None
+
+
+def _save_checkpoint(accelerator, module, optimizer, engine, out: Path, state: TrainerState,
+                     keep_last: int, metadata: Optional[dict]) -> Path:
     from .optim import schedule_free_eval
 
-    out = Path(output_dir)
     final = out / f"{PREFIX}{state.step}"
     tmp = out / f".{PREFIX}{state.step}.tmp"
     if accelerator.is_main_process:
