@@ -9,7 +9,9 @@ checkpointing, CFG dropout...): those are decided by the trainer.
 Layout of ``<cache_dir>``::
 
     manifest.json            written last, atomically, by rank 0 when a run finishes
-    shared.safetensors       size-keyed white-image latents: "sub_noise/<H>x<W>" (pixel size)
+    shared-<hash>.safetensors   size-keyed white-image latents: "sub_noise/<H>x<W>" (pixel size);
+                             named by content and listed in the manifest ("shared"), so a new
+                             version never overwrites the one the current manifest reads
     shards/<name>.safetensors   tensors of up to ``shard_size`` entries
     shards/<name>.json          sidecar: EntryMeta of each entry in that shard
     skipped.jsonl            rows rejected by validation, one JSON object per line
@@ -21,7 +23,7 @@ Layout of ``<cache_dir>``::
     {"format_version": 1, "preset": "2511", "encoder_fingerprint": "...",
      "resize": {"max_pixels": ..., "edit_max_pixels": ..., "divisor": 16},
      "dtype": "bfloat16", "created": "...", "metadata": "<path>",
-     "shards": ["<name>.safetensors", ...],
+     "shared": "shared-<hash>.safetensors", "shards": ["<name>.safetensors", ...],
      "entries": [{"id": ..., "row_id": ..., "hash": ..., "shard": ...}, ...],  # metadata order
      "missing": [row ids with no entry], "num_skipped": N}
 
@@ -41,6 +43,9 @@ Readers: ``CacheStore.open(cache_dir)`` then ``len``, ``entry_ids``, ``meta(i)``
 
 Writers (``cache/writer.py``): ``ShardWriter`` per rank, ``scan_shards`` for
 resume, ``finalize_store`` on rank 0 at the end.
+
+Temp files of unfinished writes (``utils.atomic``) are never listed as cache files:
+every listing goes through ``utils.atomic.finished_files``.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from ..utils.atomic import atomic_save, atomic_write_json
+from ..utils.atomic import atomic_save, atomic_write_json, finished_files, temp_leftovers
 
 if TYPE_CHECKING:  # torch is imported lazily so `qie --help` stays fast
     import torch
@@ -63,7 +68,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-SHARED_NAME = "shared.safetensors"
+SHARED_NAME = "shared.safetensors"  # caches written before the white latents were content-named
+SHARED_PATTERN = "shared*.safetensors"
 SHARDS_DIR = "shards"
 PARTS_DIR = "parts"
 SKIPPED_NAME = "skipped.jsonl"
@@ -247,11 +253,15 @@ class CacheStore:
         manifest = json.loads(path.read_text())
         check_format_version(manifest.get("format_version"), path)
         by_shard: dict[str, dict[str, EntryMeta]] = {}
+        needed = [cache_dir / shared_name(manifest)] if manifest["entries"] else []
+        for shard in manifest["shards"]:
+            needed += [cache_dir / SHARDS_DIR / shard, cache_dir / SHARDS_DIR / _sidecar_name(shard)]
+        for file in needed:
+            if not file.is_file():
+                raise ValueError(f"{cache_dir}: {file.relative_to(cache_dir)}, listed in {MANIFEST_NAME}, is missing; "
+                                 f"re-run `qie cache` with the same --cache_dir to repair it")
         for shard in manifest["shards"]:
             sidecar = cache_dir / SHARDS_DIR / _sidecar_name(shard)
-            if not sidecar.is_file() or not (cache_dir / SHARDS_DIR / shard).is_file():
-                raise ValueError(f"{cache_dir}: shard {shard} listed in {MANIFEST_NAME} is missing; "
-                                 f"re-run `qie cache` with the same --cache_dir to repair it")
             data = json.loads(sidecar.read_text())
             check_format_version(data.get("format_version"), sidecar)
             by_shard[shard] = {e["entry_id"]: EntryMeta.from_json(e) for e in data["entries"]}
@@ -285,13 +295,13 @@ class CacheStore:
 
     # -- tensors
     def shared(self, key: str) -> "torch.Tensor":
-        """A tensor from shared.safetensors (kept in memory per process: a few sizes only)."""
+        """A tensor from the shared white-latent file (kept in memory per process: a few sizes only)."""
         from safetensors import safe_open
 
         if self._shared_pid != os.getpid():  # a forked worker must not share a parent's handles
             self._shared, self._shared_pid = {}, os.getpid()
         if key not in self._shared:
-            with safe_open(str(self.cache_dir / SHARED_NAME), framework="pt", device="cpu") as f:
+            with safe_open(str(self.cache_dir / shared_name(self.manifest)), framework="pt", device="cpu") as f:
                 self._shared[key] = f.get_tensor(key)
         return self._shared[key]
 
@@ -329,6 +339,11 @@ def check_format_version(version: Any, path: Path) -> None:
         raise ValueError(
             f"{path}: cache format_version {version!r}, but this diffsynth-qie reads format_version "
             f"{FORMAT_VERSION}; re-run `qie cache` with the same --cache_dir (it rebuilds the old entries)")
+
+
+def shared_name(manifest: dict) -> str:
+    """File name of the white latents a manifest reads."""
+    return manifest.get("shared", SHARED_NAME)
 
 
 def _sidecar_name(shard: str) -> str:
@@ -415,9 +430,7 @@ def scan_shards(cache_dir: str | os.PathLike) -> list[EntryMeta]:
     (and removed by the next ``finalize_store``)."""
     shard_dir = Path(cache_dir) / SHARDS_DIR
     out: list[EntryMeta] = []
-    if not shard_dir.is_dir():
-        return out
-    for sidecar in sorted(shard_dir.glob("*.json")):
+    for sidecar in finished_files(shard_dir, "*.json"):
         try:
             data = json.loads(sidecar.read_text())
         except (OSError, json.JSONDecodeError):
@@ -429,17 +442,34 @@ def scan_shards(cache_dir: str | os.PathLike) -> list[EntryMeta]:
     return out
 
 
+def _shared_sources(cache_dir: Path) -> list[Path]:
+    """Every finished white-latent file: the manifest's, other versions, unmerged parts."""
+    return finished_files(cache_dir, SHARED_PATTERN) + finished_files(cache_dir / PARTS_DIR, "shared-*.safetensors")
+
+
 def known_shared_keys(cache_dir: str | os.PathLike) -> set[str]:
-    """White-latent keys already on disk (shared.safetensors and unmerged parts)."""
+    """White-latent keys already on disk (shared files and unmerged parts)."""
     from safetensors import safe_open
 
-    cache_dir = Path(cache_dir)
     keys: set[str] = set()
-    for path in [cache_dir / SHARED_NAME, *sorted((cache_dir / PARTS_DIR).glob("shared-*.safetensors"))]:
-        if path.is_file():
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                keys |= set(f.keys())
+    for path in _shared_sources(Path(cache_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys |= set(f.keys())
     return keys
+
+
+def _content_name(tensors: dict[str, "torch.Tensor"]) -> str:
+    """``shared-<hash>.safetensors`` from the keys, shapes, dtypes and bytes of ``tensors``."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous().view(-1)
+        h.update(f"{k}:{tuple(tensors[k].shape)}:{t.dtype}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return f"shared-{h.hexdigest()[:16]}.safetensors"
 
 
 def finalize_store(cache_dir: str | os.PathLike, wanted: list[tuple[str, str]], manifest_fields: dict,
@@ -475,7 +505,7 @@ def finalize_store(cache_dir: str | os.PathLike, wanted: list[tuple[str, str]], 
 
     # compaction: a shard keeps its file only if every entry in it is chosen
     shard_sizes: dict[str, int] = {}
-    for sidecar in shard_dir.glob("*.json") if shard_dir.is_dir() else []:
+    for sidecar in finished_files(shard_dir, "*.json"):
         try:
             data = json.loads(sidecar.read_text())
             shard_sizes[data["shard"]] = len(data["entries"])
@@ -506,22 +536,25 @@ def finalize_store(cache_dir: str | os.PathLike, wanted: list[tuple[str, str]], 
     # shared white latents: only the sizes still referenced
     needed = {k for m in chosen for k in (m.sub_noise_key, m.sub_noise_ref_gt_key) if k}
     shared: dict[str, torch.Tensor] = {}
-    sources = [cache_dir / SHARED_NAME, *sorted((cache_dir / PARTS_DIR).glob("shared-*.safetensors"))]
-    for path in sources:
-        if path.is_file():
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for k in f.keys():
-                    if k in needed and k not in shared:
-                        shared[k] = f.get_tensor(k)
+    for path in _shared_sources(cache_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for k in f.keys():
+                if k in needed and k not in shared:
+                    shared[k] = f.get_tensor(k)
     lacking = needed - set(shared)
     assert not lacking, f"white latents {sorted(lacking)} referenced but not on disk"
-    atomic_save(cache_dir / SHARED_NAME, lambda tmp: save_file(shared, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
+    # A new name per content: the file the current manifest reads stays until the new manifest is written.
+    shared_file = _content_name(shared)
+    if not (cache_dir / shared_file).is_file():
+        atomic_save(cache_dir / shared_file,
+                    lambda tmp: save_file(shared, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
 
     shards = sorted({m.shard for m in chosen})
     manifest = {
         **manifest_fields,
         "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "shared": shared_file,
         "shards": shards,
         "entries": [{"id": m.entry_id, "row_id": m.row_id, "hash": m.content_hash, "shard": m.shard} for m in chosen],
         "missing": absent,
@@ -530,13 +563,15 @@ def finalize_store(cache_dir: str | os.PathLike, wanted: list[tuple[str, str]], 
 
     keep = set(shards) | {_sidecar_name(s) for s in shards}
     removed = 0
-    for path in shard_dir.iterdir() if shard_dir.is_dir() else []:
+    for path in shard_dir.iterdir() if shard_dir.is_dir() else []:  # temp files of killed writes too
         if path.name not in keep:
             path.unlink(missing_ok=True)
             removed += path.suffix == ".safetensors"
-    for path in sorted((cache_dir / PARTS_DIR).glob("shared-*.safetensors")) + sorted(
-            (cache_dir / PARTS_DIR).glob(".*")):  # merged white latents, temp files of killed writes
-        path.unlink(missing_ok=True)
+    old_shared = [p for p in finished_files(cache_dir, SHARED_PATTERN) if p.name != shared_file]
+    for path in old_shared + finished_files(cache_dir / PARTS_DIR, "shared-*.safetensors") + temp_leftovers(
+            cache_dir) + temp_leftovers(cache_dir / PARTS_DIR):  # merged white latents, temp files of killed writes
+        if path.is_file():
+            path.unlink(missing_ok=True)
     if removed:
         log.info("removed %d stale shard file(s)", removed)
     if absent:
