@@ -485,3 +485,66 @@ def test_missing_file_message_names_the_missing_file(subset_dir, tiny_pipe, tiny
         CacheStore.open(cache)
     msg = str(info.value)
     assert str(path.relative_to(cache)) in msg and "is missing" in msg and "re-run `qie cache`" in msg
+
+
+# ---------------------------------------------------------------- one run per directory
+
+def _hold_lock_in_subprocess(cache: Path, seconds: float):
+    """Another process holding the directory's lock (it prints 'locked' once it has it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from diffsynth_qie.cache.lock import CacheLock; "
+            f"l = CacheLock({str(cache)!r}); l.acquire(); print('locked', flush=True); time.sleep({seconds})")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_second_run_on_the_same_directory_exits_naming_the_holder(subset_dir, tiny_pipe, tiny_model_dir, base_cache,
+                                                                  tmp_path, monkeypatch):
+    import socket
+
+    cache, cfg = _finished_cache(subset_dir, tiny_pipe, tiny_model_dir, tmp_path, base_cache)
+    before = sorted(p.name for p in cache.rglob("*"))
+    holder = _hold_lock_in_subprocess(cache, 60)
+    try:
+        calls = EncoderCalls(tiny_pipe, monkeypatch)
+        with pytest.raises(ValueError) as info:
+            write_cache(cfg, pipe=tiny_pipe)
+        msg = str(info.value)
+        assert str(cache) in msg and f"pid {holder.pid} on {socket.gethostname()}" in msg
+        assert "--lock_timeout" in msg and calls.n == 0
+        with pytest.raises(ValueError, match=f"pid {holder.pid}"):
+            finalize_cache(cache, world_size=1)
+        assert sorted(p.name for p in cache.rglob("*")) == before  # nothing written, nothing deleted
+    finally:
+        holder.kill()  # a killed holder's lock is released by the OS
+        holder.wait()
+    summary = write_cache(cfg, pipe=tiny_pipe)
+    assert summary.computed == 0 and len(CacheStore.open(cache)) == len(SUBSET)
+
+
+def test_second_run_waits_for_the_first_with_lock_timeout(subset_dir, tiny_pipe, tiny_model_dir, base_cache,
+                                                          tmp_path):
+    import time
+
+    cache, cfg = _finished_cache(subset_dir, tiny_pipe, tiny_model_dir, tmp_path, base_cache, lock_timeout=30)
+    holder = _hold_lock_in_subprocess(cache, 1.5)
+    t0 = time.monotonic()
+    summary = write_cache(cfg, pipe=tiny_pipe)
+    assert time.monotonic() - t0 >= 1.0 and holder.wait(5) == 0
+    assert summary.manifest is not None and len(CacheStore.open(cache)) == len(SUBSET)
+
+
+def test_lock_is_exclusive_between_file_descriptors(tmp_path):
+    from diffsynth_qie.cache.lock import CacheLock
+
+    a, b = CacheLock(tmp_path), CacheLock(tmp_path)
+    a.acquire()
+    with pytest.raises(ValueError, match=f"pid {__import__('os').getpid()}"):
+        b.acquire(timeout=0.2, poll=0.05)
+    a.release()
+    b.acquire()
+    b.release()

@@ -38,6 +38,7 @@ from ..data.rows import EditRow, SkippedRow, check_bad_fraction, log_skip, valid
 from ..utils.atomic import atomic_write_json
 from . import store
 from .fingerprint import FileHasher, encoder_fingerprint, row_content_hash
+from .lock import CacheLock
 from .store import CacheEntry, EntryMeta, ShardWriter
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class CacheConfig:
     num_workers: int = field(default=4, metadata={"help": "threads decoding and resizing images ahead of the encoders"})
     check_images: bool = field(default=True, metadata={
         "help": "fully decode every image while validating rows (catches truncated files before encoding)"})
+    lock_timeout: float = field(default=0.0, metadata={
+        "help": "seconds to wait for another `qie cache` run on the same --cache_dir to finish (0: exit at once)"})
     # Filled from their own flag groups by commands/cache.py (shared with `qie train`).
     dataset: DatasetConfig = field(default_factory=DatasetConfig, metadata={"cli": False})
     fields: FieldNames = field(default_factory=FieldNames, metadata={"cli": False})
@@ -100,40 +103,68 @@ class CacheSummary:
 # ----------------------------------------------------------------------------- distribution
 
 
-def _dist_context(rank: int | None, world_size: int | None) -> tuple[int, int, Callable[[], None], Any]:
-    """(rank, world_size, barrier, device) for this process.
+@dataclass
+class _Dist:
+    """This process's place in the run. ``state`` is accelerate's ``PartialState`` when the
+    ranks of this run share a process group, else None (one process, or ranks run one
+    after another with explicit ``rank``/``world_size``)."""
 
-    Launched distributed (``WORLD_SIZE`` > 1, as ``accelerate launch``/torchrun set it):
-    accelerate's state when it is distributed, else a gloo process group from the
-    launcher's environment (accelerate reports no distribution on a CPU-only machine).
-    Otherwise rank 0 of 1 and no barrier. Explicit ``rank``/``world_size`` win.
+    rank: int
+    world_size: int
+    device: Any = None
+    state: Any = None
+
+    def barrier(self) -> None:
+        if self.state is not None:
+            self.state.wait_for_everyone()
+
+    def from_rank0(self, value):
+        """``value`` as rank 0 has it, on every rank."""
+        if self.state is None:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+
+def _dist_context(rank: int | None, world_size: int | None) -> _Dist:
+    """Launched distributed (``WORLD_SIZE`` > 1, as ``accelerate launch``/torchrun set it):
+    accelerate's ``PartialState``, as the trainer's Accelerator uses it (gloo on a
+    CPU-only machine). Otherwise rank 0 of 1. Explicit ``rank``/``world_size`` win.
     """
-    import torch
-
-    device = None
-    barrier: Callable[[], None] = lambda: None  # noqa: E731
+    dist = _Dist(0, 1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch.distributed as dist
+        import torch
         from accelerate import PartialState
 
-        state = PartialState()
-        if state.num_processes > 1:
-            env_rank, env_world, device = state.process_index, state.num_processes, state.device
-        else:
-            if not dist.is_initialized():
-                dist.init_process_group("gloo")
-            env_rank, env_world = dist.get_rank(), dist.get_world_size()
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+        launched = PartialState(cpu=not torch.cuda.is_available())
+        dist.device = launched.device
         if rank is None and world_size is None:
-            rank, world_size = env_rank, env_world
-        if world_size == env_world and dist.is_initialized():
-            barrier = dist.barrier
-    rank = 0 if rank is None else rank
-    world_size = 1 if world_size is None else world_size
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    return rank, world_size, barrier, device
+            rank, world_size = launched.process_index, launched.num_processes
+        if world_size == launched.num_processes > 1:
+            dist.state = launched
+    dist.rank = 0 if rank is None else rank
+    dist.world_size = 1 if world_size is None else world_size
+    if not 0 <= dist.rank < dist.world_size:
+        raise ValueError(f"rank {dist.rank} is outside world_size {dist.world_size}")
+    return dist
+
+
+def _lock(cache_dir: Path, dist: _Dist, timeout: float) -> CacheLock:
+    """The directory's lock: taken by rank 0 for the whole run when the ranks share a process
+    group, else by this process. Every rank raises the same ValueError if it is taken."""
+    lock = CacheLock(cache_dir)
+    error = None
+    if dist.state is None or dist.rank == 0:
+        try:
+            lock.acquire(timeout)
+        except ValueError as e:
+            error = str(e)
+    error = dist.from_rank0(error)
+    if error:
+        lock.release()
+        raise ValueError(error)
+    return lock
 
 
 def _report_path(cache_dir: Path, rank: int, world_size: int) -> Path:
@@ -396,7 +427,8 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
     from ..models.presets import get_preset
 
     t0 = time.perf_counter()
-    rank, world_size, barrier, dist_device = _dist_context(rank, world_size)
+    dist = _dist_context(rank, world_size)
+    rank, world_size = dist.rank, dist.world_size
     if not config.cache_dir:
         raise ValueError("no cache directory given; pass --cache_dir DIR")
     if not config.dataset.dataset_metadata:
@@ -405,6 +437,18 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
         raise ValueError(f"--shard_size must be >= 1, got {config.shard_size}")
     cache_dir = Path(config.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock(cache_dir, dist, config.lock_timeout)
+    try:
+        return _write_locked(config, pipe, dist, cache_dir, finalize, on_entry, t0)
+    finally:  # after the last barrier on success: no rank writes any more
+        lock.release()
+
+
+def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, finalize: bool | None,
+                  on_entry: Callable[[EntryMeta], None] | None, t0: float) -> CacheSummary:
+    from ..models.presets import get_preset
+
+    rank, world_size = dist.rank, dist.world_size
     preset = get_preset(getattr(pipe, "qie_preset", None) or config.model)
     ds = config.dataset
     report_path = _report_path(cache_dir, rank, world_size)
@@ -417,7 +461,7 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
                            cache_dir / store.SKIPPED_NAME)
 
     if pipe is None:
-        pipe = _load_pipe(config, dist_device)
+        pipe = _load_pipe(config, dist.device)
     settings = cache_settings(config, preset, pipe)
     hasher = FileHasher()
     hashes = list(_prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))
@@ -443,11 +487,11 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
         "max_bad_fraction": ds.max_bad_fraction,
         "manifest_fields": _manifest_fields(config, settings),
     })
-    barrier()  # every rank's shards and report are on disk
+    dist.barrier()  # every rank's shards and report are on disk
     manifest = None
     if finalize if finalize is not None else rank == 0:
-        manifest = finalize_cache(cache_dir, world_size)
-    barrier()  # nobody returns before the manifest exists
+        manifest = _finalize(cache_dir, world_size)
+    dist.barrier()  # nobody returns before the manifest exists
     return CacheSummary(rank=rank, world_size=world_size, rows=len(share.good), computed=len(todo),
                         reused=len(share.good) - len(todo), skipped=len(share.skipped),
                         seconds=time.perf_counter() - t0, encode_seconds=enc_s, manifest=manifest)
@@ -478,13 +522,22 @@ def _manifest_fields(config: CacheConfig, settings: dict) -> dict:
     }
 
 
-def finalize_cache(cache_dir: str | os.PathLike, world_size: int) -> dict:
+def finalize_cache(cache_dir: str | os.PathLike, world_size: int, lock_timeout: float = 0.0) -> dict:
     """Merge every rank's report into ``skipped.jsonl`` and ``manifest.json`` (rank 0, after all ranks).
 
     Raises ValueError if a rank's report is missing or belongs to another run (a
-    different metadata file, model or settings), or if too many rows are bad.
+    different metadata file, model or settings), if too many rows are bad, or if
+    another run holds the directory's lock.
     """
-    cache_dir = Path(cache_dir)
+    lock = CacheLock(cache_dir)
+    lock.acquire(lock_timeout)
+    try:
+        return _finalize(Path(cache_dir), world_size)
+    finally:
+        lock.release()
+
+
+def _finalize(cache_dir: Path, world_size: int) -> dict:
     reports = []
     for r in range(world_size):
         path = _report_path(cache_dir, r, world_size)
