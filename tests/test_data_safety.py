@@ -59,11 +59,16 @@ def test_lora_and_checkpoint_files_follow_the_umask(tmp_path, umask):
     assert _mode(tmp_path / "out.safetensors") == 0o644
 
 
-def test_tiny_model_dir_follows_the_umask(tmp_path, umask):
-    from diffsynth_qie.models.tiny import ensure_tiny
+def test_tiny_model_dir_follows_the_umask(tmp_path, umask, monkeypatch):
+    from diffsynth_qie.models import tiny
 
+    def build(out_dir, seed=0):  # the real build takes seconds; its files are written atomically too
+        atomic_write_json(Path(out_dir) / "tiny_info.json", {"seed": seed})
+        atomic_save(Path(out_dir) / "transformer" / "w.safetensors", lambda p: save_file({"w": torch.ones(2)}, str(p)))
+
+    monkeypatch.setattr(tiny, "build_tiny", build)
     umask(0o027)
-    out = ensure_tiny(tmp_path / "tiny")
+    out = tiny.ensure_tiny(tmp_path / "tiny")
     assert _mode(out) == 0o750
     files = [p for p in out.rglob("*") if p.is_file()]
     assert files and {_mode(p) for p in files} == {0o640}
@@ -189,3 +194,101 @@ def test_disk_full_while_checkpointing_names_the_newest_complete_checkpoint(tmp_
     assert f"no space left on {out / '.checkpoint-4.tmp'}" in msg
     assert f"newest complete checkpoint is {out / 'checkpoint-2'}" in msg and "checkpoint-4 was not saved" in msg
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]  # the unfinished one is removed
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+@pytest.fixture(scope="module")
+def saved_run(cache_dir, tiny_model_dir, tmp_path_factory):
+    """A short real run that saved checkpoint-1 and checkpoint-2 (the pinned config, 2 steps)."""
+    import copy
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from conftest import curve_script
+    from diffsynth_qie.training.loop import train
+
+    pinned = json.loads((Path(__file__).parent / "assets" / "train_loss_curve.json").read_text())
+    sections = copy.deepcopy(pinned["config"])
+    sections["train"].update(max_steps=2, save_every=1)
+    out = tmp_path_factory.mktemp("saved-run")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    train(curve_script.run_config(sections, cache_dir, out, tiny_model_dir))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return out
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+DAMAGE = {
+    "truncated_lora": ("lora.safetensors", _truncate),
+    "truncated_trainable": ("trainable.safetensors", _truncate),
+    "missing_trainable": ("trainable.safetensors", Path.unlink),
+    "bad_json": ("trainer_state.json", lambda p: p.write_text('{"format_version": 1, "step": 2,')),
+    "missing_optimizer": ("state/optimizer.bin", Path.unlink),
+    "truncated_optimizer": ("state/optimizer.bin", _truncate),
+    "empty_scheduler": ("state/scheduler.bin", lambda p: p.write_bytes(b"")),
+    "lora_bad_header": ("lora.safetensors", lambda p: p.write_bytes(b"\xff" * 64)),
+}
+
+
+def test_intact_checkpoints_pass_the_checks(saved_run):
+    assert [p.name for p in ckpt.list_checkpoints(saved_run)] == ["checkpoint-1", "checkpoint-2"]
+    for c in ckpt.list_checkpoints(saved_run):
+        assert ckpt.checkpoint_problem(c) is None
+    assert ckpt.resolve_resume("latest", saved_run) == saved_run / "checkpoint-2"
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_resume_latest_skips_a_damaged_newest_checkpoint(saved_run, tmp_path, caplog, damage):
+    import logging
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(saved_run, out)
+    rel, fn = DAMAGE[damage]
+    fn(out / "checkpoint-2" / rel)
+    with caplog.at_level(logging.WARNING, logger="diffsynth_qie.training.checkpoint"):
+        assert ckpt.resolve_resume("latest", out) == out / "checkpoint-1"
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert str(out / "checkpoint-2" / rel) in warning and "damaged" in warning
+    with pytest.raises(ValueError, match=f"damaged checkpoint: {out / 'checkpoint-2' / rel}"):
+        ckpt.resolve_resume(str(out / "checkpoint-2"), out)
+
+    fn(out / "checkpoint-1" / rel)  # none intact: one clear error naming both
+    with pytest.raises(ValueError) as info:
+        ckpt.resolve_resume("latest", out)
+    msg = str(info.value)
+    assert "every checkpoint" in msg and str(out / "checkpoint-1" / rel) in msg and str(out / "checkpoint-2" / rel) in msg
+
+
+def test_training_resumes_from_the_newest_intact_checkpoint(saved_run, cache_dir, tiny_model_dir, tmp_path):
+    """End to end: `--resume latest` with a truncated newest optimizer state trains on from step 1,
+    and a leftover temp LoRA of the killed run is removed at the start."""
+    import copy
+    import shutil
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from conftest import curve_script
+    from diffsynth_qie.training.loop import train
+
+    out = tmp_path / "out"
+    shutil.copytree(saved_run, out)
+    _truncate(out / "checkpoint-2" / "state" / "optimizer.bin")
+    leftover = out / ".lora.k2j_x9a.tmp.safetensors"
+    leftover.write_bytes(b"half")
+    pinned = json.loads((Path(__file__).parent / "assets" / "train_loss_curve.json").read_text())
+    sections = copy.deepcopy(pinned["config"])
+    sections["train"].update(max_steps=2, save_every=1, resume="latest")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    result = train(curve_script.run_config(sections, cache_dir, out, tiny_model_dir))
+    assert len(result.losses) == 1  # step 2 again, from checkpoint-1
+    assert not leftover.exists()
+    assert ckpt.checkpoint_problem(out / "checkpoint-2") is None  # saved again, intact

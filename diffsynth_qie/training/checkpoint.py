@@ -33,6 +33,7 @@ import torch
 
 from ..utils.atomic import (DiskFullError, atomic_save, atomic_write_json, finished_files, is_disk_full,
                             temp_leftovers)
+from ..utils.integrity import safetensors_problem, state_file_problem
 from .data import DataPosition
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,11 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def resolve_resume(resume: Optional[str], output_dir: str | os.PathLike) -> Optional[Path]:
-    """The checkpoint directory ``--resume`` names; ``latest`` with none yet means a fresh start."""
+    """The checkpoint directory ``--resume`` names; ``latest`` with none yet means a fresh start.
+
+    ``latest`` skips damaged checkpoints (:func:`checkpoint_problem`) with a warning naming
+    the damaged file and takes the newest intact one; a named checkpoint must be intact.
+    """
     if not resume:
         return None
     if resume == "latest":
@@ -131,12 +136,59 @@ def resolve_resume(resume: Optional[str], output_dir: str | os.PathLike) -> Opti
         if not found:
             log.info("--resume latest: no checkpoint in %s yet, starting from step 0", output_dir)
             return None
-        return found[-1]
+        damaged = []
+        for ckpt in reversed(found):
+            problem = checkpoint_problem(ckpt)
+            if problem is None:
+                return ckpt
+            damaged.append(problem)
+            log.warning("--resume latest: skipping damaged checkpoint %s: %s", ckpt, problem)
+        raise ValueError(f"--resume latest: every checkpoint in {output_dir} is damaged ({'; '.join(damaged)}); "
+                         f"resume from an intact copy with --resume DIR, or start again without --resume")
     path = Path(resume)
     if not (path / TRAINER_STATE).is_file():
         raise ValueError(f"--resume {resume}: not a complete checkpoint (no {TRAINER_STATE}); give a "
                          f"{PREFIX}<step> directory or 'latest'")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"--resume {resume}: damaged checkpoint: {problem}; give another {PREFIX}<step> "
+                         "directory or 'latest' (which skips damaged ones)")
     return path
+
+
+# --- validating checkpoints -----------------------------------------------------------
+def checkpoint_problem(ckpt: str | os.PathLike) -> Optional[str]:
+    """What is wrong with checkpoint directory ``ckpt`` (naming the file), or None if intact.
+
+    Cheap checks, no tensor is loaded: ``trainer_state.json`` parses and has this
+    version's fields; the LoRA and the trainable tensors (not written under DeepSpeed,
+    whose engine checkpoint holds them) have readable safetensors headers and all the
+    bytes those headers promise; ``state/`` holds the optimizer state and no empty
+    file; torch's zip files there are not truncated.
+    """
+    ckpt = Path(ckpt)
+    try:
+        read_trainer_state(ckpt)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{ckpt / TRAINER_STATE} is unreadable ({type(e).__name__}: {e})"
+    state = ckpt / STATE_DIR
+    if not state.is_dir():
+        return f"{state} is missing"
+    engine = any(p.is_dir() for p in state.iterdir())  # DeepSpeed writes its engine checkpoint as a folder
+    files = [p for p in state.rglob("*") if p.is_file()]
+    for need in [ckpt / LORA_NAME] + ([] if engine else [ckpt / TRAINABLE_NAME]):
+        problem = safetensors_problem(need)
+        if problem:
+            return problem
+    if not engine and not (state / "optimizer.bin").is_file():
+        return f"{state / 'optimizer.bin'} (the optimizer state) is missing"
+    if engine and not any("optim" in p.name for p in files):
+        return f"{state} holds no optimizer state"
+    for f in files:
+        problem = state_file_problem(f)
+        if problem:
+            return problem
+    return None
 
 
 def read_trainer_state(ckpt: str | os.PathLike) -> TrainerState:
