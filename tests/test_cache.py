@@ -15,7 +15,8 @@ from PIL import Image
 from safetensors import safe_open
 
 from diffsynth_qie.cache import store as store_mod
-from diffsynth_qie.cache.store import CacheEntry, CacheStore, EntryMeta, ShardWriter, scan_shards
+from diffsynth_qie.cache.shards import ShardWriter, scan_shards
+from diffsynth_qie.cache.store import CacheEntry, CacheStore, EntryMeta
 from diffsynth_qie.cache.writer import CacheConfig, finalize_cache, write_cache
 from diffsynth_qie.data import DatasetConfig, fit_to_budget, load_mask, load_rgb, resize_to
 from diffsynth_qie.data.demo import make_demo_jsonl
@@ -412,9 +413,8 @@ def test_temp_files_of_killed_writes_are_never_counted(subset_dir, tiny_pipe, ti
 
 def _fail_manifest_write(monkeypatch):
     """Kill finalisation just before manifest.json is written."""
-    from diffsynth_qie.cache.store import finalize_store
+    from diffsynth_qie.cache import shards as mod
 
-    mod = __import__(finalize_store.__module__, fromlist=["atomic_write_json"])
     inner = mod.atomic_write_json
 
     def write(path, obj):
