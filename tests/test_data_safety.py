@@ -50,7 +50,7 @@ def test_written_files_follow_the_umask(tmp_path, umask, mask):
 
 
 def test_lora_and_checkpoint_files_follow_the_umask(tmp_path, umask):
-    """The real writers of LoRAs and checkpoint tensors, not only the helper."""
+    """The real LoRA writer, not only atomic_save itself."""
     from diffsynth_qie.models.lora_io import save_lora
 
     umask(0o022)
