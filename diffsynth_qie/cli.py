@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 
+from .utils.atomic import DiskFullError
 from .utils.logging import setup_logging
 
 # name -> (module under diffsynth_qie.commands, one-line help)
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         log.error("%s", e)
         return 2
+    except DiskFullError as e:  # one line naming the full disk and what is safe
+        log.error("%s", e)
+        return 1
     return int(code or 0)
 
 

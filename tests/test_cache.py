@@ -15,7 +15,8 @@ from PIL import Image
 from safetensors import safe_open
 
 from diffsynth_qie.cache import store as store_mod
-from diffsynth_qie.cache.store import CacheEntry, CacheStore, EntryMeta, ShardWriter, scan_shards
+from diffsynth_qie.cache.shards import ShardWriter, scan_shards
+from diffsynth_qie.cache.store import CacheEntry, CacheStore, EntryMeta
 from diffsynth_qie.cache.writer import CacheConfig, finalize_cache, write_cache
 from diffsynth_qie.data import DatasetConfig, fit_to_budget, load_mask, load_rgb, resize_to
 from diffsynth_qie.data.demo import make_demo_jsonl
@@ -150,7 +151,7 @@ def test_round_trip_matches_direct_encoding(base_cache, subset_dir, tiny_pipe):
 def test_sub_noise_is_white_latents_stored_once(base_cache, tiny_pipe):
     store = CacheStore.open(base_cache)
     sizes = {store.meta(i).target_size for i in range(len(store))}
-    with safe_open(str(base_cache / store_mod.SHARED_NAME), "pt") as f:
+    with safe_open(str(base_cache / store_mod.shared_name(store.manifest)), "pt") as f:
         keys = set(f.keys())
         assert keys == {f"sub_noise/{h}x{w}" for h, w in sizes}  # 3 sizes for 4 rows
         for key in keys:
@@ -360,3 +361,190 @@ def test_nan_is_refused_naming_the_row(tmp_path):
     writer.add_shared("sub_noise/16x16", z)
     with pytest.raises(ValueError, match="row 'r'.*target_latents.*NaN"):
         writer.add(entry, meta)
+
+
+# ---------------------------------------------------------------- crash states
+
+def _finished_cache(subset_dir, tiny_pipe, tiny_model_dir, tmp_path, base_cache, **kw):
+    """A finished copy of ``base_cache`` plus the config that wrote it (shard_size=2 there)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(base_cache, cache)
+    return cache, _config(cache, subset_dir, tiny_model_dir, **kw)
+
+
+def _shard_files(cache: Path) -> list[str]:
+    return sorted(p.name for p in (cache / "shards").iterdir())
+
+
+def test_temp_files_of_killed_writes_are_never_counted(subset_dir, tiny_pipe, tiny_model_dir, base_cache, tmp_path,
+                                                       monkeypatch):
+    """A run killed between writing a sidecar and renaming it leaves a complete temp sidecar; other
+    kills leave partial temp shards, white-latent parts, manifest, report and skipped list."""
+    cache, cfg = _finished_cache(subset_dir, tiny_pipe, tiny_model_dir, tmp_path, base_cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    victim = manifest["shards"][0]
+    n_victim = sum(e["shard"] == victim for e in manifest["entries"])
+    sidecar = cache / "shards" / victim.replace(".safetensors", ".json")
+    sidecar.rename(cache / "shards" / f".{sidecar.stem}.k2j_x9a.tmp.json")  # complete, never renamed
+    (cache / "shards" / f".{Path(victim).stem}.zz9_q1w.tmp.safetensors").write_bytes(b"\x10\x00partial")
+    (cache / "shards" / ".r0000-20990101000000-abcdef-00007.q1w2e3.tmp.json").write_text("{\"format_ver")
+    (cache / "parts").mkdir(exist_ok=True)
+    (cache / "parts" / ".shared-r0000-20990101000000-abcdef-00000.a1b2c3.tmp.safetensors").write_bytes(b"xx")
+    (cache / "parts" / ".rank-0000-of-0001.d4e5f6.tmp.json").write_text("{}")
+    (cache / ".manifest.g7h8i9.tmp.json").write_text("{}")
+    (cache / ".skipped.j1k2l3.tmp.jsonl").write_text("")
+    (cache / "manifest.json").unlink()  # the run was killed before finalising
+
+    assert {m.entry_id for m in scan_shards(cache)} == {e["id"] for e in manifest["entries"] if e["shard"] != victim}
+    calls = EncoderCalls(tiny_pipe, monkeypatch)
+    summary = write_cache(cfg, pipe=tiny_pipe)
+    assert (summary.computed, summary.reused) == (n_victim, len(SUBSET) - n_victim)
+    assert calls.n == 2 * n_victim
+    store = CacheStore.open(cache)  # "cache ready" means the trainer can read it
+    got, ref = _entries(store), _entries(CacheStore.open(base_cache))
+    assert list(got) == list(ref)
+    for k in ref:
+        _assert_same(got[k], ref[k], exact=False)
+    names = [p.name for p in cache.rglob("*")]
+    assert not [n for n in names if ".tmp" in n], names  # every leftover removed
+    assert _shard_files(cache) == sorted(store.manifest["shards"] + [s.replace(".safetensors", ".json")
+                                                                      for s in store.manifest["shards"]])
+
+
+def _fail_manifest_write(monkeypatch):
+    """Kill finalisation just before manifest.json is written."""
+    from diffsynth_qie.cache import shards as mod
+
+    inner = mod.atomic_write_json
+
+    def write(path, obj):
+        if Path(path).name == "manifest.json":
+            raise KeyboardInterrupt("killed before the manifest")
+        inner(path, obj)
+
+    monkeypatch.setattr(mod, "atomic_write_json", write)
+
+
+def test_white_latent_update_killed_before_the_manifest_keeps_the_old_cache(
+        subset_dir, tiny_pipe, tiny_model_dir, base_cache, tmp_path, monkeypatch):
+    """Dropping the only portrait row shrinks the white latents; the old manifest still needs them."""
+    data = _copy_subset(subset_dir, tmp_path / "data", indices=range(len(SUBSET)))
+    cache = tmp_path / "cache"
+    shutil.copytree(base_cache, cache)
+    cfg = _config(cache, data, tiny_model_dir)
+    rows = json.loads((data / "metadata.json").read_text())
+    (data / "metadata.json").write_text(json.dumps([rows[0], rows[2], rows[3]]))  # row1: the only portrait size
+    with monkeypatch.context() as m:
+        _fail_manifest_write(m)
+        with pytest.raises(KeyboardInterrupt):
+            write_cache(cfg, pipe=tiny_pipe)
+    old = CacheStore.open(cache)  # the old manifest with every file it reads
+    assert old.entry_ids == [f"row{i}" for i in SUBSET]
+    got, ref = _entries(old), _entries(CacheStore.open(base_cache))
+    for k in ref:
+        _assert_same(got[k], ref[k])  # the portrait row's white latents included
+
+    summary = write_cache(cfg, pipe=tiny_pipe)  # the next run finishes the job
+    assert summary.computed == 0
+    new = CacheStore.open(cache)
+    assert new.entry_ids == ["row0", "row3", "row5"]
+    for k, e in _entries(new).items():
+        _assert_same(e, ref[k])
+    shared = sorted(p.name for p in cache.glob("shared*.safetensors"))
+    assert shared == [new.manifest["shared"]] and shared != [old.manifest["shared"]]  # old version removed
+    with safe_open(str(cache / shared[0]), "pt") as f:
+        assert len(list(f.keys())) == 2
+
+
+def test_white_latent_update_killed_after_the_manifest(subset_dir, tiny_pipe, tiny_model_dir, base_cache, tmp_path):
+    """Killed after the manifest, before the old version was deleted: the new manifest reads its own
+    file, and the next run removes the old one."""
+    cache, cfg = _finished_cache(subset_dir, tiny_pipe, tiny_model_dir, tmp_path, base_cache)
+    current = CacheStore.open(cache).manifest["shared"]
+    stale = cache / "shared-0123456789abcdef.safetensors"
+    shutil.copy(cache / current, stale)
+    (cache / "shared.safetensors").write_bytes((cache / current).read_bytes())  # older name scheme too
+    assert len(CacheStore.open(cache)) == len(SUBSET)
+    assert write_cache(cfg, pipe=tiny_pipe).computed == 0
+    assert sorted(p.name for p in cache.glob("shared*")) == [current]
+    got, ref = _entries(CacheStore.open(cache)), _entries(CacheStore.open(base_cache))
+    for k in ref:
+        _assert_same(got[k], ref[k])
+
+
+@pytest.mark.parametrize("lost", ["shard", "sidecar", "shared"])
+def test_missing_file_message_names_the_missing_file(subset_dir, tiny_pipe, tiny_model_dir, base_cache, tmp_path,
+                                                     lost):
+    cache, _ = _finished_cache(subset_dir, tiny_pipe, tiny_model_dir, tmp_path, base_cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    shard = manifest["shards"][-1]
+    path = {"shard": cache / "shards" / shard, "sidecar": cache / "shards" / shard.replace(".safetensors", ".json"),
+            "shared": cache / store_mod.shared_name(manifest)}[lost]
+    path.unlink()
+    with pytest.raises(ValueError) as info:
+        CacheStore.open(cache)
+    msg = str(info.value)
+    assert str(path.relative_to(cache)) in msg and "is missing" in msg and "re-run `qie cache`" in msg
+
+
+# ---------------------------------------------------------------- one run per directory
+
+def _hold_lock_in_subprocess(cache: Path, seconds: float):
+    """Another process holding the directory's lock (it prints 'locked' once it has it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from diffsynth_qie.cache.lock import CacheLock; "
+            f"l = CacheLock({str(cache)!r}); l.acquire(); print('locked', flush=True); time.sleep({seconds})")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_second_run_on_the_same_directory_exits_naming_the_holder(subset_dir, tiny_pipe, tiny_model_dir, base_cache,
+                                                                  tmp_path, monkeypatch):
+    import socket
+
+    cache, cfg = _finished_cache(subset_dir, tiny_pipe, tiny_model_dir, tmp_path, base_cache)
+    before = sorted(p.name for p in cache.rglob("*"))
+    holder = _hold_lock_in_subprocess(cache, 60)
+    try:
+        calls = EncoderCalls(tiny_pipe, monkeypatch)
+        with pytest.raises(ValueError) as info:
+            write_cache(cfg, pipe=tiny_pipe)
+        msg = str(info.value)
+        assert str(cache) in msg and f"pid {holder.pid} on {socket.gethostname()}" in msg
+        assert "--lock_timeout" in msg and calls.n == 0
+        with pytest.raises(ValueError, match=f"pid {holder.pid}"):
+            finalize_cache(cache, world_size=1)
+        assert sorted(p.name for p in cache.rglob("*")) == before  # nothing written, nothing deleted
+    finally:
+        holder.kill()  # a killed holder's lock is released by the OS
+        holder.wait()
+    summary = write_cache(cfg, pipe=tiny_pipe)
+    assert summary.computed == 0 and len(CacheStore.open(cache)) == len(SUBSET)
+
+
+def test_second_run_waits_for_the_first_with_lock_timeout(subset_dir, tiny_pipe, tiny_model_dir, base_cache,
+                                                          tmp_path):
+    import time
+
+    cache, cfg = _finished_cache(subset_dir, tiny_pipe, tiny_model_dir, tmp_path, base_cache, lock_timeout=30)
+    holder = _hold_lock_in_subprocess(cache, 1.5)
+    t0 = time.monotonic()
+    summary = write_cache(cfg, pipe=tiny_pipe)
+    assert time.monotonic() - t0 >= 1.0 and holder.wait(5) == 0
+    assert summary.manifest is not None and len(CacheStore.open(cache)) == len(SUBSET)
+
+
+def test_lock_is_exclusive_between_file_descriptors(tmp_path):
+    from diffsynth_qie.cache.lock import CacheLock
+
+    a, b = CacheLock(tmp_path), CacheLock(tmp_path)
+    a.acquire()
+    with pytest.raises(ValueError, match=f"pid {__import__('os').getpid()}"):
+        b.acquire(timeout=0.2, poll=0.05)
+    a.release()
+    b.acquire()
+    b.release()

@@ -6,6 +6,9 @@ row reads (target, sources, mask, ref_gt), the prompt alternatives, the resize
 settings, the preset, the stored dtype and a fingerprint of the encoder weights
 (text encoder, VAE, tokenizer/processor settings). Change any of these and the row
 is recomputed; nothing else is.
+
+``weights_fingerprint`` identifies weight files cheaply (headers, sizes, samples);
+``encoder_fingerprint`` applies it to the files a pipeline was loaded from.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ..data.images import image_bytes_hash
 from ..data.rows import EditRow
@@ -59,14 +62,12 @@ def encoder_fingerprint(pipe) -> str:
     tokenizer and processor.
 
     Uses the files the loader recorded (``pipe.qie_model_paths``, fingerprinted by
-    ``models.loading.weights_fingerprint`` from safetensors headers and sizes, so the
+    :func:`weights_fingerprint` from safetensors headers and sizes, so the
     same model in another directory gives the same value). For a pipeline built some
     other way it hashes the modules' parameters (name, shape, dtype and two sums each:
     cheap even for the 7B encoder on a GPU), the vocabulary size and the processor's
     image settings.
     """
-    from ..models.loading import weights_fingerprint
-
     paths = getattr(pipe, "qie_model_paths", None) or {}
     parts: dict[str, Any] = {}
     for name in ("text_encoder", "vae", "tokenizer", "processor"):
@@ -95,3 +96,54 @@ def _module_fingerprint(module) -> str | None:
             t64 = t.detach().double()
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t64.sum().item():.6e}:{(t64 * t64).sum().item():.6e}".encode())
     return h.hexdigest()
+
+
+# --- fingerprints ----------------------------------------------------------------
+_FULL_READ_LIMIT = 16 * 1024 * 1024
+_SAMPLE_BYTES = 64 * 1024
+
+
+def weights_fingerprint(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> str:
+    """Cheap content fingerprint of weight files: sha256 over safetensors headers, sizes and samples.
+
+    A safetensors header lists every tensor's name, dtype, shape and byte offsets, so
+    with the file size it changes whenever weights are re-exported, re-sharded or
+    converted; three 64 KiB samples of the tensor data (start, middle, end) tell
+    apart checkpoints with the same layout (e.g. two fine-tunes) — all without
+    reading gigabytes. Folders are walked; small other files (tokenizer JSON) are
+    hashed whole. A file counts with its name and its folder's name
+    (``transformer/...``), not where that folder is, so the same model in two places
+    has the same fingerprint; the order of ``paths`` doesn't matter.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[tuple[str, Path]] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            files += [(str(f.relative_to(p.parent)), f) for f in sorted(p.rglob("*")) if f.is_file()]
+        elif p.is_file():
+            files.append((f"{p.parent.name}/{p.name}", p))  # "transformer/x" vs "vae/x"
+        else:
+            raise FileNotFoundError(f"cannot fingerprint {p}: no such file or directory")
+    entries = sorted((name, _file_digest(f)) for name, f in files)  # order of ``paths`` doesn't matter
+    return hashlib.sha256("\n".join(f"{n}\0{d}" for n, d in entries).encode()).hexdigest()
+
+
+def _file_digest(f: Path) -> str:
+    digest = hashlib.sha256()
+    size = f.stat().st_size
+    digest.update(f"{size}\0".encode())
+    with open(f, "rb") as fh:
+        if size <= 2 * _SAMPLE_BYTES or (f.suffix != ".safetensors" and size <= _FULL_READ_LIMIT):
+            digest.update(fh.read())
+            return digest.hexdigest()
+        start = 0
+        if f.suffix == ".safetensors":
+            head = fh.read(8)
+            start = 8 + int.from_bytes(head, "little")
+            digest.update(head + fh.read(max(min(start, size) - 8, 0)))
+        for offset in (start, (start + size) // 2, size - _SAMPLE_BYTES):
+            fh.seek(max(min(offset, size - _SAMPLE_BYTES), 0))
+            digest.update(fh.read(_SAMPLE_BYTES))
+    return digest.hexdigest()

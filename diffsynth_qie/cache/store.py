@@ -9,7 +9,9 @@ checkpointing, CFG dropout...): those are decided by the trainer.
 Layout of ``<cache_dir>``::
 
     manifest.json            written last, atomically, by rank 0 when a run finishes
-    shared.safetensors       size-keyed white-image latents: "sub_noise/<H>x<W>" (pixel size)
+    shared-<hash>.safetensors   size-keyed white-image latents: "sub_noise/<H>x<W>" (pixel size);
+                             named by content and listed in the manifest ("shared"), so a new
+                             version never overwrites the one the current manifest reads
     shards/<name>.safetensors   tensors of up to ``shard_size`` entries
     shards/<name>.json          sidecar: EntryMeta of each entry in that shard
     skipped.jsonl            rows rejected by validation, one JSON object per line
@@ -21,7 +23,7 @@ Layout of ``<cache_dir>``::
     {"format_version": 1, "preset": "2511", "encoder_fingerprint": "...",
      "resize": {"max_pixels": ..., "edit_max_pixels": ..., "divisor": 16},
      "dtype": "bfloat16", "created": "...", "metadata": "<path>",
-     "shards": ["<name>.safetensors", ...],
+     "shared": "shared-<hash>.safetensors", "shards": ["<name>.safetensors", ...],
      "entries": [{"id": ..., "row_id": ..., "hash": ..., "shard": ...}, ...],  # metadata order
      "missing": [row ids with no entry], "num_skipped": N}
 
@@ -39,8 +41,11 @@ Readers: ``CacheStore.open(cache_dir)`` then ``len``, ``entry_ids``, ``meta(i)``
 (no tensor I/O) and ``load(i) -> CacheEntry`` (opens the shard lazily with
 ``safe_open``; safe in DataLoader workers, nothing is held open across calls).
 
-Writers (``cache/writer.py``): ``ShardWriter`` per rank, ``scan_shards`` for
-resume, ``finalize_store`` on rank 0 at the end.
+Writers (``cache/shards.py``, driven by ``cache/writer.py``): ``ShardWriter`` per
+rank, ``scan_shards`` for resume, ``finalize_store`` on rank 0 at the end.
+
+Temp files of unfinished writes (``utils.atomic``) are never listed as cache files:
+every listing goes through ``utils.atomic.finished_files``.
 """
 from __future__ import annotations
 
@@ -48,13 +53,10 @@ import dataclasses
 import json
 import logging
 import os
-import secrets
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from ..utils.atomic import atomic_save, atomic_write_json
 
 if TYPE_CHECKING:  # torch is imported lazily so `qie --help` stays fast
     import torch
@@ -63,7 +65,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-SHARED_NAME = "shared.safetensors"
+SHARED_NAME = "shared.safetensors"  # caches written before the white latents were content-named
+SHARED_PATTERN = "shared*.safetensors"
 SHARDS_DIR = "shards"
 PARTS_DIR = "parts"
 SKIPPED_NAME = "skipped.jsonl"
@@ -210,17 +213,6 @@ def lbm_source_mode(entry: CacheEntry) -> str:
     return LBM_OWN
 
 
-def check_finite(row_id: str, tensors: dict[str, "torch.Tensor"]) -> None:
-    """Refuse to write NaN/Inf (typically fp16 overflow or a broken checkpoint)."""
-    import torch
-
-    for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(
-                f"row {row_id!r}: cached tensor {name!r} contains NaN/Inf; check the input images and "
-                f"the encoder weights, or cache with --dtype float32")
-
-
 # ----------------------------------------------------------------------------- reading
 
 
@@ -247,11 +239,15 @@ class CacheStore:
         manifest = json.loads(path.read_text())
         check_format_version(manifest.get("format_version"), path)
         by_shard: dict[str, dict[str, EntryMeta]] = {}
+        needed = [cache_dir / shared_name(manifest)] if manifest["entries"] else []
         for shard in manifest["shards"]:
-            sidecar = cache_dir / SHARDS_DIR / _sidecar_name(shard)
-            if not sidecar.is_file() or not (cache_dir / SHARDS_DIR / shard).is_file():
-                raise ValueError(f"{cache_dir}: shard {shard} listed in {MANIFEST_NAME} is missing; "
+            needed += [cache_dir / SHARDS_DIR / shard, cache_dir / SHARDS_DIR / sidecar_name(shard)]
+        for file in needed:
+            if not file.is_file():
+                raise ValueError(f"{cache_dir}: {file.relative_to(cache_dir)}, listed in {MANIFEST_NAME}, is missing; "
                                  f"re-run `qie cache` with the same --cache_dir to repair it")
+        for shard in manifest["shards"]:
+            sidecar = cache_dir / SHARDS_DIR / sidecar_name(shard)
             data = json.loads(sidecar.read_text())
             check_format_version(data.get("format_version"), sidecar)
             by_shard[shard] = {e["entry_id"]: EntryMeta.from_json(e) for e in data["entries"]}
@@ -285,13 +281,13 @@ class CacheStore:
 
     # -- tensors
     def shared(self, key: str) -> "torch.Tensor":
-        """A tensor from shared.safetensors (kept in memory per process: a few sizes only)."""
+        """A tensor from the shared white-latent file (kept in memory per process: a few sizes only)."""
         from safetensors import safe_open
 
         if self._shared_pid != os.getpid():  # a forked worker must not share a parent's handles
             self._shared, self._shared_pid = {}, os.getpid()
         if key not in self._shared:
-            with safe_open(str(self.cache_dir / SHARED_NAME), framework="pt", device="cpu") as f:
+            with safe_open(str(self.cache_dir / shared_name(self.manifest)), framework="pt", device="cpu") as f:
                 self._shared[key] = f.get_tensor(key)
         return self._shared[key]
 
@@ -331,214 +327,10 @@ def check_format_version(version: Any, path: Path) -> None:
             f"{FORMAT_VERSION}; re-run `qie cache` with the same --cache_dir (it rebuilds the old entries)")
 
 
-def _sidecar_name(shard: str) -> str:
+def shared_name(manifest: dict) -> str:
+    """File name of the white latents a manifest reads."""
+    return manifest.get("shared", SHARED_NAME)
+
+
+def sidecar_name(shard: str) -> str:
     return shard[: -len(".safetensors")] + ".json"
-
-
-# ----------------------------------------------------------------------------- writing
-
-
-class ShardWriter:
-    """Buffers one rank's entries and writes them ``shard_size`` at a time.
-
-    Order per flush: new white latents (``parts/``), then the shard tensors, then its
-    sidecar; each file atomically. A sidecar therefore only exists next to a complete
-    shard whose white latents are on disk, so an interrupted run loses at most the
-    entries still buffered.
-    """
-
-    def __init__(self, cache_dir: str | os.PathLike, rank: int, shard_size: int, known_shared: Iterable[str] = ()):
-        if shard_size < 1:
-            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-        self.cache_dir = Path(cache_dir)
-        self.rank = rank
-        self.shard_size = shard_size
-        self.token = f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
-        self._seq = 0
-        self._entries: list[tuple[CacheEntry, EntryMeta]] = []
-        self._known_shared = set(known_shared)
-        self._pending_shared: dict[str, torch.Tensor] = {}
-        self.written: list[EntryMeta] = []
-
-    def has_shared(self, key: str) -> bool:
-        return key in self._known_shared or key in self._pending_shared
-
-    def add_shared(self, key: str, tensor: "torch.Tensor") -> None:
-        if not self.has_shared(key):
-            check_finite(key, {key: tensor})
-            self._pending_shared[key] = tensor
-
-    def add(self, entry: CacheEntry, meta: EntryMeta) -> None:
-        check_finite(meta.row_id, entry.own_tensors())
-        for key in filter(None, [meta.sub_noise_key, meta.sub_noise_ref_gt_key]):
-            assert self.has_shared(key), f"white latents {key} must be added before entries using them"
-        self._entries.append((entry, meta))
-        if len(self._entries) >= self.shard_size:
-            self.flush()
-
-    def flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if self._pending_shared:
-            part = self.cache_dir / PARTS_DIR / f"shared-r{self.rank:04d}-{self.token}-{self._seq:05d}.safetensors"
-            tensors = {k: _storable(v) for k, v in self._pending_shared.items()}
-            atomic_save(part, lambda tmp: save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
-            self._known_shared |= set(self._pending_shared)
-            self._pending_shared = {}
-        if not self._entries:
-            return
-        name = f"r{self.rank:04d}-{self.token}-{self._seq:05d}.safetensors"
-        self._seq += 1
-        tensors: dict[str, torch.Tensor] = {}
-        metas = []
-        for k, (entry, meta) in enumerate(self._entries):
-            meta = dataclasses.replace(meta, shard=name, key=f"e{k:05d}", lbm_source=lbm_source_mode(entry))
-            for tname, t in entry.own_tensors().items():
-                tensors[f"{meta.key}/{tname}"] = _storable(t)
-            metas.append(meta)
-        shard_dir = self.cache_dir / SHARDS_DIR
-        atomic_save(shard_dir / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
-        atomic_write_json(shard_dir / _sidecar_name(name), {
-            "format_version": FORMAT_VERSION, "shard": name, "entries": [m.to_json() for m in metas]})
-        self.written.extend(metas)
-        self._entries = []
-
-
-def _storable(t: "torch.Tensor") -> "torch.Tensor":
-    # clone: slices of a batched VAE output share storage, which save_file refuses
-    return t.detach().to("cpu").contiguous().clone()
-
-
-def scan_shards(cache_dir: str | os.PathLike) -> list[EntryMeta]:
-    """Every entry of every complete shard on disk (finalised or not) with the current
-    format version: what a resumed run may reuse. Shards of another version are ignored
-    (and removed by the next ``finalize_store``)."""
-    shard_dir = Path(cache_dir) / SHARDS_DIR
-    out: list[EntryMeta] = []
-    if not shard_dir.is_dir():
-        return out
-    for sidecar in sorted(shard_dir.glob("*.json")):
-        try:
-            data = json.loads(sidecar.read_text())
-        except (OSError, json.JSONDecodeError):
-            log.warning("ignoring unreadable shard sidecar %s", sidecar)
-            continue
-        if data.get("format_version") != FORMAT_VERSION or not (shard_dir / data.get("shard", "")).is_file():
-            continue
-        out.extend(EntryMeta.from_json(e) for e in data["entries"])
-    return out
-
-
-def known_shared_keys(cache_dir: str | os.PathLike) -> set[str]:
-    """White-latent keys already on disk (shared.safetensors and unmerged parts)."""
-    from safetensors import safe_open
-
-    cache_dir = Path(cache_dir)
-    keys: set[str] = set()
-    for path in [cache_dir / SHARED_NAME, *sorted((cache_dir / PARTS_DIR).glob("shared-*.safetensors"))]:
-        if path.is_file():
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                keys |= set(f.keys())
-    return keys
-
-
-def finalize_store(cache_dir: str | os.PathLike, wanted: list[tuple[str, str]], manifest_fields: dict,
-                   missing: list[str] = ()) -> dict:
-    """Make ``cache_dir`` a finished store holding exactly ``wanted`` (entry_id, content_hash), in that order.
-
-    Run by one process (rank 0) after every rank has written its shards. Picks, for each
-    wanted entry, a shard entry with the same hash; rewrites shards that also hold
-    stale entries (compaction, new names); merges the white latents the chosen entries
-    use into shared.safetensors; writes manifest.json (atomically, last); then deletes
-    everything the manifest does not reference. A crash at any point leaves either the
-    old manifest with its files or the new one.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    cache_dir = Path(cache_dir)
-    shard_dir = cache_dir / SHARDS_DIR
-    candidates: dict[tuple[str, str], EntryMeta] = {}
-    for m in scan_shards(cache_dir):
-        candidates.setdefault((m.entry_id, m.content_hash), m)
-    chosen: list[EntryMeta] = []
-    absent = list(missing)
-    for entry_id, h in wanted:
-        m = candidates.get((entry_id, h))
-        if m is None:
-            absent.append(entry_id)
-        else:
-            chosen.append(m)
-    by_shard: dict[str, list[EntryMeta]] = {}
-    for m in chosen:
-        by_shard.setdefault(m.shard, []).append(m)
-
-    # compaction: a shard keeps its file only if every entry in it is chosen
-    shard_sizes: dict[str, int] = {}
-    for sidecar in shard_dir.glob("*.json") if shard_dir.is_dir() else []:
-        try:
-            data = json.loads(sidecar.read_text())
-            shard_sizes[data["shard"]] = len(data["entries"])
-        except (OSError, json.JSONDecodeError, KeyError):
-            pass
-    final_meta: dict[tuple[str, str], EntryMeta] = {}
-    token = f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
-    for n, (shard, metas) in enumerate(sorted(by_shard.items())):
-        if shard_sizes.get(shard) == len(metas):
-            final_meta.update({(m.entry_id, m.content_hash): m for m in metas})
-            continue
-        name = f"c-{token}-{n:05d}.safetensors"
-        tensors, new_metas = {}, []
-        with safe_open(str(shard_dir / shard), framework="pt", device="cpu") as f:
-            for k, m in enumerate(metas):
-                nm = dataclasses.replace(m, shard=name, key=f"e{k:05d}")
-                for old_key in f.keys():
-                    if old_key.startswith(m.key + "/"):
-                        tensors[nm.key + old_key[len(m.key):]] = f.get_tensor(old_key)
-                new_metas.append(nm)
-        atomic_save(shard_dir / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
-        atomic_write_json(shard_dir / _sidecar_name(name), {
-            "format_version": FORMAT_VERSION, "shard": name, "entries": [m.to_json() for m in new_metas]})
-        final_meta.update({(m.entry_id, m.content_hash): m for m in new_metas})
-        log.info("compacted shard %s: kept %d of %d entries", shard, len(metas), shard_sizes.get(shard, 0))
-    chosen = [final_meta[(m.entry_id, m.content_hash)] for m in chosen]
-
-    # shared white latents: only the sizes still referenced
-    needed = {k for m in chosen for k in (m.sub_noise_key, m.sub_noise_ref_gt_key) if k}
-    shared: dict[str, torch.Tensor] = {}
-    sources = [cache_dir / SHARED_NAME, *sorted((cache_dir / PARTS_DIR).glob("shared-*.safetensors"))]
-    for path in sources:
-        if path.is_file():
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for k in f.keys():
-                    if k in needed and k not in shared:
-                        shared[k] = f.get_tensor(k)
-    lacking = needed - set(shared)
-    assert not lacking, f"white latents {sorted(lacking)} referenced but not on disk"
-    atomic_save(cache_dir / SHARED_NAME, lambda tmp: save_file(shared, str(tmp), metadata={"format_version": str(FORMAT_VERSION)}))
-
-    shards = sorted({m.shard for m in chosen})
-    manifest = {
-        **manifest_fields,
-        "format_version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "shards": shards,
-        "entries": [{"id": m.entry_id, "row_id": m.row_id, "hash": m.content_hash, "shard": m.shard} for m in chosen],
-        "missing": absent,
-    }
-    atomic_write_json(cache_dir / MANIFEST_NAME, manifest)
-
-    keep = set(shards) | {_sidecar_name(s) for s in shards}
-    removed = 0
-    for path in shard_dir.iterdir() if shard_dir.is_dir() else []:
-        if path.name not in keep:
-            path.unlink(missing_ok=True)
-            removed += path.suffix == ".safetensors"
-    for path in sorted((cache_dir / PARTS_DIR).glob("shared-*.safetensors")) + sorted(
-            (cache_dir / PARTS_DIR).glob(".*")):  # merged white latents, temp files of killed writes
-        path.unlink(missing_ok=True)
-    if removed:
-        log.info("removed %d stale shard file(s)", removed)
-    if absent:
-        log.warning("cache is missing %d row(s) (e.g. %s)", len(absent), absent[:3])
-    return manifest

@@ -3,297 +3,108 @@
 Why not DiffSynth's ``sft:data_process``: it pickles whole input dicts, freezes
 training flags into them and has no resume. Here each rank encodes its share of
 rows (row ``i`` goes to rank ``i % world_size``) into safetensors shards
-(``store.ShardWriter``), skipping rows whose content hash is already cached, and
-rank 0 finalises (``store.finalize_store``): stale entries dropped, shards
-compacted, ``manifest.json`` written last.
+(``shards.ShardWriter``), skipping rows whose content hash is already cached, and
+rank 0 finalises (``shards.finalize_store``): stale entries dropped, shards
+compacted, ``manifest.json`` written last. One run per directory: the run holds
+the directory's lock (``lock.py``) throughout.
 
-Image sizing (all sides multiples of ``divisor``, never enlarged):
-
-- target and ``ref_gt``: each fit to ``max_pixels`` on its own;
-- every reference image: fit to ``edit_max_pixels`` (default ``max_pixels``) on its own;
-- ``back_mask``: resized to the target's size (binary), then averaged over 8x8
-  blocks to latent resolution, so partly covered latent pixels are fractional;
-- LBM source: the first reference image resized to the target's pixel size.
-
-Prompts are encoded together with the (resized) reference images by DiffSynth's
-own ``QwenImageUnit_PromptEmbedder`` (``models/encoding.py``), with the single- or
-multi-image template chosen by the preset.
+How a row becomes tensors (image sizing, prompt encoding) is in ``encode.py``.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Optional
+from typing import Any, Callable
 
-from ..data.formats import DatasetConfig, FieldNames, read_rows
-from ..data.images import fit_to_budget, load_mask, load_rgb, resize_to
+from ..data.formats import read_rows
 from ..data.rows import EditRow, SkippedRow, check_bad_fraction, log_skip, validate_rows, write_skipped
 from ..utils.atomic import atomic_write_json
-from . import store
+from . import shards, store
+from .config import CacheConfig, CacheSummary
+from .encode import encode_prepared, entry_meta, prefetch, prepare_row, white_key
 from .fingerprint import FileHasher, encoder_fingerprint, row_content_hash
-from .store import CacheEntry, EntryMeta, ShardWriter
+from .lock import CacheLock
+from .shards import ShardWriter
+from .store import EntryMeta
+
+__all__ = ["CacheConfig", "CacheSummary", "cache_settings", "finalize_cache", "write_cache"]
 
 log = logging.getLogger(__name__)
-
-VAE_DOWNSCALE = 8
-
-
-@dataclass
-class CacheConfig:
-    """Phase-1 cache: where it goes, which model encodes, how images are sized."""
-
-    cache_dir: Optional[str] = field(default=None, metadata={
-        "help": "output directory (a rerun into the same directory resumes and updates it)", "metavar": "DIR"})
-    model: str = field(default="2511", metadata={"help": "model preset: edit, 2509, 2511 or tiny"})
-    model_dir: Optional[str] = field(default=None, metadata={
-        "help": "local model directory (the preset's repo layout); default: DiffSynth's download folders",
-        "metavar": "DIR"})
-    max_pixels: int = field(default=1024 * 1024, metadata={
-        "help": "pixel budget of target and ref_gt images (sides rounded down to --divisor, never enlarged)"})
-    edit_max_pixels: Optional[int] = field(default=None, metadata={
-        "help": "pixel budget of each reference image (default: --max_pixels)"})
-    divisor: int = field(default=16, metadata={"help": "image sides are multiples of this"})
-    shard_size: int = field(default=64, metadata={
-        "help": "entries per shard file; an interrupted run loses at most this many entries per rank"})
-    device: Optional[str] = field(default=None, metadata={
-        "help": "encoding device (default: this rank's GPU, else CPU)"})
-    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = field(default=None, metadata={
-        "help": "encoder and storage dtype (default: bfloat16 on GPU, float32 on CPU)"})
-    num_workers: int = field(default=4, metadata={"help": "threads decoding and resizing images ahead of the encoders"})
-    check_images: bool = field(default=True, metadata={
-        "help": "fully decode every image while validating rows (catches truncated files before encoding)"})
-    # Filled from their own flag groups by commands/cache.py (shared with `qie train`).
-    dataset: DatasetConfig = field(default_factory=DatasetConfig, metadata={"cli": False})
-    fields: FieldNames = field(default_factory=FieldNames, metadata={"cli": False})
-
-    def resolved_edit_max_pixels(self) -> int:
-        return self.edit_max_pixels or self.max_pixels
-
-
-@dataclass
-class CacheSummary:
-    """What one ``write_cache`` call did (this rank's share)."""
-
-    rank: int
-    world_size: int
-    rows: int  # rows assigned to this rank that passed validation
-    computed: int
-    reused: int
-    skipped: int
-    seconds: float  # the whole call, model loading included
-    encode_seconds: float  # decoding + encoding + writing the computed rows
-    manifest: Optional[dict] = None  # set on the rank that finalised
-
-    @property
-    def rows_per_second(self) -> float:
-        """Encoding throughput of this rank (what the progress bar shows)."""
-        return self.computed / self.encode_seconds if self.encode_seconds > 0 else 0.0
-
 
 # ----------------------------------------------------------------------------- distribution
 
 
-def _dist_context(rank: int | None, world_size: int | None) -> tuple[int, int, Callable[[], None], Any]:
-    """(rank, world_size, barrier, device) for this process.
+@dataclass
+class _Dist:
+    """This process's place in the run. ``state`` is accelerate's ``PartialState`` when the
+    ranks of this run share a process group, else None (one process, or ranks run one
+    after another with explicit ``rank``/``world_size``)."""
 
-    Launched distributed (``WORLD_SIZE`` > 1, as ``accelerate launch``/torchrun set it):
-    accelerate's state when it is distributed, else a gloo process group from the
-    launcher's environment (accelerate reports no distribution on a CPU-only machine).
-    Otherwise rank 0 of 1 and no barrier. Explicit ``rank``/``world_size`` win.
+    rank: int
+    world_size: int
+    device: Any = None
+    state: Any = None
+
+    def barrier(self) -> None:
+        if self.state is not None:
+            self.state.wait_for_everyone()
+
+    def from_rank0(self, value):
+        """``value`` as rank 0 has it, on every rank."""
+        if self.state is None:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+
+def _dist_context(rank: int | None, world_size: int | None) -> _Dist:
+    """Launched distributed (``WORLD_SIZE`` > 1, as ``accelerate launch``/torchrun set it):
+    accelerate's ``PartialState``, as the trainer's Accelerator uses it (gloo on a
+    CPU-only machine). Otherwise rank 0 of 1. Explicit ``rank``/``world_size`` win.
     """
-    import torch
-
-    device = None
-    barrier: Callable[[], None] = lambda: None  # noqa: E731
+    dist = _Dist(0, 1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch.distributed as dist
+        import torch
         from accelerate import PartialState
 
-        state = PartialState()
-        if state.num_processes > 1:
-            env_rank, env_world, device = state.process_index, state.num_processes, state.device
-        else:
-            if not dist.is_initialized():
-                dist.init_process_group("gloo")
-            env_rank, env_world = dist.get_rank(), dist.get_world_size()
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+        launched = PartialState(cpu=not torch.cuda.is_available())
+        dist.device = launched.device
         if rank is None and world_size is None:
-            rank, world_size = env_rank, env_world
-        if world_size == env_world and dist.is_initialized():
-            barrier = dist.barrier
-    rank = 0 if rank is None else rank
-    world_size = 1 if world_size is None else world_size
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    return rank, world_size, barrier, device
+            rank, world_size = launched.process_index, launched.num_processes
+        if world_size == launched.num_processes > 1:
+            dist.state = launched
+    dist.rank = 0 if rank is None else rank
+    dist.world_size = 1 if world_size is None else world_size
+    if not 0 <= dist.rank < dist.world_size:
+        raise ValueError(f"rank {dist.rank} is outside world_size {dist.world_size}")
+    return dist
+
+
+def _lock(cache_dir: Path, dist: _Dist, timeout: float) -> CacheLock:
+    """The directory's lock: taken by rank 0 for the whole run when the ranks share a process
+    group, else by this process. Every rank raises the same ValueError if it is taken."""
+    lock = CacheLock(cache_dir)
+    error = None
+    if dist.state is None or dist.rank == 0:
+        try:
+            lock.acquire(timeout)
+        except ValueError as e:
+            error = str(e)
+    error = dist.from_rank0(error)
+    if error:
+        lock.release()
+        raise ValueError(error)
+    return lock
 
 
 def _report_path(cache_dir: Path, rank: int, world_size: int) -> Path:
     return cache_dir / store.PARTS_DIR / f"rank-{rank:04d}-of-{world_size:04d}.json"
-
-
-# ----------------------------------------------------------------------------- images
-
-
-@dataclass
-class _Prepared:
-    """One row's decoded, resized inputs (built in a worker thread)."""
-
-    row: EditRow
-    target: Any  # PIL.Image at the target's cache size
-    edits: list  # PIL.Images, each at its own size
-    lbm_source: Any  # PIL.Image at the target's size, or None (t2i) ; edits[0] itself when sizes match
-    back_mask: Any  # float32 tensor [1, h, w] or None
-    ref_gt: Any  # PIL.Image or None
-
-
-def _fit(img, max_pixels: int, divisor: int):
-    return resize_to(img, fit_to_budget(img.width, img.height, max_pixels, divisor))
-
-
-def prepare_row(row: EditRow, config: CacheConfig) -> _Prepared:
-    """Decode and resize a row's images as documented in the module docstring."""
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-
-    target = _fit(load_rgb(row.target), config.max_pixels, config.divisor)
-    originals = [load_rgb(p) for p in row.edit_images]
-    edits = [_fit(im, config.resolved_edit_max_pixels(), config.divisor) for im in originals]
-    lbm = None
-    if originals:
-        lbm = edits[0] if edits[0].size == target.size else resize_to(originals[0], target.size)
-    mask = None
-    if row.back_mask is not None:
-        m = resize_to(load_mask(row.back_mask), target.size)
-        t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
-        mask = F.avg_pool2d(t, VAE_DOWNSCALE)[0]
-    ref_gt = _fit(load_rgb(row.ref_gt), config.max_pixels, config.divisor) if row.ref_gt is not None else None
-    return _Prepared(row, target, edits, lbm, mask, ref_gt)
-
-
-def _prefetch(fn: Callable, items: Iterable, num_workers: int) -> Iterator:
-    """``map(fn, items)`` in order, computed up to ``2 * num_workers`` items ahead in threads
-    (PIL decoding and resizing release the GIL)."""
-    if num_workers <= 0:
-        yield from map(fn, items)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    it = iter(items)
-    with ThreadPoolExecutor(num_workers, thread_name_prefix="qie-cache-io") as ex:
-        pending = collections.deque(ex.submit(fn, x) for x in itertools.islice(it, 2 * num_workers))
-        try:
-            while pending:
-                fut = pending.popleft()
-                for x in itertools.islice(it, 1):
-                    pending.append(ex.submit(fn, x))
-                yield fut.result()
-        finally:
-            for fut in pending:
-                fut.cancel()
-
-
-# ----------------------------------------------------------------------------- encoding
-
-
-def vae_encode_many(pipe, images: list) -> list:
-    """VAE latents ``[16, h, w]`` per PIL image; images of equal size go through the VAE together."""
-    import torch
-
-    pipe.load_models_to_device(["vae"])  # no-op unless DiffSynth's VRAM management is on
-    out: list = [None] * len(images)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, im in enumerate(images):
-        groups.setdefault(im.size, []).append(i)
-    for idx in groups.values():
-        pixels = torch.cat([pipe.preprocess_image(images[i]).to(device=pipe.device, dtype=pipe.torch_dtype)
-                            for i in idx])
-        with torch.no_grad():
-            lat = pipe.vae.encode(pixels)
-        for k, i in enumerate(idx):
-            out[i] = lat[k]
-    return out
-
-
-def encode_prepared(pipe, prep: _Prepared, multi_image: bool) -> CacheEntry:
-    """The tensors of one row (``sub_noise`` left to the caller: it is shared per size)."""
-    import torch
-
-    from ..models.encoding import encode_prompt
-
-    row = prep.row
-    images = [prep.target, *prep.edits]
-    own_lbm = prep.lbm_source is not None and (not prep.edits or prep.lbm_source is not prep.edits[0])
-    if own_lbm:
-        images.append(prep.lbm_source)
-    if prep.ref_gt is not None:
-        images.append(prep.ref_gt)
-    lat = vae_encode_many(pipe, images)
-    target, edits = lat[0], lat[1:1 + len(prep.edits)]
-    rest = lat[1 + len(prep.edits):]
-    lbm = rest.pop(0) if own_lbm else (edits[0] if prep.lbm_source is not None else None)
-    ref_gt = rest.pop(0) if prep.ref_gt is not None else None
-
-    prompts = [p for p in row.prompts if p.strip()]
-    embs = [encode_prompt(pipe, p, prep.edits, multi_image=multi_image) for p in prompts]
-    empty = encode_prompt(pipe, "", prep.edits, multi_image=multi_image)
-
-    def ones(emb):
-        return torch.ones(emb.shape[0], dtype=torch.long)
-
-    return CacheEntry(
-        entry_id=row.row_id, row_id=row.row_id, dataset=row.dataset, inverse=row.inverse,
-        prompt_embs=embs, prompt_masks=[ones(e) for e in embs],
-        empty_prompt_emb=empty, empty_prompt_mask=ones(empty),
-        target_latents=target, edit_latents=list(edits), sub_noise=None,  # type: ignore[arg-type]
-        back_mask=prep.back_mask, ref_gt_latents=ref_gt, lbm_source_latents=lbm,
-    )
-
-
-def _white(pipe, writer: ShardWriter, size: tuple[int, int]) -> str:
-    """Key of the white latents for a (W, H) pixel size, computing them once per cache."""
-    from ..models.encoding import white_latents
-
-    key = store.sub_noise_key(size[1], size[0])
-    if not writer.has_shared(key):
-        writer.add_shared(key, white_latents(pipe, size[0], size[1]))
-    return key
-
-
-def _meta(prep: _Prepared, entry: CacheEntry, content_hash: str, sub_key: str, sub_ref_key: str | None,
-          base: Path) -> EntryMeta:
-    def rel(p) -> str:
-        try:
-            return str(Path(p).relative_to(base))
-        except ValueError:
-            return str(p)
-
-    row = prep.row
-    return EntryMeta(
-        entry_id=entry.entry_id, row_id=row.row_id, dataset=row.dataset, inverse=row.inverse,
-        content_hash=content_hash, prompts=[p for p in row.prompts if p.strip()],
-        prompt_lengths=[int(e.shape[0]) for e in entry.prompt_embs],
-        empty_prompt_length=int(entry.empty_prompt_emb.shape[0]),
-        prompt_dim=int(entry.empty_prompt_emb.shape[1]),
-        target_size=(prep.target.height, prep.target.width),
-        target_shape=tuple(entry.target_latents.shape),
-        edit_shapes=[tuple(e.shape) for e in entry.edit_latents],
-        has_back_mask=entry.back_mask is not None,
-        ref_gt_shape=tuple(entry.ref_gt_latents.shape) if entry.ref_gt_latents is not None else None,
-        lbm_source=store.lbm_source_mode(entry),
-        sub_noise_key=sub_key, sub_noise_ref_gt_key=sub_ref_key,
-        dtype=str(entry.target_latents.dtype).replace("torch.", ""),
-        sources={name: rel(p) for name, p in row.image_paths().items()},
-    )
 
 
 # ----------------------------------------------------------------------------- the run
@@ -368,11 +179,11 @@ def _encode_rows(pipe, config: CacheConfig, preset, todo: list[tuple[EditRow, st
     bar = tqdm(total=len(todo), unit="row", desc="qie cache", disable=not show_progress or not todo,
                dynamic_ncols=True)
     try:
-        for prep in _prefetch(lambda rh: prepare_row(rh[0], config), todo, config.num_workers):
+        for prep in prefetch(lambda rh: prepare_row(rh[0], config), todo, config.num_workers):
             entry = encode_prepared(pipe, prep, preset.multi_image_prompt)
-            sub_key = _white(pipe, writer, prep.target.size)
-            sub_ref = _white(pipe, writer, prep.ref_gt.size) if prep.ref_gt is not None else None
-            meta = _meta(prep, entry, hash_of[prep.row.row_id], sub_key, sub_ref, base)
+            sub_key = white_key(pipe, writer, prep.target.size)
+            sub_ref = white_key(pipe, writer, prep.ref_gt.size) if prep.ref_gt is not None else None
+            meta = entry_meta(prep, entry, hash_of[prep.row.row_id], sub_key, sub_ref, base)
             writer.add(entry, meta)
             bar.update(1)
             if on_entry is not None:
@@ -393,10 +204,9 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
     another without a process group, run rank 0 last or call :func:`finalize_cache`.
     ``on_entry(meta)`` runs after each computed entry is queued for writing.
     """
-    from ..models.presets import get_preset
-
     t0 = time.perf_counter()
-    rank, world_size, barrier, dist_device = _dist_context(rank, world_size)
+    dist = _dist_context(rank, world_size)
+    rank, world_size = dist.rank, dist.world_size
     if not config.cache_dir:
         raise ValueError("no cache directory given; pass --cache_dir DIR")
     if not config.dataset.dataset_metadata:
@@ -405,6 +215,18 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
         raise ValueError(f"--shard_size must be >= 1, got {config.shard_size}")
     cache_dir = Path(config.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock(cache_dir, dist, config.lock_timeout)
+    try:
+        return _write_locked(config, pipe, dist, cache_dir, finalize, on_entry, t0)
+    finally:  # after the last barrier on success: no rank writes any more
+        lock.release()
+
+
+def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, finalize: bool | None,
+                  on_entry: Callable[[EntryMeta], None] | None, t0: float) -> CacheSummary:
+    from ..models.presets import get_preset
+
+    rank, world_size = dist.rank, dist.world_size
     preset = get_preset(getattr(pipe, "qie_preset", None) or config.model)
     ds = config.dataset
     report_path = _report_path(cache_dir, rank, world_size)
@@ -417,16 +239,16 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
                            cache_dir / store.SKIPPED_NAME)
 
     if pipe is None:
-        pipe = _load_pipe(config, dist_device)
+        pipe = _load_pipe(config, dist.device)
     settings = cache_settings(config, preset, pipe)
     hasher = FileHasher()
-    hashes = list(_prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))
-    have = {(m.entry_id, m.content_hash) for m in store.scan_shards(cache_dir)}
+    hashes = list(prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))
+    have = {(m.entry_id, m.content_hash) for m in shards.scan_shards(cache_dir)}
     todo = [(r, h) for r, h in zip(share.good, hashes) if (r.row_id, h) not in have]
     log.info("rank %d/%d: %d rows, %d already cached, %d to encode, %d skipped",
              rank, world_size, len(share.good), len(share.good) - len(todo), len(todo), len(share.skipped))
 
-    writer = ShardWriter(cache_dir, rank, config.shard_size, known_shared=store.known_shared_keys(cache_dir))
+    writer = ShardWriter(cache_dir, rank, config.shard_size, known_shared=shards.known_shared_keys(cache_dir))
     t_enc = time.perf_counter()
     _encode_rows(pipe, config, preset, todo, writer, show_progress=rank == 0, on_entry=on_entry)
     enc_s = time.perf_counter() - t_enc
@@ -443,11 +265,11 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
         "max_bad_fraction": ds.max_bad_fraction,
         "manifest_fields": _manifest_fields(config, settings),
     })
-    barrier()  # every rank's shards and report are on disk
+    dist.barrier()  # every rank's shards and report are on disk
     manifest = None
     if finalize if finalize is not None else rank == 0:
-        manifest = finalize_cache(cache_dir, world_size)
-    barrier()  # nobody returns before the manifest exists
+        manifest = _finalize(cache_dir, world_size)
+    dist.barrier()  # nobody returns before the manifest exists
     return CacheSummary(rank=rank, world_size=world_size, rows=len(share.good), computed=len(todo),
                         reused=len(share.good) - len(todo), skipped=len(share.skipped),
                         seconds=time.perf_counter() - t0, encode_seconds=enc_s, manifest=manifest)
@@ -478,13 +300,22 @@ def _manifest_fields(config: CacheConfig, settings: dict) -> dict:
     }
 
 
-def finalize_cache(cache_dir: str | os.PathLike, world_size: int) -> dict:
+def finalize_cache(cache_dir: str | os.PathLike, world_size: int, lock_timeout: float = 0.0) -> dict:
     """Merge every rank's report into ``skipped.jsonl`` and ``manifest.json`` (rank 0, after all ranks).
 
     Raises ValueError if a rank's report is missing or belongs to another run (a
-    different metadata file, model or settings), or if too many rows are bad.
+    different metadata file, model or settings), if too many rows are bad, or if
+    another run holds the directory's lock.
     """
-    cache_dir = Path(cache_dir)
+    lock = CacheLock(cache_dir)
+    lock.acquire(lock_timeout)
+    try:
+        return _finalize(Path(cache_dir), world_size)
+    finally:
+        lock.release()
+
+
+def _finalize(cache_dir: Path, world_size: int) -> dict:
     reports = []
     for r in range(world_size):
         path = _report_path(cache_dir, r, world_size)
@@ -500,7 +331,7 @@ def finalize_cache(cache_dir: str | os.PathLike, world_size: int) -> dict:
     n_total = sum(rep["num_rows"] for rep in reports)
     check_bad_fraction(n_total, skipped, reports[0]["max_bad_fraction"], reports[0]["metadata"], skipped_path)
     wanted = sorted((tuple(e) for rep in reports for e in rep["entries"]), key=lambda e: e[0])
-    manifest = store.finalize_store(cache_dir, [(e[1], e[2]) for e in wanted],
+    manifest = shards.finalize_store(cache_dir, [(e[1], e[2]) for e in wanted],
                                     {**reports[0]["manifest_fields"], "num_rows": n_total, "num_skipped": len(skipped)})
     for r in range(world_size):
         _report_path(cache_dir, r, world_size).unlink(missing_ok=True)

@@ -10,7 +10,7 @@ import importlib
 from .presets import PRESETS, Preset, get_preset
 
 _LAZY = {
-    "load_pipeline": "loading", "resolve_model_configs": "loading", "weights_fingerprint": "loading",
+    "load_pipeline": "loading", "resolve_model_configs": "loading",
     "build_tiny": "tiny", "ensure_tiny": "tiny", "register_tiny_model_configs": "tiny",
 }
 

@@ -29,7 +29,6 @@ The ``tiny`` preset lives in ``$QIE_HOME/models/Qwen-Image-Edit-tiny`` by defaul
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import logging
 import os
@@ -347,7 +346,7 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
                          "DiffSynth knows; check --model/--model_dir (a tiny model needs --model tiny)") from e
     pipe.qie_preset = preset
     # Component -> local files actually loaded (after any download): what the cache
-    # layer fingerprints (``weights_fingerprint(pipe.qie_model_paths["text_encoder"])``).
+    # layer fingerprints (``cache.fingerprint.weights_fingerprint``).
     pipe.qie_model_paths = resolved.paths()
     log.info("loaded %s (%s) on %s/%s", preset.name, ", ".join(components), device, str(torch_dtype).replace("torch.", ""))
     return pipe
@@ -363,54 +362,3 @@ def _apply_model_config_kwargs(resolved: ResolvedModels, kwargs: dict[str, dict]
             if not hasattr(config, key):
                 raise ValueError(f"model_config_kwargs[{name!r}] has unknown ModelConfig field {key!r}")
             setattr(config, key, value)
-
-
-# --- fingerprints ----------------------------------------------------------------
-_FULL_READ_LIMIT = 16 * 1024 * 1024
-_SAMPLE_BYTES = 64 * 1024
-
-
-def weights_fingerprint(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> str:
-    """Cheap content fingerprint of weight files: sha256 over safetensors headers, sizes and samples.
-
-    A safetensors header lists every tensor's name, dtype, shape and byte offsets, so
-    with the file size it changes whenever weights are re-exported, re-sharded or
-    converted; three 64 KiB samples of the tensor data (start, middle, end) tell
-    apart checkpoints with the same layout (e.g. two fine-tunes) — all without
-    reading gigabytes. Folders are walked; small other files (tokenizer JSON) are
-    hashed whole. A file counts with its name and its folder's name
-    (``transformer/...``), not where that folder is, so the same model in two places
-    has the same fingerprint; the order of ``paths`` doesn't matter.
-    """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    files: list[tuple[str, Path]] = []
-    for p in paths:
-        p = Path(p)
-        if p.is_dir():
-            files += [(str(f.relative_to(p.parent)), f) for f in sorted(p.rglob("*")) if f.is_file()]
-        elif p.is_file():
-            files.append((f"{p.parent.name}/{p.name}", p))  # "transformer/x" vs "vae/x"
-        else:
-            raise FileNotFoundError(f"cannot fingerprint {p}: no such file or directory")
-    entries = sorted((name, _file_digest(f)) for name, f in files)  # order of ``paths`` doesn't matter
-    return hashlib.sha256("\n".join(f"{n}\0{d}" for n, d in entries).encode()).hexdigest()
-
-
-def _file_digest(f: Path) -> str:
-    digest = hashlib.sha256()
-    size = f.stat().st_size
-    digest.update(f"{size}\0".encode())
-    with open(f, "rb") as fh:
-        if size <= 2 * _SAMPLE_BYTES or (f.suffix != ".safetensors" and size <= _FULL_READ_LIMIT):
-            digest.update(fh.read())
-            return digest.hexdigest()
-        start = 0
-        if f.suffix == ".safetensors":
-            head = fh.read(8)
-            start = 8 + int.from_bytes(head, "little")
-            digest.update(head + fh.read(max(min(start, size) - 8, 0)))
-        for offset in (start, (start + size) // 2, size - _SAMPLE_BYTES):
-            fh.seek(max(min(offset, size - _SAMPLE_BYTES), 0))
-            digest.update(fh.read(_SAMPLE_BYTES))
-    return digest.hexdigest()

@@ -40,6 +40,7 @@ from diffsynth.models.general_modules import AdaLayerNorm, RMSNorm, TimestepEmbe
 from diffsynth.models.qwen_image_dit import QwenEmbedRope, QwenImageDiT, QwenImageTransformerBlock
 from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
 
+from ..utils.atomic import default_mode
 from .tiny_text import (PROCESSOR_PIXELS, SPECIAL_TOKENS, TEXT_SIZES, TOKEN_ID, VISION_SIZES,  # noqa: F401
                         build_processor, build_tokenizer)
 
@@ -271,9 +272,7 @@ def ensure_tiny(out_dir: str | os.PathLike, seed: int | None = None) -> Path:
                          "refusing to replace it — pass an empty or new directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the final dir should look like a normal one
+    os.chmod(tmp, default_mode(directory=True))  # mkdtemp makes it 0700; the final dir should look like a normal one
     try:
         build_tiny(tmp, seed=0 if seed is None else seed)
         if out_dir.exists():

@@ -31,7 +31,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..utils.atomic import atomic_save, atomic_write_json
+from ..utils.atomic import (DiskFullError, atomic_save, atomic_write_json, finished_files, is_disk_full,
+                            temp_leftovers)
+from ..utils.integrity import safetensors_problem, state_file_problem
 from .data import DataPosition
 
 log = logging.getLogger(__name__)
@@ -72,11 +74,49 @@ class TrainerState:
 
 
 # --- finding checkpoints --------------------------------------------------------------
+_ASIDE_RE = re.compile(r"^\.checkpoint-(\d+)\.old$")
+
+
+def remove_leftovers(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete what killed writes left in ``output_dir``: temp files (``.lora.*.tmp.safetensors``
+    and the like) and unfinished ``.checkpoint-<step>.tmp``/``.old`` directories.
+
+    Call it on the main process when a run starts, before anything is written. Finished
+    files and ``checkpoint-*`` directories are never touched. Returns what was removed.
+    """
+    out = Path(output_dir)
+    _recover_swapped(out)
+    stale = temp_leftovers(out) + [p for p in finished_files(out, ".checkpoint-*") if _ASIDE_RE.match(p.name)]
+    for p in stale:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d leftover(s) of an interrupted run from %s: %s", len(stale), out,
+                 ", ".join(p.name for p in stale[:5]))
+    return stale
+
+
+def _recover_swapped(out: Path) -> None:
+    """A save of an already existing step killed between its two renames leaves no
+    ``checkpoint-<step>``: put back the complete new one (or else the old one)."""
+    for aside in finished_files(out, ".checkpoint-*"):
+        m = _ASIDE_RE.match(aside.name)
+        final = out / f"{PREFIX}{m.group(1)}" if m else None
+        if final is None or final.exists():
+            continue
+        new = out / f".{PREFIX}{m.group(1)}.tmp"
+        chosen = new if (new / TRAINER_STATE).is_file() else aside
+        os.replace(chosen, final)
+        log.warning("restored %s from %s (a save was interrupted)", final, chosen.name)
+
+
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints, oldest first."""
     out = Path(output_dir)
     found = []
-    for p in out.iterdir() if out.is_dir() else []:
+    for p in finished_files(out, f"{PREFIX}*"):
         m = _CKPT_RE.match(p.name)
         if m and (p / TRAINER_STATE).is_file():
             found.append((int(m.group(1)), p))
@@ -84,7 +124,11 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def resolve_resume(resume: Optional[str], output_dir: str | os.PathLike) -> Optional[Path]:
-    """The checkpoint directory ``--resume`` names; ``latest`` with none yet means a fresh start."""
+    """The checkpoint directory ``--resume`` names; ``latest`` with none yet means a fresh start.
+
+    ``latest`` skips damaged checkpoints (:func:`checkpoint_problem`) with a warning naming
+    the damaged file and takes the newest intact one; a named checkpoint must be intact.
+    """
     if not resume:
         return None
     if resume == "latest":
@@ -92,12 +136,59 @@ def resolve_resume(resume: Optional[str], output_dir: str | os.PathLike) -> Opti
         if not found:
             log.info("--resume latest: no checkpoint in %s yet, starting from step 0", output_dir)
             return None
-        return found[-1]
+        damaged = []
+        for ckpt in reversed(found):
+            problem = checkpoint_problem(ckpt)
+            if problem is None:
+                return ckpt
+            damaged.append(problem)
+            log.warning("--resume latest: skipping damaged checkpoint %s: %s", ckpt, problem)
+        raise ValueError(f"--resume latest: every checkpoint in {output_dir} is damaged ({'; '.join(damaged)}); "
+                         f"resume from an intact copy with --resume DIR, or start again without --resume")
     path = Path(resume)
     if not (path / TRAINER_STATE).is_file():
         raise ValueError(f"--resume {resume}: not a complete checkpoint (no {TRAINER_STATE}); give a "
                          f"{PREFIX}<step> directory or 'latest'")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"--resume {resume}: damaged checkpoint: {problem}; give another {PREFIX}<step> "
+                         "directory or 'latest' (which skips damaged ones)")
     return path
+
+
+# --- validating checkpoints -----------------------------------------------------------
+def checkpoint_problem(ckpt: str | os.PathLike) -> Optional[str]:
+    """What is wrong with checkpoint directory ``ckpt`` (naming the file), or None if intact.
+
+    Cheap checks, no tensor is loaded: ``trainer_state.json`` parses and has this
+    version's fields; the LoRA and the trainable tensors (not written under DeepSpeed,
+    whose engine checkpoint holds them) have readable safetensors headers and all the
+    bytes those headers promise; ``state/`` holds the optimizer state and no empty
+    file; torch's zip files there are not truncated.
+    """
+    ckpt = Path(ckpt)
+    try:
+        read_trainer_state(ckpt)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{ckpt / TRAINER_STATE} is unreadable ({type(e).__name__}: {e})"
+    state = ckpt / STATE_DIR
+    if not state.is_dir():
+        return f"{state} is missing"
+    engine = any(p.is_dir() for p in state.iterdir())  # DeepSpeed writes its engine checkpoint as a folder
+    files = [p for p in state.rglob("*") if p.is_file()]
+    for need in [ckpt / LORA_NAME] + ([] if engine else [ckpt / TRAINABLE_NAME]):
+        problem = safetensors_problem(need)
+        if problem:
+            return problem
+    if not engine and not (state / "optimizer.bin").is_file():
+        return f"{state / 'optimizer.bin'} (the optimizer state) is missing"
+    if engine and not any("optim" in p.name for p in files):
+        return f"{state} holds no optimizer state"
+    for f in files:
+        problem = state_file_problem(f)
+        if problem:
+            return problem
+    return None
 
 
 def read_trainer_state(ckpt: str | os.PathLike) -> TrainerState:
@@ -164,11 +255,27 @@ def save_checkpoint(accelerator, module, optimizer, engine, output_dir: str | os
     """Write ``checkpoint-<step>`` (all ranks call this) and prune old ones; returns its path.
 
     ``module`` is the unwrapped training module, ``optimizer`` the optimizer as built
-    (for schedule-free eval/train), ``engine`` the DeepSpeed engine or None.
+    (for schedule-free eval/train), ``engine`` the DeepSpeed engine or None. A full disk
+    raises :class:`DiskFullError` naming the newest complete checkpoint.
     """
+    try:
+        return _save_checkpoint(accelerator, module, optimizer, engine, Path(output_dir), state, keep_last, metadata)
+    except Exception as e:  # also accelerate's save_state, which writes without atomic_path
+        if not is_disk_full(e):
+            raise
+        tmp = Path(output_dir) / f".{PREFIX}{state.step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        done = list_checkpoints(output_dir)
+        safe = (f"the newest complete checkpoint is {done[-1]} (--resume latest continues from it)" if done
+                else "no checkpoint is complete yet")
+        raise DiskFullError(getattr(e, "path", tmp / STATE_DIR),
+                            f"{PREFIX}{state.step} was not saved; {safe}") from None
+
+
+def _save_checkpoint(accelerator, module, optimizer, engine, out: Path, state: TrainerState,
+                     keep_last: int, metadata: Optional[dict]) -> Path:
     from .optim import schedule_free_eval
 
-    out = Path(output_dir)
     final = out / f"{PREFIX}{state.step}"
     tmp = out / f".{PREFIX}{state.step}.tmp"
     if accelerator.is_main_process:

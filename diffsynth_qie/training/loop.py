@@ -184,6 +184,8 @@ def setup(config: RunConfig) -> _Run:
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
                               gradient_accumulation_steps=t.gradient_accumulation_steps,
                               extra={"total_steps": total_steps, "config": cfg.to_json()})
+    if accelerator.is_main_process:
+        ckpt.remove_leftovers(t.output_dir)
     resume_from = ckpt.resolve_resume(t.resume, t.output_dir)
     if resume_from is not None:
         saved = ckpt.load_checkpoint(accelerator, module, resume_from)

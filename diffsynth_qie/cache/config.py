@@ -1,0 +1,61 @@
+"""What `qie cache` is asked to do (``CacheConfig``) and what one call did (``CacheSummary``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from ..data.formats import DatasetConfig, FieldNames
+
+
+@dataclass
+class CacheConfig:
+    """Phase-1 cache: where it goes, which model encodes, how images are sized."""
+
+    cache_dir: Optional[str] = field(default=None, metadata={
+        "help": "output directory (a rerun into the same directory resumes and updates it)", "metavar": "DIR"})
+    model: str = field(default="2511", metadata={"help": "model preset: edit, 2509, 2511 or tiny"})
+    model_dir: Optional[str] = field(default=None, metadata={
+        "help": "local model directory (the preset's repo layout); default: DiffSynth's download folders",
+        "metavar": "DIR"})
+    max_pixels: int = field(default=1024 * 1024, metadata={
+        "help": "pixel budget of target and ref_gt images (sides rounded down to --divisor, never enlarged)"})
+    edit_max_pixels: Optional[int] = field(default=None, metadata={
+        "help": "pixel budget of each reference image (default: --max_pixels)"})
+    divisor: int = field(default=16, metadata={"help": "image sides are multiples of this"})
+    shard_size: int = field(default=64, metadata={
+        "help": "entries per shard file; an interrupted run loses at most this many entries per rank"})
+    device: Optional[str] = field(default=None, metadata={
+        "help": "encoding device (default: this rank's GPU, else CPU)"})
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = field(default=None, metadata={
+        "help": "encoder and storage dtype (default: bfloat16 on GPU, float32 on CPU)"})
+    num_workers: int = field(default=4, metadata={"help": "threads decoding and resizing images ahead of the encoders"})
+    check_images: bool = field(default=True, metadata={
+        "help": "fully decode every image while validating rows (catches truncated files before encoding)"})
+    lock_timeout: float = field(default=0.0, metadata={
+        "help": "seconds to wait for another `qie cache` run on the same --cache_dir to finish (0: exit at once)"})
+    # Filled from their own flag groups by commands/cache.py (shared with `qie train`).
+    dataset: DatasetConfig = field(default_factory=DatasetConfig, metadata={"cli": False})
+    fields: FieldNames = field(default_factory=FieldNames, metadata={"cli": False})
+
+    def resolved_edit_max_pixels(self) -> int:
+        return self.edit_max_pixels or self.max_pixels
+
+
+@dataclass
+class CacheSummary:
+    """What one ``write_cache`` call did (this rank's share)."""
+
+    rank: int
+    world_size: int
+    rows: int  # rows assigned to this rank that passed validation
+    computed: int
+    reused: int
+    skipped: int
+    seconds: float  # the whole call, model loading included
+    encode_seconds: float  # decoding + encoding + writing the computed rows
+    manifest: Optional[dict] = None  # set on the rank that finalised
+
+    @property
+    def rows_per_second(self) -> float:
+        """Encoding throughput of this rank (what the progress bar shows)."""
+        return self.computed / self.encode_seconds if self.encode_seconds > 0 else 0.0

@@ -1,0 +1,187 @@
+"""Turning one dataset row into cache tensors: decode and resize its images (threads,
+ahead of the encoders), then VAE-encode them and run the prompt embedder.
+
+Image sizing (all sides multiples of ``divisor``, never enlarged):
+
+- target and ``ref_gt``: each fit to ``max_pixels`` on its own;
+- every reference image: fit to ``edit_max_pixels`` (default ``max_pixels``) on its own;
+- ``back_mask``: resized to the target's size (binary), then averaged over 8x8
+  blocks to latent resolution, so partly covered latent pixels are fractional;
+- LBM source: the first reference image resized to the target's pixel size.
+
+Prompts are encoded together with the (resized) reference images by DiffSynth's
+own ``QwenImageUnit_PromptEmbedder`` (``models/encoding.py``), with the single- or
+multi-image template chosen by the preset.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from ..data.images import fit_to_budget, load_mask, load_rgb, resize_to
+from ..data.rows import EditRow
+from . import store
+from .config import CacheConfig
+from .shards import ShardWriter
+from .store import CacheEntry, EntryMeta
+
+VAE_DOWNSCALE = 8
+
+
+# ----------------------------------------------------------------------------- images
+
+
+@dataclass
+class _Prepared:
+    """One row's decoded, resized inputs (built in a worker thread)."""
+
+    row: EditRow
+    target: Any  # PIL.Image at the target's cache size
+    edits: list  # PIL.Images, each at its own size
+    lbm_source: Any  # PIL.Image at the target's size, or None (t2i) ; edits[0] itself when sizes match
+    back_mask: Any  # float32 tensor [1, h, w] or None
+    ref_gt: Any  # PIL.Image or None
+
+
+def _fit(img, max_pixels: int, divisor: int):
+    return resize_to(img, fit_to_budget(img.width, img.height, max_pixels, divisor))
+
+
+def prepare_row(row: EditRow, config: CacheConfig) -> _Prepared:
+    """Decode and resize a row's images as documented in the module docstring."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    target = _fit(load_rgb(row.target), config.max_pixels, config.divisor)
+    originals = [load_rgb(p) for p in row.edit_images]
+    edits = [_fit(im, config.resolved_edit_max_pixels(), config.divisor) for im in originals]
+    lbm = None
+    if originals:
+        lbm = edits[0] if edits[0].size == target.size else resize_to(originals[0], target.size)
+    mask = None
+    if row.back_mask is not None:
+        m = resize_to(load_mask(row.back_mask), target.size)
+        t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
+        mask = F.avg_pool2d(t, VAE_DOWNSCALE)[0]
+    ref_gt = _fit(load_rgb(row.ref_gt), config.max_pixels, config.divisor) if row.ref_gt is not None else None
+    return _Prepared(row, target, edits, lbm, mask, ref_gt)
+
+
+def prefetch(fn: Callable, items: Iterable, num_workers: int) -> Iterator:
+    """``map(fn, items)`` in order, computed up to ``2 * num_workers`` items ahead in threads
+    (PIL decoding and resizing release the GIL)."""
+    if num_workers <= 0:
+        yield from map(fn, items)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    it = iter(items)
+    with ThreadPoolExecutor(num_workers, thread_name_prefix="qie-cache-io") as ex:
+        pending = collections.deque(ex.submit(fn, x) for x in itertools.islice(it, 2 * num_workers))
+        try:
+            while pending:
+                fut = pending.popleft()
+                for x in itertools.islice(it, 1):
+                    pending.append(ex.submit(fn, x))
+                yield fut.result()
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def vae_encode_many(pipe, images: list) -> list:
+    """VAE latents ``[16, h, w]`` per PIL image; images of equal size go through the VAE together."""
+    import torch
+
+    pipe.load_models_to_device(["vae"])  # no-op unless DiffSynth's VRAM management is on
+    out: list = [None] * len(images)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, im in enumerate(images):
+        groups.setdefault(im.size, []).append(i)
+    for idx in groups.values():
+        pixels = torch.cat([pipe.preprocess_image(images[i]).to(device=pipe.device, dtype=pipe.torch_dtype)
+                            for i in idx])
+        with torch.no_grad():
+            lat = pipe.vae.encode(pixels)
+        for k, i in enumerate(idx):
+            out[i] = lat[k]
+    return out
+
+
+def encode_prepared(pipe, prep: _Prepared, multi_image: bool) -> CacheEntry:
+    """The tensors of one row (``sub_noise`` left to the caller: it is shared per size)."""
+    import torch
+
+    from ..models.encoding import encode_prompt
+
+    row = prep.row
+    images = [prep.target, *prep.edits]
+    own_lbm = prep.lbm_source is not None and (not prep.edits or prep.lbm_source is not prep.edits[0])
+    if own_lbm:
+        images.append(prep.lbm_source)
+    if prep.ref_gt is not None:
+        images.append(prep.ref_gt)
+    lat = vae_encode_many(pipe, images)
+    target, edits = lat[0], lat[1:1 + len(prep.edits)]
+    rest = lat[1 + len(prep.edits):]
+    lbm = rest.pop(0) if own_lbm else (edits[0] if prep.lbm_source is not None else None)
+    ref_gt = rest.pop(0) if prep.ref_gt is not None else None
+
+    prompts = [p for p in row.prompts if p.strip()]
+    embs = [encode_prompt(pipe, p, prep.edits, multi_image=multi_image) for p in prompts]
+    empty = encode_prompt(pipe, "", prep.edits, multi_image=multi_image)
+
+    def ones(emb):
+        return torch.ones(emb.shape[0], dtype=torch.long)
+
+    return CacheEntry(
+        entry_id=row.row_id, row_id=row.row_id, dataset=row.dataset, inverse=row.inverse,
+        prompt_embs=embs, prompt_masks=[ones(e) for e in embs],
+        empty_prompt_emb=empty, empty_prompt_mask=ones(empty),
+        target_latents=target, edit_latents=list(edits), sub_noise=None,  # type: ignore[arg-type]
+        back_mask=prep.back_mask, ref_gt_latents=ref_gt, lbm_source_latents=lbm,
+    )
+
+
+def white_key(pipe, writer: ShardWriter, size: tuple[int, int]) -> str:
+    """Key of the white latents for a (W, H) pixel size, computing them once per cache."""
+    from ..models.encoding import white_latents
+
+    key = store.sub_noise_key(size[1], size[0])
+    if not writer.has_shared(key):
+        writer.add_shared(key, white_latents(pipe, size[0], size[1]))
+    return key
+
+
+def entry_meta(prep: _Prepared, entry: CacheEntry, content_hash: str, sub_key: str, sub_ref_key: str | None,
+          base: Path) -> EntryMeta:
+    def rel(p) -> str:
+        try:
+            return str(Path(p).relative_to(base))
+        except ValueError:
+            return str(p)
+
+    row = prep.row
+    return EntryMeta(
+        entry_id=entry.entry_id, row_id=row.row_id, dataset=row.dataset, inverse=row.inverse,
+        content_hash=content_hash, prompts=[p for p in row.prompts if p.strip()],
+        prompt_lengths=[int(e.shape[0]) for e in entry.prompt_embs],
+        empty_prompt_length=int(entry.empty_prompt_emb.shape[0]),
+        prompt_dim=int(entry.empty_prompt_emb.shape[1]),
+        target_size=(prep.target.height, prep.target.width),
+        target_shape=tuple(entry.target_latents.shape),
+        edit_shapes=[tuple(e.shape) for e in entry.edit_latents],
+        has_back_mask=entry.back_mask is not None,
+        ref_gt_shape=tuple(entry.ref_gt_latents.shape) if entry.ref_gt_latents is not None else None,
+        lbm_source=store.lbm_source_mode(entry),
+        sub_noise_key=sub_key, sub_noise_ref_gt_key=sub_ref_key,
+        dtype=str(entry.target_latents.dtype).replace("torch.", ""),
+        sources={name: rel(p) for name, p in row.image_paths().items()},
+    )
