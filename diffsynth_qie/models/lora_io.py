@@ -110,6 +110,15 @@ _TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "text_encoder.",
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_down|lora_up)(?:\.(?P<adapter>[^.]+))?\.weight$")
 _KIND = {"lora_A": "A", "lora_down": "A", "lora_B": "B", "lora_up": "B"}
 _MAX_LISTED = 12
+# diffusers (>= 0.33) stores the PEFT LoraConfig of each component as JSON under this
+# safetensors metadata key: ``{"transformer.r": 4, "transformer.lora_alpha": 8,
+# "transformer.alpha_pattern": {...}, ...}`` from a pipeline's ``save_lora_weights``, the
+# same keys without the component prefix from a model's ``save_lora_adapter``.
+ADAPTER_METADATA_KEY = "lora_adapter_metadata"
+# Sanity limits for LoRA files (see :func:`check_tensors` and :func:`match_lora`): a trained
+# LoRA never holds a value this large, and its delta never dwarfs the weight it changes.
+MAX_ABS_VALUE = 1e4
+MAX_DELTA_RATIO = 100.0
 
 
 # --- data ------------------------------------------------------------------------
@@ -281,7 +290,13 @@ def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapp
             entry[kind] = value
             underscore.add(is_underscore)
         elif body.endswith(".alpha"):
-            pairs.setdefault(body[: -len(".alpha")], {})["alpha"] = float(value.float().reshape(-1)[0])
+            if value.numel() != 1:
+                raise ValueError(f"LoRA {source}: {key} must hold one number (the LoRA alpha), "
+                                 f"it holds {value.numel()} values of shape {tuple(value.shape)}")
+            alpha = float(value.float().reshape(-1)[0])
+            if not math.isfinite(alpha):
+                raise ValueError(f"LoRA {source}: {key} is {alpha}; the file is damaged")
+            pairs.setdefault(body[: -len(".alpha")], {})["alpha"] = alpha
             underscore.add(is_underscore)
         elif body.endswith(".set_weight") and not is_underscore:  # ComfyUI "set" patch (our export)
             target = body[: -len(".set_weight")]
@@ -302,8 +317,9 @@ def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapp
                          f"{_listing(unsupported)}")
     if len(underscore) > 1:
         raise ValueError(f"LoRA {source} mixes kohya (lora_unet_...) and dotted module names")
+    config = adapter_config(metadata, source)
     modules: dict[str, LoraModule] = {}
-    incomplete, bad_shape = [], []
+    incomplete, bad_shape, rank_zero = [], [], []
     for name, entry in pairs.items():
         if "A" not in entry or "B" not in entry:
             missing = [k for k in ("A", "B") if k not in entry]
@@ -313,22 +329,97 @@ def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapp
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             bad_shape.append(f"{name}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}")
             continue
-        modules[name] = LoraModule(A=a, B=b, alpha=entry.get("alpha"))
+        if a.shape[0] == 0:
+            rank_zero.append(name)
+            continue
+        alpha = entry.get("alpha")
+        if alpha is None and config is not None:
+            alpha = _config_alpha(config, name, int(a.shape[0]), source)
+        modules[name] = LoraModule(A=a, B=b, alpha=alpha)
     both = sorted(n for n in modules if f"{n}.weight" in full)
     if both:
         raise ValueError(f"LoRA {source} has both a LoRA pair and a full weight for: {_listing(both)}; "
                          "keep one of them per module")
-    if incomplete or bad_shape:
+    if incomplete or bad_shape or rank_zero:
         parts = []
         if incomplete:
             parts.append(f"incomplete LoRA pairs: {_listing(incomplete)}")
         if bad_shape:
             parts.append(f"not 2-D low-rank pairs of matching rank: {_listing(bad_shape)}")
+        if rank_zero:
+            parts.append(f"rank-0 pairs (lora_A with no rows): {_listing(rank_zero)}")
         raise ValueError(f"LoRA {source} is malformed: " + "; ".join(parts))
     if not modules and not full:
         raise ValueError(f"LoRA {source} holds no LoRA tensors")
     return LoraState(modules=modules, full=full, format=_format_name(formats, metadata), metadata=metadata,
                      source=source, underscore_names=underscore == {True})
+
+
+def adapter_config(metadata: Mapping[str, str], source: str = "<memory>") -> dict[str, Any] | None:
+    """The DiT's PEFT ``LoraConfig`` dict from diffusers' ``lora_adapter_metadata``, or None."""
+    raw = metadata.get(ADAPTER_METADATA_KEY)
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"LoRA {source}: metadata {ADAPTER_METADATA_KEY!r} is not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA {source}: metadata {ADAPTER_METADATA_KEY!r} is not a JSON object")
+    if any("." in k for k in config):  # a pipeline's file: one prefixed config per component
+        config = {k[len("transformer."):]: v for k, v in config.items() if k.startswith("transformer.")}
+    return config or None
+
+
+def _pattern_value(patterns: Mapping[str, Any] | None, name: str) -> Any:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``peft.utils.other.get_pattern_key``):
+    a key matches a module path that it ends, as a regular expression after a dot."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return None
+
+
+def _config_alpha(config: Mapping[str, Any], name: str, rank: int, source: str) -> float | None:
+    """Module ``name``'s alpha from a PEFT config, in our ``alpha / rank`` convention."""
+    r = _pattern_value(config.get("rank_pattern"), name) or config.get("r")
+    alpha = _pattern_value(config.get("alpha_pattern"), name)
+    if alpha is None:
+        alpha = config.get("lora_alpha")
+    if alpha is None:
+        return None
+    if r is not None and int(r) != rank:
+        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} gives rank {r} for {name}, but its "
+                         f"tensors have rank {rank}; the metadata does not describe this file")
+    alpha = float(alpha)
+    if not math.isfinite(alpha):
+        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} gives lora_alpha {alpha} for {name}")
+    if config.get("use_rslora"):  # PEFT scales rsLoRA by alpha / sqrt(r)
+        alpha *= math.sqrt(rank)
+    return alpha
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], source: str) -> None:
+    """Refuse a LoRA file holding NaN/inf, or values beyond ``MAX_ABS_VALUE``.
+
+    Such a file (a diverged run, a damaged download) would otherwise render black or
+    noise images with no error. ``.alpha`` scalars are exempt from the size limit:
+    their effect is bounded by the delta check in :func:`match_lora`.
+    """
+    for key, value in tensors.items():
+        if not value.is_floating_point() or value.numel() == 0:
+            continue
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            raise ValueError(f"LoRA {source}: tensor {key} holds {bad} NaN/inf value(s); the file is damaged "
+                             "or its training diverged. Use an earlier checkpoint or retrain.")
+        if key.endswith(".alpha"):
+            continue
+        peak = float(value.abs().max())
+        if peak > MAX_ABS_VALUE:
+            raise ValueError(f"LoRA {source}: tensor {key} holds a value of magnitude {peak:.3g}, beyond "
+                             f"{MAX_ABS_VALUE:g}, which no trained LoRA reaches; the file is damaged.")
 
 
 def _format_name(formats: set[str], metadata: Mapping[str, str]) -> str:
@@ -342,6 +433,7 @@ def load_lora_state(path: str | os.PathLike) -> LoraState:
     """Read a LoRA file of any supported format into a :class:`LoraState`."""
     path = Path(path)
     tensors, metadata = _read_file(path)
+    check_tensors(tensors, str(path))
     return parse_lora_state_dict(tensors, metadata, source=str(path))
 
 
@@ -366,6 +458,8 @@ def match_lora(model: torch.nn.Module, state: LoraState) -> LoraState:
         elif tuple(weight.shape) != (mod.B.shape[0], mod.A.shape[1]):
             mismatched.append(f"{name} (LoRA {mod.B.shape[0]}x{mod.A.shape[1]} vs weight "
                               f"{weight.shape[0]}x{weight.shape[1]})")
+        else:
+            _check_delta(name, mod, weight, state.source)
     for name, tensor in state.full.items():
         if name not in params:
             missing.append(name)
@@ -382,6 +476,28 @@ def match_lora(model: torch.nn.Module, state: LoraState) -> LoraState:
         raise ValueError(f"LoRA {state.source} does not match the model ({type(model).__name__}): "
                          + "; ".join(parts) + ". Check that the LoRA was trained for this model/preset.")
     return state
+
+
+@torch.no_grad()
+def _check_delta(name: str, mod: LoraModule, weight: torch.Tensor, source: str) -> None:
+    """Refuse a delta whose norm exceeds ``MAX_DELTA_RATIO`` times the weight's (at least 1).
+
+    A real LoRA changes a weight by a fraction of its norm; a hundred times the weight
+    wipes out the model (all-black images). The cheap bound ``|scale| |B| |A|`` avoids
+    computing the delta for every module.
+    """
+    if weight.device.type == "meta":
+        return
+    limit = MAX_DELTA_RATIO * max(float(torch.linalg.vector_norm(weight, dtype=torch.float32)), 1.0)
+    bound = abs(mod.scale) * float(torch.linalg.vector_norm(mod.A, dtype=torch.float32)) \
+        * float(torch.linalg.vector_norm(mod.B, dtype=torch.float32))
+    if math.isfinite(bound) and bound <= limit:
+        return
+    norm = float(torch.linalg.vector_norm(mod.delta(weight.device)))
+    if not math.isfinite(norm) or norm > limit:
+        raise ValueError(f"LoRA {source}: the delta for {name} has norm {norm:.3g}, more than "
+                         f"{MAX_DELTA_RATIO:g} times the weight's ({limit / MAX_DELTA_RATIO:.3g}); "
+                         f"check its alpha ({mod.alpha}) and rank ({mod.rank}), or the file is damaged.")
 
 
 @torch.no_grad()
@@ -630,7 +746,9 @@ def export_lora(in_path: str | os.PathLike, out_path: str | os.PathLike, fmt: Ex
         tensors = comfyui_state_dict(state)
     else:
         tensors = diffusers_state_dict(state, drop_full_weights=drop_full_weights)
-    metadata = {k: v for k, v in state.metadata.items() if k not in ("format", "format_version")}
+    # alpha is written as .alpha tensors (comfyui) or folded into lora_A (diffusers); a copied
+    # lora_adapter_metadata would make diffusers apply it a second time.
+    metadata = {k: v for k, v in state.metadata.items() if k not in ("format", "format_version", ADAPTER_METADATA_KEY)}
     metadata.update(format=fmt, converted_by=FORMAT_NAME, source_format=state.format)
     out = _write(Path(out_path), tensors, metadata)
     log.info("wrote %s LoRA %s (%d tensors, from %s format)", fmt, out, len(tensors), state.format)
