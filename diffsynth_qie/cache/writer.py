@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
 from ..data.formats import DatasetConfig, FieldNames, read_rows
-from ..data.images import fit_to_budget, load_mask, load_rgb, resize_to
+from ..data.images import fit_image, load_mask, load_rgb, resize_to
 from ..data.rows import EditRow, SkippedRow, check_bad_fraction, log_skip, validate_rows, write_skipped
+from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
 from ..utils.atomic import atomic_write_json
 from . import store
 from .fingerprint import FileHasher, encoder_fingerprint, row_content_hash
@@ -69,6 +70,8 @@ class CacheConfig:
     num_workers: int = field(default=4, metadata={"help": "threads decoding and resizing images ahead of the encoders"})
     check_images: bool = field(default=True, metadata={
         "help": "fully decode every image while validating rows (catches truncated files before encoding)"})
+    max_prompt_tokens: int = field(default=DEFAULT_MAX_PROMPT_TOKENS, metadata={
+        "help": "rows with a longer prompt (in tokens) are skipped and listed in skipped.jsonl"})
     # Filled from their own flag groups by commands/cache.py (shared with `qie train`).
     dataset: DatasetConfig = field(default_factory=DatasetConfig, metadata={"cli": False})
     fields: FieldNames = field(default_factory=FieldNames, metadata={"cli": False})
@@ -155,8 +158,8 @@ class _Prepared:
     ref_gt: Any  # PIL.Image or None
 
 
-def _fit(img, max_pixels: int, divisor: int):
-    return resize_to(img, fit_to_budget(img.width, img.height, max_pixels, divisor))
+def _fit(img, max_pixels: int, divisor: int, path):
+    return resize_to(img, fit_image(img.size, max_pixels, divisor, f"image {path}"))
 
 
 def prepare_row(row: EditRow, config: CacheConfig) -> _Prepared:
@@ -165,9 +168,9 @@ def prepare_row(row: EditRow, config: CacheConfig) -> _Prepared:
     import torch
     import torch.nn.functional as F
 
-    target = _fit(load_rgb(row.target), config.max_pixels, config.divisor)
+    target = _fit(load_rgb(row.target), config.max_pixels, config.divisor, row.target)
     originals = [load_rgb(p) for p in row.edit_images]
-    edits = [_fit(im, config.resolved_edit_max_pixels(), config.divisor) for im in originals]
+    edits = [_fit(im, config.resolved_edit_max_pixels(), config.divisor, p) for im, p in zip(originals, row.edit_images)]
     lbm = None
     if originals:
         lbm = edits[0] if edits[0].size == target.size else resize_to(originals[0], target.size)
@@ -176,7 +179,7 @@ def prepare_row(row: EditRow, config: CacheConfig) -> _Prepared:
         m = resize_to(load_mask(row.back_mask), target.size)
         t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
         mask = F.avg_pool2d(t, VAE_DOWNSCALE)[0]
-    ref_gt = _fit(load_rgb(row.ref_gt), config.max_pixels, config.divisor) if row.ref_gt is not None else None
+    ref_gt = _fit(load_rgb(row.ref_gt), config.max_pixels, config.divisor, row.ref_gt) if row.ref_gt is not None else None
     return _Prepared(row, target, edits, lbm, mask, ref_gt)
 
 
@@ -244,7 +247,7 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool) -> CacheEntry:
     ref_gt = rest.pop(0) if prep.ref_gt is not None else None
 
     prompts = [p for p in row.prompts if p.strip()]
-    embs = [encode_prompt(pipe, p, prep.edits, multi_image=multi_image) for p in prompts]
+    embs = [encode_prompt(pipe, p, prep.edits, multi_image=multi_image, max_tokens=None) for p in prompts]
     empty = encode_prompt(pipe, "", prep.edits, multi_image=multi_image)
 
     def ones(emb):
@@ -357,6 +360,23 @@ def _rank_rows(config: CacheConfig, preset, rank: int, world_size: int) -> _Rank
                      n_total=len(mine) + len(parse_skipped))
 
 
+def _skip_long_prompts(share: _RankRows, pipe, max_tokens: int) -> None:
+    """Move rows with a prompt over ``max_tokens`` tokens from ``share.good`` to ``share.skipped``."""
+    from ..models.encoding import prompt_token_count
+
+    good = []
+    for row in share.good:
+        longest = max(prompt_token_count(pipe, p) for p in row.prompts)
+        if longest > max_tokens:
+            s = SkippedRow(row.row_id, "prompts", None,
+                           f"prompt of {longest} tokens, more than --max_prompt_tokens {max_tokens}")
+            log_skip(s)
+            share.skipped.append(s)
+        else:
+            good.append(row)
+    share.good = good
+
+
 def _encode_rows(pipe, config: CacheConfig, preset, todo: list[tuple[EditRow, str]], writer: ShardWriter,
                  show_progress: bool, on_entry: Callable[[EntryMeta], None] | None) -> None:
     """Decode (threads, ahead) and encode (this thread) each row, queueing entries into ``writer``."""
@@ -418,6 +438,7 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
 
     if pipe is None:
         pipe = _load_pipe(config, dist_device)
+    _skip_long_prompts(share, pipe, config.max_prompt_tokens)
     settings = cache_settings(config, preset, pipe)
     hasher = FileHasher()
     hashes = list(_prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))

@@ -11,6 +11,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
+
 log = logging.getLogger(__name__)
 
 MODELS = ("edit", "2509", "2511", "tiny")
@@ -39,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="with --lora: also render without the LoRA (same seed) and write "
                          "[reference | without LoRA | with LoRA] side by side")
     io.add_argument("--negative_prompt", default="")
+    io.add_argument("--max_prompt_tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
+                    help="refuse prompts longer than this many tokens (Qwen-Image was trained on up to 512)")
     io.add_argument("--mask", default=None, metavar="PATH", help="white = region that may change")
     io.add_argument("--out", required=True, metavar="PNG", help="output image (LBM also writes <out>_sub.png)")
     s = parser.add_argument_group("sampling")
@@ -139,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         images=images, prompt=args.prompt, negative_prompt=args.negative_prompt, mask=mask, steps=args.steps,
         cfg=args.cfg, seed=args.seed, height=args.height, width=args.width, max_pixels=args.max_pixels,
         mask_blend=args.mask_blend, mask_feather=args.mask_feather, lbm_steps=args.lbm_steps,
-        lbm_noise=args.lbm_noise,
+        lbm_noise=args.lbm_noise, max_prompt_tokens=args.max_prompt_tokens,
     )
     result = editor.edit(request)
     outputs = [(Path(args.out), result.image)]

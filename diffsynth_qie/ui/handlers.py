@@ -30,13 +30,15 @@ import os
 import secrets
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from ..data.images import ImageTooLarge, check_pixels, open_image, to_rgb
 from .config import UIConfig
 
 if TYPE_CHECKING:  # heavy imports (torch, diffsynth) stay out of `app_gradio.py --help`
@@ -83,16 +85,85 @@ def check_upload_size(item: Any, max_bytes: int, what: str = "image") -> None:
                       f"{max_bytes / 2**20:.3g} MB (--max_upload_mb) — upload a smaller file")
 
 
+def check_upload(item: Any, max_bytes: int, what: str = "image") -> None:
+    """Refuse an uploaded file before anything decodes it: too many bytes, not an image,
+    or too many pixels (read from the header; a small PNG can declare 12000x12000)."""
+    check_upload_size(item, max_bytes, what)
+    path = _file_of(item)
+    if path is None:
+        return
+    name = f"the uploaded {what}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:  # lazy: reads the header only
+                size = im.size
+    except Image.DecompressionBombError:
+        raise UIError(f"{name} has too many pixels; downscale it") from None
+    except Exception:  # noqa: BLE001 - PIL raises many types for non-images
+        raise UIError(f"{name} is not a readable image; upload a PNG/JPEG/WebP file") from None
+    try:
+        check_pixels(*size, name)
+    except ImageTooLarge as exc:
+        raise UIError(str(exc)) from None
+
+
+def prune_temp_files(root: str | os.PathLike, max_bytes: int, keep_seconds: float = 60.0) -> list[Path]:
+    """Delete the oldest files under ``root`` until their total size is at most ``max_bytes``.
+
+    Files modified in the last ``keep_seconds`` are kept (uploads of a request in
+    flight), so the total may stay above the cap until they age. Returns the removed paths.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    files = []
+    for path in root.rglob("*"):
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if path.is_file() and not path.is_symlink():
+            files.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    removed = []
+    now = time.time()
+    for mtime, size, path in sorted(files, key=lambda f: f[0]):
+        if total <= max_bytes:
+            break
+        if now - mtime < keep_seconds:
+            break  # the rest is newer still
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        total -= size
+        removed.append(path)
+    if removed:
+        log.info("removed %d temporary file(s) from %s (over %.3g MB)", len(removed), root, max_bytes / 2**20)
+    return removed
+
+
 def to_pil(item: Any, what: str = "image") -> Image.Image | None:
-    """A PIL image from any gradio image value (PIL, numpy, path, FileData dict, (media, caption))."""
+    """A decoded PIL image, in its own mode, from any gradio image value (PIL, numpy, path,
+    FileData dict, (media, caption)).
+
+    Files go through the project's one image loader (``data.images.open_image``): the
+    pixel count is checked from the header before decoding, EXIF rotation applied.
+    """
     if item is None:
         return None
     if isinstance(item, (tuple, list)) and len(item) == 2 and not isinstance(item, np.ndarray):
         item = item[0]  # gr.Gallery gives (media, caption)
+    name = f"the uploaded {what}"
     if isinstance(item, Image.Image):
+        check_pixels(*item.size, name)
         return item
     if isinstance(item, np.ndarray):
+        check_pixels(item.shape[1] if item.ndim > 1 else 1, item.shape[0], name)
         arr = item
+        if arr.dtype == np.uint16:  # 16-bit pixels: scale, never clip to white
+            arr = np.rint(arr.astype(np.float64) / 257.0)
         if arr.dtype != np.uint8:
             arr = np.clip(arr, 0, 255).astype(np.uint8)
         return Image.fromarray(arr)
@@ -100,23 +171,24 @@ def to_pil(item: Any, what: str = "image") -> Image.Image | None:
     if path is None:
         raise UIError(f"unsupported {what} value of type {type(item).__name__}; upload a PNG/JPEG/WebP file")
     try:
-        with Image.open(path) as im:
-            im.load()
-            return im
-    except Image.DecompressionBombError:
-        raise UIError(f"the uploaded {what} has too many pixels; downscale it") from None
-    except (UnidentifiedImageError, OSError):
-        raise UIError(f"the uploaded {what} is not a readable image; upload a PNG/JPEG/WebP file") from None
+        return open_image(path)
+    except ImageTooLarge as exc:
+        raise UIError(str(exc).replace(f"image {path}", name)) from None
+    except (ValueError, OSError):
+        raise UIError(f"{name} is not a readable image; upload a PNG/JPEG/WebP file") from None
 
 
-def flatten_rgb(image: Image.Image) -> Image.Image:
-    """RGB with transparent areas on white (what the model sees for a transparent upload)."""
-    if image.mode == "RGB":
-        return image
-    if "A" in image.getbands() or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
-    return image.convert("RGB")
+def to_rgb_image(item: Any, what: str = "image") -> Image.Image | None:
+    """:func:`to_pil` converted like every other input (``data.images.to_rgb``: 16-bit
+    scaled to 8 bit, transparency on white)."""
+    image = to_pil(item, what)
+    if image is None:
+        return None
+    try:
+        return to_rgb(image)
+    except ValueError:
+        raise UIError(f"the uploaded {what} has an unsupported colour mode ({image.mode}); "
+                      "upload a PNG/JPEG/WebP file") from None
 
 
 def painted_pixels(layer: Image.Image) -> np.ndarray:
@@ -154,8 +226,8 @@ def image_from_editor(value: Any, max_bytes: int | None = None) -> Image.Image:
     if background is None:
         raise UIError("upload an image to edit first (drop it on the image editor)")
     if max_bytes is not None:
-        check_upload_size(background, max_bytes, "image")
-    return flatten_rgb(to_pil(background))
+        check_upload(background, max_bytes, "image")
+    return to_rgb_image(background)
 
 
 def mask_from_editor(value: Any, size: tuple[int, int] | None = None,
@@ -171,7 +243,7 @@ def mask_from_editor(value: Any, size: tuple[int, int] | None = None,
     union: np.ndarray | None = None
     for i, item in enumerate(layers):
         if max_bytes is not None:
-            check_upload_size(item, max_bytes, f"mask layer {i + 1}")
+            check_upload(item, max_bytes, f"mask layer {i + 1}")
         layer = to_pil(item, f"mask layer {i + 1}")
         if size is not None and layer.size != tuple(size):
             layer = layer.resize(tuple(size), Image.Resampling.NEAREST)
@@ -193,8 +265,8 @@ def reference_images(items: Sequence[Any] | None, max_bytes: int | None = None) 
     for i, item in enumerate(items or []):
         media = item[0] if isinstance(item, (tuple, list)) and len(item) == 2 else item
         if max_bytes is not None:
-            check_upload_size(media, max_bytes, f"reference image {i + 1}")
-        out.append(flatten_rgb(to_pil(media, f"reference image {i + 1}")))
+            check_upload(media, max_bytes, f"reference image {i + 1}")
+        out.append(to_rgb_image(media, f"reference image {i + 1}"))
     return out
 
 
@@ -469,8 +541,10 @@ class UIHandlers:
             result = editor.edit(EditRequest(
                 images=[image, *refs], prompt=prompt, negative_prompt=inputs.negative_prompt or "",
                 mask=mask, steps=steps, cfg=cfg, seed=seed, mask_blend=mask_blend,
-                lbm_steps=lbm_steps, progress=lambda step, n: report(step, n, "denoising")))
+                lbm_steps=lbm_steps, max_prompt_tokens=self.config.max_prompt_tokens,
+                progress=lambda step, n: report(step, n, "denoising")))
             seconds = time.perf_counter() - t0
+            prune_temp_files(self.config.resolved_temp_dir, self.config.max_temp_bytes)
         if lbm and result.sub_image is None:
             raise RuntimeError("the editor returned no sub-stream image in LBM mode")
 
