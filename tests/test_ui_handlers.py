@@ -12,9 +12,10 @@ import torch
 from PIL import Image
 
 from diffsynth_qie.ui.config import UIConfig
-from diffsynth_qie.ui.handlers import (MODE_LBM, NO_LORA, GenerateInputs, UIError, UIHandlers, check_upload_size,
-                                       image_from_editor, list_loras, mask_from_editor, prune_temp_files,
-                                       reference_images, resolve_lora, user_message)
+from diffsynth_qie.ui.handlers import (MODE_LBM, NO_LORA, GenerateInputs, UIError, UIHandlers, list_loras,
+                                       resolve_lora, user_message)
+from diffsynth_qie.ui.uploads import (check_upload_size, image_from_editor, mask_from_editor, prune_temp_files,
+                                      reference_images)
 
 W, H = 96, 64  # multiples of 16: the editor keeps the size of such an image
 

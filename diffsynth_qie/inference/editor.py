@@ -241,7 +241,7 @@ class Editor:
         bit-exactly first, without reloading the model. Returns the load reports.
         """
         if self._loras is None:
-            from ..models.lora_io import LoraManager
+            from ..models.lora_manager import LoraManager
 
             self._loras = LoraManager(self.pipe.dit)
         return self._loras.set_loras([(str(p), float(s)) for p, s in loras])

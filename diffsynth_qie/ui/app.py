@@ -13,8 +13,8 @@ from typing import Any
 import gradio as gr
 
 from .config import UIConfig
-from .handlers import (LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, NO_LORA, GenerateInputs, UIHandlers, check_upload,
-                       user_message)
+from .handlers import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, NO_LORA, GenerateInputs, UIHandlers, user_message
+from .uploads import check_upload
 
 log = logging.getLogger(__name__)
 
