@@ -116,21 +116,10 @@ def sub_path(out: str | Path) -> Path:
     return out.with_name(f"{out.stem}_sub{out.suffix}")
 
 
-def side_by_side(images):
-    """Concatenate PIL images horizontally (same height)."""
-    from PIL import Image
-
-    out = Image.new("RGB", (sum(i.width for i in images), max(i.height for i in images)), "white")
-    x = 0
-    for image in images:
-        out.paste(image, (x, 0))
-        x += image.width
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     images, mask, loras = load_inputs(args)  # before any heavy import or model load
 
+    from ..data.images import side_by_side
     from ..inference import EditRequest, Editor
     from ..utils.atomic import atomic_path
 

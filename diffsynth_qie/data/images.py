@@ -31,6 +31,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -246,6 +247,23 @@ def resize_to(img: Image.Image, size: tuple[int, int]) -> Image.Image:
         raise ValueError(f"resize_to expects an RGB image or an L mask, got mode {img.mode!r}; "
                          "load it with load_rgb() or load_mask() first")
     return img if img.size == size else img.resize(size, Image.LANCZOS)
+
+
+def side_by_side(panels: Sequence[Image.Image], height: int | None = None) -> Image.Image:
+    """Panels left to right, each scaled to ``height`` (default: the last panel's, the model
+    output) keeping its aspect ratio; panels already that high are pasted unchanged."""
+    if not panels:
+        raise ValueError("side_by_side needs at least one image")
+    height = int(height or panels[-1].height)
+    scaled = [p if p.height == height else
+              p.resize((max(1, round(p.width * height / p.height)), height), Image.Resampling.BICUBIC)
+              for p in panels]
+    strip = Image.new("RGB", (sum(p.width for p in scaled), height), (255, 255, 255))
+    x = 0
+    for p in scaled:
+        strip.paste(p.convert("RGB"), (x, 0))
+        x += p.width
+    return strip
 
 
 def image_bytes_hash(path: str | os.PathLike) -> str:
