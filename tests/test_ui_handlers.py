@@ -187,7 +187,7 @@ def test_upload_guard_turns_gradio_decoding_failures_into_our_message(tmp_path):
     from diffsynth_qie.ui.app import guard_uploads
 
     handlers = UIHandlers(UIConfig(lora_dir=str(tmp_path)), editor_factory=lambda: None)
-    editor = gr.ImageEditor(type="filepath", image_mode="RGBA")
+    editor = gr.ImageEditor(type="filepath", image_mode="RGBA", format="png")  # as in ui/app.py
     guard_uploads(editor, handlers)
     junk = tmp_path / "notes.png"
     junk.write_text("not an image")
@@ -199,6 +199,13 @@ def test_upload_guard_turns_gradio_decoding_failures_into_our_message(tmp_path):
     payload = editor.data_model(background=FileData(path=str(bomb)), layers=[], composite=None)
     with pytest.raises(gr.Error, match="12000x12000"):
         editor.preprocess(payload)
+    # a 16-bit PNG reaches the handler scaled, not clipped to white by gradio's own conversion
+    vals = np.tile(np.array([0, 257 * 60, 257 * 128, 65535], np.uint16), (16, 4))
+    Image.fromarray(vals).save(tmp_path / "g16.png")
+    payload = editor.data_model(background=FileData(path=str(tmp_path / "g16.png")), layers=[], composite=None)
+    value = editor.preprocess(payload)
+    image = image_from_editor(value, max_bytes=2**20)
+    assert np.asarray(image)[0, :4, 0].tolist() == [0, 60, 128, 255]
 
 
 def test_temp_files_are_bounded_oldest_first(tmp_path):

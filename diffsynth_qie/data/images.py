@@ -40,6 +40,8 @@ from PIL import Image, ImageOps
 MASK_THRESHOLD = 128
 
 _SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
+#: Modes :func:`to_rgb` scales to 8 bit (PIL's own ``convert`` would clip them).
+HIGH_BIT_DEPTH_MODES = frozenset(_SIXTEEN_BIT_MODES | {"F"})
 
 #: Largest image (width x height) any loader decodes: 8192 x 8192 = 64 MP, about
 #: 200 MB as 8-bit RGB and more during conversion. Photos from 50 MP cameras fit;

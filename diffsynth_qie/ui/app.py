@@ -14,7 +14,7 @@ import gradio as gr
 
 from .config import UIConfig
 from .handlers import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, NO_LORA, GenerateInputs, UIHandlers, user_message
-from .uploads import check_upload
+from .uploads import check_upload, to_8bit_upload
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,9 @@ def guard_uploads(component: gr.components.Component, handlers: UIHandlers) -> N
 
     Gradio decodes an ImageEditor's files in its own ``preprocess``, before any handler
     runs: a non-image or a 12000x12000 PNG would fail (or fill memory) there and show a
-    bare "Error". The files are checked first (bytes, image header, pixel count) and any
-    failure becomes a ``gr.Error`` with the project's message.
+    bare "Error", and PIL's conversion there would clip a 16-bit PNG to white. The files
+    are checked first (bytes, image header, pixel count), 16-bit ones rewritten as 8-bit
+    by the project's loader, and any failure becomes a ``gr.Error`` with our message.
     """
     original = component.preprocess
     limit = handlers.config.max_upload_bytes
@@ -51,6 +52,7 @@ def guard_uploads(component: gr.components.Component, handlers: UIHandlers) -> N
         try:
             for what, path in _upload_paths(payload):
                 check_upload(path, limit, what)
+                to_8bit_upload(path)
             return original(payload)
         except Exception as exc:  # noqa: BLE001 - every failure gets a message, never a bare "Error"
             raise gr.Error(user_message(exc), duration=None, print_exception=False) from None

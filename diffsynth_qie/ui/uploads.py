@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from PIL import Image
 
-from ..data.images import ImageTooLarge, check_pixels, open_image, to_rgb
+from ..data.images import HIGH_BIT_DEPTH_MODES, ImageTooLarge, check_pixels, open_image, to_rgb
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,23 @@ def check_upload(item: Any, max_bytes: int, what: str = "image") -> None:
         check_pixels(*size, name)
     except ImageTooLarge as exc:
         raise UIError(str(exc)) from None
+
+
+def to_8bit_upload(path: str | os.PathLike) -> None:
+    """Rewrite a 16-bit or float image file as 8-bit RGB, in place, with the project's loader.
+
+    Gradio's ImageEditor converts its files with PIL's ``convert("RGBA")``, which clips
+    16-bit values to white; after this it sees the same 8-bit pixels as ``qie edit``.
+    """
+    with Image.open(path) as im:
+        mode = im.mode
+    if mode not in HIGH_BIT_DEPTH_MODES:
+        return
+    from ..utils.atomic import atomic_path
+
+    image = to_rgb(open_image(path))
+    with atomic_path(Path(path)) as tmp:
+        image.save(tmp, format="PNG")
 
 
 def prune_temp_files(root: str | os.PathLike, max_bytes: int, keep_seconds: float = 60.0) -> list[Path]:
