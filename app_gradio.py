@@ -48,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
 
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no phoning home
+    temp_dir = config.resolved_temp_dir
+    os.environ["GRADIO_TEMP_DIR"] = str(temp_dir)  # before gradio is imported: uploads and outputs go there
     from diffsynth_qie.ui.app import build_ui, launch
     from diffsynth_qie.ui.handlers import UIHandlers
+    from diffsynth_qie.ui.uploads import prune_temp_files
+
+    prune_temp_files(temp_dir, 0, keep_seconds=0)  # files left by an earlier run
 
     handlers = UIHandlers(config)
     if config.preload:

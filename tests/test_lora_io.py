@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 
 import pytest
@@ -385,6 +386,105 @@ def test_missing_path_is_named(tmp_path, dit):
         load_lora_state(missing)
     with pytest.raises(ValueError, match=str(missing)):
         LoraManager(dit).set_loras([(missing, 1.0)])
+
+
+# --- alpha from diffusers' lora_adapter_metadata ----------------------------------------
+def diffusers_file(path, pairs, config, prefix="transformer."):
+    """A LoRA as diffusers' ``save_lora_weights`` writes it: ``transformer.`` keys, no
+    ``.alpha`` tensors, the PEFT ``LoraConfig`` as JSON under ``lora_adapter_metadata``
+    (keys prefixed by the component for a pipeline, bare for a model's ``save_lora_adapter``)."""
+    sd = {}
+    for name, (a, b) in pairs.items():
+        sd[f"transformer.{name}.lora_A.weight"] = a
+        sd[f"transformer.{name}.lora_B.weight"] = b
+    packed = {f"{prefix}{k}": v for k, v in config.items()}
+    save_file(sd, str(path), metadata={"format": "pt",
+                                        "lora_adapter_metadata": json.dumps(packed, indent=2, sort_keys=True)})
+    return path
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", ""])
+def test_diffusers_metadata_alpha_and_patterns_are_applied(tmp_path, dit, prefix):
+    base = snapshot(dit)
+    pairs = random_pairs(dit, seed=11)
+    pairs["img_in"] = (pairs["img_in"][0][:2].clone(), pairs["img_in"][1][:, :2].clone())  # rank 2
+    config = {"r": RANK, "lora_alpha": 16, "alpha_pattern": {"to_q": 2, "proj_out": 12},
+              "rank_pattern": {"img_in": 2}, "target_modules": sorted({n.split(".")[-1] for n in TARGETS}),
+              "use_dora": False, "use_rslora": False, "lora_dropout": 0.0}
+    path = diffusers_file(tmp_path / "pytorch_lora_weights.safetensors", pairs, config, prefix)
+    apply_lora(dit, load_lora_state(path))
+    alpha = {n: 2 if n.endswith("to_q") else 12 if n == "proj_out" else 16 for n in pairs}
+    want = {f"{n}.weight": alpha[n] / a.shape[0] * (b.double() @ a.double()).float() for n, (a, b) in pairs.items()}
+    assert_deltas(changes(dit, base), want)
+
+
+def test_diffusers_metadata_rank_mismatch_is_named(tmp_path, dit):
+    pairs = random_pairs(dit, targets=TARGETS[:1])
+    path = diffusers_file(tmp_path / "l.safetensors", pairs, {"r": 8, "lora_alpha": 8})
+    with pytest.raises(ValueError, match=r"rank 8 .*to_q.*rank 4"):
+        load_lora_state(path)
+
+
+def test_export_does_not_copy_adapter_metadata(tmp_path, dit):
+    """The diffusers export folds alpha into lora_A: a copied lora_adapter_metadata would
+    make diffusers apply alpha a second time."""
+    pairs = random_pairs(dit, targets=TARGETS[:2])
+    src = diffusers_file(tmp_path / "src.safetensors", pairs, {"r": RANK, "lora_alpha": 8})
+    out = export_lora(src, tmp_path / "out.safetensors", "diffusers")
+    with safe_open(str(out), "pt") as f:
+        assert "lora_adapter_metadata" not in (f.metadata() or {})
+    for name, (a, b) in pairs.items():
+        got = read(out)
+        torch.testing.assert_close(got[f"transformer.{name}.lora_B.weight"] @ got[f"transformer.{name}.lora_A.weight"],
+                                   8 / RANK * b @ a, **TOL)
+
+
+# --- poisoned files are refused --------------------------------------------------------
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf"), 1e6])
+def test_poisoned_lora_is_refused_naming_file_and_key(tmp_path, dit, poison):
+    base = snapshot(dit)
+    sd = canonical(random_pairs(dit, targets=TARGETS[:2]))
+    key = f"{TARGETS[1]}.lora_B.weight"
+    sd[key][3, 1] = poison
+    path = tmp_path / "poisoned.safetensors"
+    save_file(sd, str(path))
+    with pytest.raises(ValueError) as info:
+        load_lora_state(path)
+    assert str(path) in str(info.value) and key in str(info.value)
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        LoraManager(dit).set_loras([(path, 1.0)])
+    assert changes(dit, base) == {}
+
+
+def test_absurd_delta_is_refused(tmp_path, dit):
+    """Values each below the per-value limit whose product dwarfs the weight."""
+    base = snapshot(dit)
+    pairs = {n: (a.sign() * 1e3, b.sign() * 1e3) for n, (a, b) in random_pairs(dit, targets=TARGETS[:1]).items()}
+    path = save_lora(tmp_path / "huge.safetensors", canonical(pairs))
+    with pytest.raises(ValueError, match=rf"huge\.safetensors.*{TARGETS[0]}.*norm"):
+        apply_lora(dit, load_lora_state(path))
+    assert changes(dit, base) == {}
+    # a huge alpha: the same check
+    path = tmp_path / "alpha.safetensors"
+    save_file(canonical(random_pairs(dit, targets=TARGETS[:1]), alpha=1e9), str(path))
+    with pytest.raises(ValueError, match=rf"{TARGETS[0]}.*alpha"):
+        apply_lora(dit, load_lora_state(path))
+    assert changes(dit, base) == {}
+
+
+def test_empty_alpha_and_rank_zero_are_clear_errors(tmp_path, dit):
+    sd = canonical(random_pairs(dit, targets=TARGETS[:1]))
+    sd[f"{TARGETS[0]}.alpha"] = torch.zeros(0)
+    save_file(sd, str(tmp_path / "empty_alpha.safetensors"))
+    with pytest.raises(ValueError, match=rf"empty_alpha.*{TARGETS[0]}\.alpha.*one number"):
+        load_lora_state(tmp_path / "empty_alpha.safetensors")
+
+    name = TARGETS[0]
+    sd = {f"{name}.lora_A.weight": torch.zeros(0, 64), f"{name}.lora_B.weight": torch.zeros(64, 0),
+          f"{name}.alpha": torch.tensor(4.0)}
+    save_file(sd, str(tmp_path / "rank0.safetensors"))
+    with pytest.raises(ValueError, match=rf"rank0.*rank-0.*{name}"):
+        load_lora_state(tmp_path / "rank0.safetensors")
 
 
 # --- switching without reloading the base model --------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +12,10 @@ import torch
 from PIL import Image
 
 from diffsynth_qie.ui.config import UIConfig
-from diffsynth_qie.ui.handlers import (MODE_LBM, NO_LORA, GenerateInputs, UIError, UIHandlers, check_upload_size,
-                                       image_from_editor, list_loras, mask_from_editor, resolve_lora, user_message)
+from diffsynth_qie.ui.handlers import (MODE_LBM, NO_LORA, GenerateInputs, UIError, UIHandlers, list_loras,
+                                       resolve_lora, user_message)
+from diffsynth_qie.ui.uploads import (check_upload_size, image_from_editor, mask_from_editor, prune_temp_files,
+                                      reference_images)
 
 W, H = 96, 64  # multiples of 16: the editor keeps the size of such an image
 
@@ -140,6 +143,97 @@ def test_generate_refuses_oversized_upload_before_loading_the_model(tmp_path):
         handlers.generate(GenerateInputs(editor={"background": str(small), "layers": []}, prompt="x",
                                          references=[(str(ref), None)]))
     assert handlers.load_count == 0
+
+
+# --- one image loader, uploads that cost resources, temp files -------------------------------
+def test_16bit_png_upload_is_scaled_not_white(tmp_path):
+    """The UI decodes files like the cache and `qie edit` (data.images): 16-bit is scaled to 8 bit."""
+    vals = np.tile(np.array([0, 257 * 60, 257 * 128, 65535], np.uint16), (16, 4))  # 16 x 16
+    path = tmp_path / "g16.png"
+    Image.fromarray(vals).save(path)
+    assert Image.open(path).mode in ("I;16", "I")
+    want = [0, 60, 128, 255]
+    image = image_from_editor({"background": str(path), "layers": []}, max_bytes=2**20)
+    assert image.mode == "RGB" and np.asarray(image)[0, :4, 0].tolist() == want
+    (ref,) = reference_images([(str(path), None)], max_bytes=2**20)
+    assert np.asarray(ref)[0, :4, 1].tolist() == want
+    # the same pixels as the cache's loader
+    from diffsynth_qie.data.images import load_rgb
+    assert np.array_equal(np.asarray(image), np.asarray(load_rgb(path)))
+
+
+def test_non_image_and_huge_uploads_get_our_messages(tmp_path):
+    from tests.test_input_limits import png_header_only
+
+    junk = tmp_path / "notes.png"
+    junk.write_text("not an image")
+    with pytest.raises(UIError, match="uploaded image is not a readable image; upload a PNG"):
+        image_from_editor({"background": str(junk), "layers": []}, max_bytes=2**20)
+    with pytest.raises(UIError, match="uploaded reference image 1 is not a readable image"):
+        reference_images([str(junk)], max_bytes=2**20)
+    bomb = png_header_only(tmp_path / "bomb.png", 12000, 12000)
+    with pytest.raises(UIError, match=r"uploaded image is 12000x12000 = 144\.0 MP, more than the limit"):
+        image_from_editor({"background": str(bomb), "layers": []}, max_bytes=2**20)
+    with pytest.raises(UIError, match="uploaded image is 12000x12000"):  # without a byte limit too
+        image_from_editor({"background": str(bomb), "layers": []})
+    with pytest.raises(UIError, match="mask layer 1 is 12000x12000"):
+        mask_from_editor({"background": None, "layers": [str(bomb)]}, max_bytes=2**20)
+
+
+def test_upload_guard_turns_gradio_decoding_failures_into_our_message(tmp_path):
+    gr = pytest.importorskip("gradio")
+    from gradio.data_classes import FileData
+
+    from diffsynth_qie.ui.app import guard_uploads
+
+    handlers = UIHandlers(UIConfig(lora_dir=str(tmp_path)), editor_factory=lambda: None)
+    editor = gr.ImageEditor(type="filepath", image_mode="RGBA", format="png")  # as in ui/app.py
+    guard_uploads(editor, handlers)
+    junk = tmp_path / "notes.png"
+    junk.write_text("not an image")
+    payload = editor.data_model(background=FileData(path=str(junk)), layers=[], composite=None)
+    with pytest.raises(gr.Error, match="uploaded image is not a readable image"):
+        editor.preprocess(payload)
+    from tests.test_input_limits import png_header_only
+    bomb = png_header_only(tmp_path / "bomb.png", 12000, 12000)
+    payload = editor.data_model(background=FileData(path=str(bomb)), layers=[], composite=None)
+    with pytest.raises(gr.Error, match="12000x12000"):
+        editor.preprocess(payload)
+    # a 16-bit PNG reaches the handler scaled, not clipped to white by gradio's own conversion
+    vals = np.tile(np.array([0, 257 * 60, 257 * 128, 65535], np.uint16), (16, 4))
+    Image.fromarray(vals).save(tmp_path / "g16.png")
+    payload = editor.data_model(background=FileData(path=str(tmp_path / "g16.png")), layers=[], composite=None)
+    value = editor.preprocess(payload)
+    image = image_from_editor(value, max_bytes=2**20)
+    assert np.asarray(image)[0, :4, 0].tolist() == [0, 60, 128, 255]
+
+
+def test_temp_files_are_bounded_oldest_first(tmp_path):
+    root = tmp_path / "ui-temp"
+    (root / "a").mkdir(parents=True)
+    now = time.time()
+    files = []
+    for i in range(6):  # 6 x 1000 bytes, the oldest first
+        path = root / ("a" if i % 2 else "") / f"f{i}.png"
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (now - 1000 + i, now - 1000 + i))
+        files.append(path)
+    recent = root / "in_flight.png"
+    recent.write_bytes(b"x" * 1000)
+    removed = prune_temp_files(root, max_bytes=3500)
+    assert removed == files[:4]  # 7000 bytes -> 3000: the four oldest go
+    assert [p.exists() for p in files] == [False] * 4 + [True] * 2 and recent.exists()
+    assert prune_temp_files(root, max_bytes=0) == files[4:]  # files younger than a minute stay
+    assert recent.exists()
+    assert prune_temp_files(root, max_bytes=0, keep_seconds=0) == [recent]
+    assert prune_temp_files(tmp_path / "absent", 0) == []
+
+
+def test_ui_temp_dir_is_its_own_subfolder(tmp_path):
+    config = UIConfig(temp_dir=str(tmp_path), port=8123, max_temp_mb=2)
+    assert config.resolved_temp_dir == tmp_path / "diffsynth-qie-ui-8123" and config.max_temp_bytes == 2 * 2**20
+    with pytest.raises(ValueError, match="--max_temp_mb"):
+        UIConfig(max_temp_mb=0)
 
 
 # --- LoRA picker ---------------------------------------------------------------------------
@@ -296,6 +390,11 @@ def test_generate_errors_are_user_messages(ui):
     msg = user_message(info.value)
     assert "not_a_module" in msg and "Traceback" not in msg
     assert ui.load_count == 1
+
+
+def test_generate_refuses_long_prompt(ui):
+    with pytest.raises(ValueError, match=r"tokens .*limit of 1024.*--max_prompt_tokens"):
+        ui.generate(_inputs(prompt="make it blue " * 2000))
 
 
 def test_background_load_loads_once_and_reports_status():

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from ..data.formats import DatasetConfig, FieldNames
+from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
 
 
 @dataclass
@@ -31,6 +32,8 @@ class CacheConfig:
     num_workers: int = field(default=4, metadata={"help": "threads decoding and resizing images ahead of the encoders"})
     check_images: bool = field(default=True, metadata={
         "help": "fully decode every image while validating rows (catches truncated files before encoding)"})
+    max_prompt_tokens: int = field(default=DEFAULT_MAX_PROMPT_TOKENS, metadata={
+        "help": "rows with a longer prompt (in tokens) are skipped and listed in skipped.jsonl"})
     lock_timeout: float = field(default=0.0, metadata={
         "help": "seconds to wait for another `qie cache` run on the same --cache_dir to finish (0: exit at once)"})
     # Filled from their own flag groups by commands/cache.py (shared with `qie train`).

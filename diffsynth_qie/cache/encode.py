@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from ..data.images import fit_to_budget, load_mask, load_rgb, resize_to
+from ..data.images import fit_image, load_mask, load_rgb, resize_to
 from ..data.rows import EditRow
 from . import store
 from .config import CacheConfig
@@ -46,8 +46,8 @@ class _Prepared:
     ref_gt: Any  # PIL.Image or None
 
 
-def _fit(img, max_pixels: int, divisor: int):
-    return resize_to(img, fit_to_budget(img.width, img.height, max_pixels, divisor))
+def _fit(img, max_pixels: int, divisor: int, path):
+    return resize_to(img, fit_image(img.size, max_pixels, divisor, f"image {path}"))
 
 
 def prepare_row(row: EditRow, config: CacheConfig) -> _Prepared:
@@ -56,9 +56,9 @@ def prepare_row(row: EditRow, config: CacheConfig) -> _Prepared:
     import torch
     import torch.nn.functional as F
 
-    target = _fit(load_rgb(row.target), config.max_pixels, config.divisor)
+    target = _fit(load_rgb(row.target), config.max_pixels, config.divisor, row.target)
     originals = [load_rgb(p) for p in row.edit_images]
-    edits = [_fit(im, config.resolved_edit_max_pixels(), config.divisor) for im in originals]
+    edits = [_fit(im, config.resolved_edit_max_pixels(), config.divisor, p) for im, p in zip(originals, row.edit_images)]
     lbm = None
     if originals:
         lbm = edits[0] if edits[0].size == target.size else resize_to(originals[0], target.size)
@@ -67,7 +67,7 @@ def prepare_row(row: EditRow, config: CacheConfig) -> _Prepared:
         m = resize_to(load_mask(row.back_mask), target.size)
         t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
         mask = F.avg_pool2d(t, VAE_DOWNSCALE)[0]
-    ref_gt = _fit(load_rgb(row.ref_gt), config.max_pixels, config.divisor) if row.ref_gt is not None else None
+    ref_gt = _fit(load_rgb(row.ref_gt), config.max_pixels, config.divisor, row.ref_gt) if row.ref_gt is not None else None
     return _Prepared(row, target, edits, lbm, mask, ref_gt)
 
 
@@ -135,7 +135,7 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool) -> CacheEntry:
     ref_gt = rest.pop(0) if prep.ref_gt is not None else None
 
     prompts = [p for p in row.prompts if p.strip()]
-    embs = [encode_prompt(pipe, p, prep.edits, multi_image=multi_image) for p in prompts]
+    embs = [encode_prompt(pipe, p, prep.edits, multi_image=multi_image, max_tokens=None) for p in prompts]
     empty = encode_prompt(pipe, "", prep.edits, multi_image=multi_image)
 
     def ones(emb):

@@ -168,6 +168,23 @@ def _rank_rows(config: CacheConfig, preset, rank: int, world_size: int) -> _Rank
                      n_total=len(mine) + len(parse_skipped))
 
 
+def _skip_long_prompts(share: _RankRows, pipe, max_tokens: int) -> None:
+    """Move rows with a prompt over ``max_tokens`` tokens from ``share.good`` to ``share.skipped``."""
+    from ..models.encoding import prompt_token_count
+
+    good = []
+    for row in share.good:
+        longest = max(prompt_token_count(pipe, p) for p in row.prompts)
+        if longest > max_tokens:
+            s = SkippedRow(row.row_id, "prompts", None,
+                           f"prompt of {longest} tokens, more than --max_prompt_tokens {max_tokens}")
+            log_skip(s)
+            share.skipped.append(s)
+        else:
+            good.append(row)
+    share.good = good
+
+
 def _encode_rows(pipe, config: CacheConfig, preset, todo: list[tuple[EditRow, str]], writer: ShardWriter,
                  show_progress: bool, on_entry: Callable[[EntryMeta], None] | None) -> None:
     """Decode (threads, ahead) and encode (this thread) each row, queueing entries into ``writer``."""
@@ -240,6 +257,7 @@ def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, final
 
     if pipe is None:
         pipe = _load_pipe(config, dist.device)
+    _skip_long_prompts(share, pipe, config.max_prompt_tokens)
     settings = cache_settings(config, preset, pipe)
     hasher = FileHasher()
     hashes = list(prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))

@@ -11,6 +11,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
+
 log = logging.getLogger(__name__)
 
 MODELS = ("edit", "2509", "2511", "tiny")
@@ -39,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="with --lora: also render without the LoRA (same seed) and write "
                          "[reference | without LoRA | with LoRA] side by side")
     io.add_argument("--negative_prompt", default="")
+    io.add_argument("--max_prompt_tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
+                    help="refuse prompts longer than this many tokens (Qwen-Image was trained on up to 512)")
     io.add_argument("--mask", default=None, metavar="PATH", help="white = region that may change")
     io.add_argument("--out", required=True, metavar="PNG", help="output image (LBM also writes <out>_sub.png)")
     s = parser.add_argument_group("sampling")
@@ -112,21 +116,10 @@ def sub_path(out: str | Path) -> Path:
     return out.with_name(f"{out.stem}_sub{out.suffix}")
 
 
-def side_by_side(images):
-    """Concatenate PIL images horizontally (same height)."""
-    from PIL import Image
-
-    out = Image.new("RGB", (sum(i.width for i in images), max(i.height for i in images)), "white")
-    x = 0
-    for image in images:
-        out.paste(image, (x, 0))
-        x += image.width
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     images, mask, loras = load_inputs(args)  # before any heavy import or model load
 
+    from ..data.images import side_by_side
     from ..inference import EditRequest, Editor
     from ..utils.atomic import atomic_path
 
@@ -139,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         images=images, prompt=args.prompt, negative_prompt=args.negative_prompt, mask=mask, steps=args.steps,
         cfg=args.cfg, seed=args.seed, height=args.height, width=args.width, max_pixels=args.max_pixels,
         mask_blend=args.mask_blend, mask_feather=args.mask_feather, lbm_steps=args.lbm_steps,
-        lbm_noise=args.lbm_noise,
+        lbm_noise=args.lbm_noise, max_prompt_tokens=args.max_prompt_tokens,
     )
     result = editor.edit(request)
     outputs = [(Path(args.out), result.image)]

@@ -12,6 +12,14 @@ inference inputs drift apart. So decoding rules live in one place:
 - Truncated files are an error: ``Image.LOAD_TRUNCATED_IMAGES`` is never set,
   and every image is fully decoded with ``.load()`` so a half-downloaded JPEG is
   reported instead of silently training on grey stripes.
+- Size limits are checked from the header, *before* decoding: a 17 KB PNG can
+  declare 12000x12000 pixels and cost gigabytes once decoded. Images above
+  :data:`MAX_IMAGE_PIXELS` are refused; images with a side below the resize
+  divisor are refused where they are fitted (:func:`fit_image`) instead of being
+  silently enlarged.
+
+The cache, ``qie edit`` and the web UI all load images through :func:`open_image`
+/ :func:`load_rgb` / :func:`load_mask` and convert with :func:`to_rgb`.
 
 Masks: white (>= 128 after conversion to 8-bit gray) marks the *edit region*;
 everything else is kept. Masks are binarised to exactly {0, 255}.
@@ -21,7 +29,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import warnings
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -30,25 +40,55 @@ from PIL import Image, ImageOps
 MASK_THRESHOLD = 128
 
 _SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
+#: Modes :func:`to_rgb` scales to 8 bit (PIL's own ``convert`` would clip them).
+HIGH_BIT_DEPTH_MODES = frozenset(_SIXTEEN_BIT_MODES | {"F"})
+
+#: Largest image (width x height) any loader decodes: 8192 x 8192 = 64 MP, about
+#: 200 MB as 8-bit RGB and more during conversion. Photos from 50 MP cameras fit;
+#: larger files must be downscaled before use (training resizes to ~1 MP anyway).
+MAX_IMAGE_PIXELS = 8192 * 8192
 
 
-def _open_fully(path: str | os.PathLike) -> Image.Image:
-    """Open and fully decode ``path`` with EXIF orientation applied.
+class ImageTooLarge(ValueError):
+    """An image with more pixels than allowed (refused before decoding)."""
 
+
+def check_pixels(width: int, height: int, name: str, max_pixels: int | None = None) -> None:
+    """Refuse an image of ``width`` x ``height`` above ``max_pixels`` (default :data:`MAX_IMAGE_PIXELS`).
+
+    ``name`` says which image, e.g. ``"image a.png"`` or ``"the uploaded image"``.
+    """
+    limit = MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    if width * height > limit:
+        raise ImageTooLarge(f"{name} is {width}x{height} = {width * height / 1e6:.1f} MP, more than the "
+                            f"limit of {limit / 1e6:.1f} MP; downscale it before use")
+
+
+def open_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.Image:
+    """Open and fully decode ``path`` with EXIF orientation applied, in its own mode.
+
+    The pixel count is checked from the header before anything is decoded.
     Raises FileNotFoundError for a missing file and ValueError (naming the path)
-    for anything PIL cannot decode completely. Decoding errors come from many
-    layers (OSError for truncation, SyntaxError for broken headers, zlib/struct
-    errors for corrupt PNG chunks), so this boundary catches them all and turns
-    them into one user-facing error type.
+    for an image too large or anything PIL cannot decode completely. Decoding
+    errors come from many layers (OSError for truncation, SyntaxError for broken
+    headers, zlib/struct errors for corrupt PNG chunks), so this boundary catches
+    them all and turns them into one user-facing error type.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"image file not found: {path}")
     try:
-        with Image.open(path) as im:
-            im.load()  # full decode: raises on truncated data
-            im = ImageOps.exif_transpose(im)
-            im.load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit applies
+            with Image.open(path) as im:
+                check_pixels(*im.size, f"image {path}", max_pixels)  # header only: nothing decoded yet
+                im.load()  # full decode: raises on truncated data
+                im = ImageOps.exif_transpose(im)
+                im.load()
+    except Image.DecompressionBombError as e:  # beyond PIL's own hard limit, refused in Image.open
+        raise ImageTooLarge(f"image {path} has too many pixels ({e}); downscale it before use") from e
+    except ValueError:
+        raise
     except Exception as e:  # noqa: BLE001 - corrupt input may fail anywhere in PIL
         raise ValueError(f"cannot read image {path}: {type(e).__name__}: {e}. "
                          "Re-export or re-download the file, or remove the row.") from e
@@ -93,7 +133,7 @@ def to_rgb(im: Image.Image) -> Image.Image:
 
 def load_rgb(path: str | os.PathLike) -> Image.Image:
     """Load ``path`` as an 8-bit RGB image (EXIF-rotated, alpha on white)."""
-    im = _open_fully(path)
+    im = open_image(path)
     try:
         return to_rgb(im)
     except ValueError as e:
@@ -129,7 +169,7 @@ def to_mask(im: Image.Image) -> Image.Image:
 
 def load_mask(path: str | os.PathLike) -> Image.Image:
     """Load ``path`` as a binary mode-"L" mask: 255 = edit region, 0 = keep."""
-    im = _open_fully(path)
+    im = open_image(path)
     try:
         return to_mask(im)
     except ValueError as e:
@@ -170,6 +210,16 @@ def fit_to_budget(width: int, height: int, max_pixels: int, divisor: int = 16,
     return w2, h2
 
 
+def fit_image(size: tuple[int, int], max_pixels: int, divisor: int = 16, source: str = "image") -> tuple[int, int]:
+    """:func:`fit_to_budget` for a real image: refuses (``ValueError``) a side shorter than
+    ``divisor`` pixels, which could only be met by enlarging the image."""
+    width, height = size
+    if width < divisor or height < divisor:
+        raise ValueError(f"{source} is {width}x{height} pixels; images need at least {divisor} pixels per side "
+                         "(they are never enlarged). Use a larger image.")
+    return fit_to_budget(width, height, max_pixels, divisor)
+
+
 def resize_mask(mask: Image.Image, size: tuple[int, int], *, threshold: bool = True) -> Image.Image:
     """Resize an "L" mask to ``size`` = (w, h).
 
@@ -199,6 +249,23 @@ def resize_to(img: Image.Image, size: tuple[int, int]) -> Image.Image:
         raise ValueError(f"resize_to expects an RGB image or an L mask, got mode {img.mode!r}; "
                          "load it with load_rgb() or load_mask() first")
     return img if img.size == size else img.resize(size, Image.LANCZOS)
+
+
+def side_by_side(panels: Sequence[Image.Image], height: int | None = None) -> Image.Image:
+    """Panels left to right, each scaled to ``height`` (default: the last panel's, the model
+    output) keeping its aspect ratio; panels already that high are pasted unchanged."""
+    if not panels:
+        raise ValueError("side_by_side needs at least one image")
+    height = int(height or panels[-1].height)
+    scaled = [p if p.height == height else
+              p.resize((max(1, round(p.width * height / p.height)), height), Image.Resampling.BICUBIC)
+              for p in panels]
+    strip = Image.new("RGB", (sum(p.width for p in scaled), height), (255, 255, 255))
+    x = 0
+    for p in scaled:
+        strip.paste(p.convert("RGB"), (x, 0))
+        x += p.width
+    return strip
 
 
 def image_bytes_hash(path: str | os.PathLike) -> str:

@@ -40,8 +40,9 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
+from ..utils.config_cli import cli_help as _help
 from .buckets import (BUCKET_POLICIES, BucketPolicy, SampleInfo, batch_cost, build_batches, even_out, info_lookup,
                       padding_fraction)
 from .weighting import (Mix, expected_mix, parse_dataset_weights, parse_src_img_num_weights, realised_mix,
@@ -51,10 +52,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SamplingConfig", "BucketBatchSampler", "SampleInfo", "sample_infos_from_store", "padding_fraction",
            "realised_mix", "expected_mix", "Mix", "parse_dataset_weights", "parse_src_img_num_weights"]
-
-
-def _help(text: str, **extra: Any) -> dict:
-    return {"help": text, **extra}
 
 
 @dataclass

@@ -40,8 +40,9 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 from PIL import Image
 
-from ..data.images import fit_to_budget, resize_to, to_rgb
-from ..models.encoding import decode_latents, encode_image, encode_prompt, white_latents
+from ..data.images import check_pixels, fit_image, resize_to, to_rgb
+from ..models.encoding import (DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, decode_latents, encode_image,
+                               encode_prompt, white_latents)
 from .masking import LatentMaskBlend, blend_pixels, check_strength, latent_keep_weight
 from ..models.sampling import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
 
@@ -74,6 +75,7 @@ class EditRequest:
     lbm_steps: Optional[int] = None          # None = flow matching; N >= 1 = LBM bridge sampling
     lbm_noise: float = 0.005                 # LBM bridge noise s
     lbm_cfg: float = 1.0                     # CFG for LBM (off by default)
+    max_prompt_tokens: Optional[int] = DEFAULT_MAX_PROMPT_TOKENS  # longer prompts are refused; None = no limit
     progress: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
 
 
@@ -141,7 +143,7 @@ def output_size(request: EditRequest, first: Image.Image) -> tuple[int, int]:
         raise ValueError(f"give both height and width or neither (got height={request.height}, "
                          f"width={request.width})")
     if request.height is None:
-        return fit_to_budget(*first.size, request.max_pixels, 16)
+        return fit_image(first.size, request.max_pixels, 16, "the first reference image")
     for name, value in (("height", request.height), ("width", request.width)):
         if value < 16 or value % 16:
             raise ValueError(f"{name}={value} must be a positive multiple of 16 (e.g. {max(16, value // 16 * 16)})")
@@ -151,7 +153,7 @@ def output_size(request: EditRequest, first: Image.Image) -> tuple[int, int]:
 def reference_size(image: Image.Image, ref_max_pixels: int | None) -> tuple[int, int]:
     """A reference image's encoding size: fitted to the budget (downscale only), multiple of 16."""
     budget = ref_max_pixels if ref_max_pixels is not None else image.size[0] * image.size[1]
-    return fit_to_budget(*image.size, max(budget, 256), 16)
+    return fit_image(image.size, max(budget, 256), 16, "a reference image")
 
 
 def _check_request(request: EditRequest) -> None:
@@ -160,6 +162,7 @@ def _check_request(request: EditRequest) -> None:
     for i, im in enumerate(request.images):
         if not isinstance(im, Image.Image):
             raise ValueError(f"images[{i}] is a {type(im).__name__}, not a PIL image; load it with data.images.load_rgb")
+        check_pixels(*im.size, f"images[{i}]")
     if request.lbm_steps is None and request.steps < 1:
         raise ValueError(f"steps must be >= 1, got {request.steps}")
     if request.lbm_steps is not None and (int(request.lbm_steps) != request.lbm_steps or request.lbm_steps < 1):
@@ -238,7 +241,7 @@ class Editor:
         bit-exactly first, without reloading the model. Returns the load reports.
         """
         if self._loras is None:
-            from ..models.lora_io import LoraManager
+            from ..models.lora_manager import LoraManager
 
             self._loras = LoraManager(self.pipe.dit)
         return self._loras.set_loras([(str(p), float(s)) for p, s in loras])
@@ -268,9 +271,9 @@ class Editor:
         with self._running("vae"):
             return [encode_image(self.pipe, im) for im in images]
 
-    def _encode_prompt(self, prompt: str, refs: Sequence[Image.Image]) -> Tensor:
+    def _encode_prompt(self, prompt: str, refs: Sequence[Image.Image], max_tokens: int | None) -> Tensor:
         with self._running("text_encoder"):
-            return encode_prompt(self.pipe, prompt, refs, multi_image=self.multi_image_prompt)
+            return encode_prompt(self.pipe, prompt, refs, multi_image=self.multi_image_prompt, max_tokens=max_tokens)
 
     def _white(self, width: int, height: int) -> Tensor:
         """LBM's sub-stream prior: VAE latents of a pure white image at the output size."""
@@ -287,14 +290,17 @@ class Editor:
         """Run one edit: flow matching (``lbm_steps=None``) or LBM bridge sampling."""
         start = time.perf_counter()
         _check_request(request)
+        for prompt in (request.prompt, request.negative_prompt):  # before any encoder runs
+            check_prompt_length(self.pipe, prompt, request.max_prompt_tokens)
         images = [to_rgb(im) for im in request.images]
         width, height = output_size(request, images[0])
         refs = [resize_to(im, reference_size(im, request.ref_max_pixels)) for im in images]
         lbm = request.lbm_steps is not None
         cfg = request.lbm_cfg if lbm else request.cfg
 
-        prompt_emb = self._encode_prompt(request.prompt, refs)
-        negative_emb = self._encode_prompt(request.negative_prompt, refs) if uses_cfg(cfg) else None
+        prompt_emb = self._encode_prompt(request.prompt, refs, request.max_prompt_tokens)
+        negative_emb = (self._encode_prompt(request.negative_prompt, refs, request.max_prompt_tokens)
+                        if uses_cfg(cfg) else None)
         edit_latents = self._encode_images(refs)
         need_source = lbm or (request.mask is not None and request.mask_blend > 0)
         z_src = None

@@ -11,7 +11,26 @@ from typing import Sequence
 import torch
 from PIL import Image
 
+from .presets import DEFAULT_MAX_PROMPT_TOKENS
+
 Tensor = torch.Tensor
+
+
+def prompt_token_count(pipe, prompt: str) -> int:
+    """Tokens of ``prompt`` alone (the template and image tokens not counted)."""
+    if getattr(pipe, "tokenizer", None) is None:
+        raise ValueError("the pipeline has no tokenizer loaded; load it with components including 'text_encoder'")
+    return len(pipe.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def check_prompt_length(pipe, prompt: str, max_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS) -> int:
+    """The prompt's token count; ``ValueError`` when it exceeds ``max_tokens`` (None: no limit)."""
+    n = prompt_token_count(pipe, prompt)
+    if max_tokens is not None and n > max_tokens:
+        shown = prompt[:60] + ("..." if len(prompt) > 60 else "")
+        raise ValueError(f"prompt {shown!r} has {n} tokens ({len(prompt)} characters), more than the limit of "
+                         f"{max_tokens}; shorten it or raise --max_prompt_tokens")
+    return n
 
 
 def _prompt_unit():
@@ -21,8 +40,11 @@ def _prompt_unit():
 
 
 @torch.no_grad()
-def encode_prompt(pipe, prompt: str, edit_images: Sequence[Image.Image] = (), multi_image: bool = True) -> Tensor:
+def encode_prompt(pipe, prompt: str, edit_images: Sequence[Image.Image] = (), multi_image: bool = True,
+                  max_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS) -> Tensor:
     """Prompt embedding ``[L, D]`` (valid tokens only), encoded together with the reference images.
+
+    A prompt longer than ``max_tokens`` tokens raises ``ValueError`` before encoding.
 
     ``multi_image`` selects DiffSynth's "Picture N:" template (2509/2511); the original
     Qwen-Image-Edit encodes exactly one reference image with the single-image template.
@@ -30,6 +52,7 @@ def encode_prompt(pipe, prompt: str, edit_images: Sequence[Image.Image] = (), mu
     """
     if pipe.text_encoder is None:
         raise ValueError("the pipeline has no text encoder loaded; load it with components including 'text_encoder'")
+    check_prompt_length(pipe, prompt, max_tokens)
     edit_images = list(edit_images)
     if not multi_image and len(edit_images) > 1:
         raise ValueError(

@@ -27,6 +27,12 @@ DEFAULT_LORA_TARGETS: tuple[str, ...] = (
 # modules QwenImageDiT.img_in, .txt_in and .proj_out (top-level, so each matches once).
 LORA_TARGETS_2511: tuple[str, ...] = DEFAULT_LORA_TARGETS + ("img_in", "txt_in", "proj_out")
 
+# Longest prompt (tokens of the user's text, without the template) that is encoded.
+# Qwen-Image was trained on prompts of up to 512 tokens (DiffSynth warns beyond that);
+# 1024 leaves room for long edit instructions while refusing pasted documents, whose
+# tens of thousands of tokens make the cache and every training step that much slower.
+DEFAULT_MAX_PROMPT_TOKENS = 1024
+
 # The components a pipeline can be built from, in the order DiffSynth loads them.
 COMPONENTS: tuple[str, ...] = ("dit", "text_encoder", "vae", "tokenizer", "processor")
 

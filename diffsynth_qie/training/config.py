@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from ..data.sampling import SamplingConfig
+from ..utils.config_cli import cli_help as _help
 from .lbm import LBMConfig
 
 OptimizerName = Literal["adamw", "prodigy_sf"]
@@ -33,10 +34,6 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     # no weight decay unless asked, and gradient clipping would defeat its d-estimate.
     "prodigy_sf": {"learning_rate": 1.0, "weight_decay": 0.0, "betas": (0.9, 0.99), "max_grad_norm": 0.0},
 }
-
-
-def _help(text: str, **extra: Any) -> dict:
-    return {"help": text, **extra}
 
 
 @dataclass

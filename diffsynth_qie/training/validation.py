@@ -46,6 +46,7 @@ import torch
 from PIL import Image
 
 from ..cache.store import CacheEntry, CacheStore
+from ..data.images import side_by_side
 from ..utils.atomic import atomic_save
 
 log = logging.getLogger(__name__)
@@ -171,24 +172,6 @@ def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequenc
         for job, lat in zip(group, out):
             renders[job.name] = Render(job.name, job.entry, job.stream, job.target, lat)
     return [renders[j.name] for j in jobs]
-
-
-# --- images ----------------------------------------------------------------------------
-def side_by_side(panels: Sequence[Image.Image], height: Optional[int] = None) -> Image.Image:
-    """Panels left to right, each scaled to ``height`` (default: the last panel's, the model
-    output) keeping its aspect ratio; panels already that high are pasted unchanged."""
-    if not panels:
-        raise ValueError("side_by_side needs at least one image")
-    height = int(height or panels[-1].height)
-    scaled = [p if p.height == height else
-              p.resize((max(1, round(p.width * height / p.height)), height), Image.Resampling.BICUBIC)
-              for p in panels]
-    strip = Image.new("RGB", (sum(p.width for p in scaled), height), (255, 255, 255))
-    x = 0
-    for p in scaled:
-        strip.paste(p.convert("RGB"), (x, 0))
-        x += p.width
-    return strip
 
 
 class Validator:

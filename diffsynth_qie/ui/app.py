@@ -14,6 +14,7 @@ import gradio as gr
 
 from .config import UIConfig
 from .handlers import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, NO_LORA, GenerateInputs, UIHandlers, user_message
+from .uploads import check_upload, to_8bit_upload
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,42 @@ INTRO = """# Qwen-Image-Edit · mask edit
 Upload an image, **paint the region that may change** (painted = edit region, like a white
 pixel in `qie edit --mask`; nothing painted = the whole image may change), describe the edit,
 press **Generate**."""
+
+
+def _upload_paths(payload: Any) -> list[tuple[str, str]]:
+    """(what, path) of each uploaded file in an ImageEditor payload (background, layers)."""
+    out = []
+    background = getattr(payload, "background", None)
+    if getattr(background, "path", None):
+        out.append(("image", background.path))
+    for i, layer in enumerate(getattr(payload, "layers", None) or []):
+        if getattr(layer, "path", None):
+            out.append((f"mask layer {i + 1}", layer.path))
+    return out
+
+
+def guard_uploads(component: gr.components.Component, handlers: UIHandlers) -> None:
+    """Check ``component``'s uploads before gradio decodes them, and show our message on failure.
+
+    Gradio decodes an ImageEditor's files in its own ``preprocess``, before any handler
+    runs: a non-image or a 12000x12000 PNG would fail (or fill memory) there and show a
+    bare "Error", and PIL's conversion there would clip a 16-bit PNG to white. The files
+    are checked first (bytes, image header, pixel count), 16-bit ones rewritten as 8-bit
+    by the project's loader, and any failure becomes a ``gr.Error`` with our message.
+    """
+    original = component.preprocess
+    limit = handlers.config.max_upload_bytes
+
+    def preprocess(payload: Any) -> Any:
+        try:
+            for what, path in _upload_paths(payload):
+                check_upload(path, limit, what)
+                to_8bit_upload(path)
+            return original(payload)
+        except Exception as exc:  # noqa: BLE001 - every failure gets a message, never a bare "Error"
+            raise gr.Error(user_message(exc), duration=None, print_exception=False) from None
+
+    component.preprocess = preprocess
 
 
 def build_ui(handlers: UIHandlers) -> gr.Blocks:
@@ -39,6 +76,8 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 references = gr.Gallery(label="Extra reference images (optional)", type="filepath",
                                         interactive=True, columns=4, height=160, file_types=["image"],
                                         elem_id="references")
+                guard_uploads(editor, handlers)
+                guard_uploads(references, handlers)
                 prompt = gr.Textbox(label="Prompt", lines=2, placeholder="what should change", elem_id="prompt")
                 negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="negative-prompt")
             with gr.Column(scale=2):

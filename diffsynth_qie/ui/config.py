@@ -4,7 +4,11 @@ Pure data (no gradio, no torch), so ``python app_gradio.py --help`` stays fast.
 """
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
 
 
 @dataclass
@@ -27,6 +31,13 @@ class UIConfig:
     max_upload_mb: float = field(default=50.0, metadata={
         "help": "refuse (with a message) any image file larger than this many megabytes as it reaches "
                 "the server; the image editor sends its canvas as PNG, often larger than the file picked"})
+    max_prompt_tokens: int = field(default=DEFAULT_MAX_PROMPT_TOKENS, metadata={
+        "help": "refuse (with a message) prompts longer than this many tokens"})
+    temp_dir: str | None = field(default=None, metadata={
+        "help": "where the UI keeps its temporary files (uploads, outputs served for download): in its own "
+                "subfolder diffsynth-qie-ui-<port>, emptied at startup (default: the system's temp folder)"})
+    max_temp_mb: float = field(default=500.0, metadata={
+        "help": "keep the UI's temporary files under this many megabytes; the oldest are removed first"})
     device: str | None = field(default=None, metadata={
         "help": "torch device (default: cuda if available, else cpu)"})
     preload: bool = field(default=True, metadata={
@@ -41,6 +52,19 @@ class UIConfig:
             raise ValueError(f"--port {self.port} is not a TCP port; give 1..65535")
         if not self.max_upload_mb > 0:
             raise ValueError(f"--max_upload_mb {self.max_upload_mb} must be > 0")
+        if not self.max_temp_mb > 0:
+            raise ValueError(f"--max_temp_mb {self.max_temp_mb} must be > 0")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"--max_prompt_tokens {self.max_prompt_tokens} must be >= 1")
+
+    @property
+    def resolved_temp_dir(self) -> Path:
+        """The UI's own subfolder: startup and pruning never touch anything else."""
+        return Path(self.temp_dir or tempfile.gettempdir()) / f"diffsynth-qie-ui-{self.port}"
+
+    @property
+    def max_temp_bytes(self) -> int:
+        return int(self.max_temp_mb * 1024 * 1024)
 
     @property
     def max_upload_bytes(self) -> int:

@@ -32,12 +32,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from .config import UIConfig
+from .uploads import UIError, image_from_editor, mask_from_editor, prune_temp_files, reference_images
 
 if TYPE_CHECKING:  # heavy imports (torch, diffsynth) stay out of `app_gradio.py --help`
     from ..inference.editor import Editor, EditResult
@@ -53,149 +54,6 @@ LBM_MAX_STEPS = 4
 
 # progress(done, total, description)
 ProgressFn = Callable[[int, int, str], None]
-
-
-class UIError(ValueError):
-    """A problem the user can fix; its message is shown in the UI as is."""
-
-
-# --- images and masks ----------------------------------------------------------------
-def _file_of(item: Any) -> str | None:
-    """The file path behind a gradio value (path string, FileData-like dict), or None."""
-    if isinstance(item, (str, os.PathLike)):
-        return os.fspath(item)
-    if isinstance(item, Mapping) and isinstance(item.get("path"), str):
-        return item["path"]
-    return None
-
-
-def check_upload_size(item: Any, max_bytes: int, what: str = "image") -> None:
-    """Refuse a file-backed upload larger than ``max_bytes`` (in-memory images pass)."""
-    path = _file_of(item)
-    if path is None:
-        return
-    try:
-        size = os.path.getsize(path)
-    except OSError as exc:
-        raise UIError(f"the uploaded {what} could not be read ({exc.strerror}); upload it again") from None
-    if size > max_bytes:
-        raise UIError(f"the uploaded {what} is {size / 2**20:.3g} MB; the limit is "
-                      f"{max_bytes / 2**20:.3g} MB (--max_upload_mb) — upload a smaller file")
-
-
-def to_pil(item: Any, what: str = "image") -> Image.Image | None:
-    """A PIL image from any gradio image value (PIL, numpy, path, FileData dict, (media, caption))."""
-    if item is None:
-        return None
-    if isinstance(item, (tuple, list)) and len(item) == 2 and not isinstance(item, np.ndarray):
-        item = item[0]  # gr.Gallery gives (media, caption)
-    if isinstance(item, Image.Image):
-        return item
-    if isinstance(item, np.ndarray):
-        arr = item
-        if arr.dtype != np.uint8:
-            arr = np.clip(arr, 0, 255).astype(np.uint8)
-        return Image.fromarray(arr)
-    path = _file_of(item)
-    if path is None:
-        raise UIError(f"unsupported {what} value of type {type(item).__name__}; upload a PNG/JPEG/WebP file")
-    try:
-        with Image.open(path) as im:
-            im.load()
-            return im
-    except Image.DecompressionBombError:
-        raise UIError(f"the uploaded {what} has too many pixels; downscale it") from None
-    except (UnidentifiedImageError, OSError):
-        raise UIError(f"the uploaded {what} is not a readable image; upload a PNG/JPEG/WebP file") from None
-
-
-def flatten_rgb(image: Image.Image) -> Image.Image:
-    """RGB with transparent areas on white (what the model sees for a transparent upload)."""
-    if image.mode == "RGB":
-        return image
-    if "A" in image.getbands() or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-def painted_pixels(layer: Image.Image) -> np.ndarray:
-    """Boolean [H, W]: where a brush layer has paint.
-
-    With an alpha channel, painted = alpha > 0 (any opacity counts; the canvas writes
-    RGB 0 under alpha 0, so the colour says nothing). Without one (a layer converted
-    to RGB/L upstream) painted = any non-black pixel.
-    """
-    if "A" in layer.getbands():
-        return np.asarray(layer.getchannel("A")) > 0
-    arr = np.asarray(layer.convert("RGB"))
-    return arr.max(axis=-1) > 0
-
-
-def editor_parts(value: Any) -> tuple[Any, list[Any]]:
-    """(background, layers) of an ImageEditor value ``{"background", "layers", "composite"}``.
-
-    A bare image (API clients) is a background with no layers. Without a background
-    the composite stands in for it (gradio sends only a composite for pasted images).
-    """
-    if value is None:
-        return None, []
-    if isinstance(value, Mapping):
-        background = value.get("background")
-        if background is None:
-            background = value.get("composite")
-        return background, [x for x in (value.get("layers") or []) if x is not None]
-    return value, []
-
-
-def image_from_editor(value: Any, max_bytes: int | None = None) -> Image.Image:
-    """The image to edit (RGB) from the editor's value; UIError if none was uploaded."""
-    background, _ = editor_parts(value)
-    if background is None:
-        raise UIError("upload an image to edit first (drop it on the image editor)")
-    if max_bytes is not None:
-        check_upload_size(background, max_bytes, "image")
-    return flatten_rgb(to_pil(background))
-
-
-def mask_from_editor(value: Any, size: tuple[int, int] | None = None,
-                     max_bytes: int | None = None) -> Image.Image | None:
-    """The edit mask ("L", white = may change) from the editor's brush layers, or None.
-
-    All layers are united. Layers of another size than ``size`` (the image's, W×H)
-    are scaled to it with nearest-neighbour sampling so the mask stays binary.
-    Returns None when nothing is painted: then the whole image may change, as in
-    ``qie edit`` without ``--mask``.
-    """
-    _, layers = editor_parts(value)
-    union: np.ndarray | None = None
-    for i, item in enumerate(layers):
-        if max_bytes is not None:
-            check_upload_size(item, max_bytes, f"mask layer {i + 1}")
-        layer = to_pil(item, f"mask layer {i + 1}")
-        if size is not None and layer.size != tuple(size):
-            layer = layer.resize(tuple(size), Image.Resampling.NEAREST)
-        painted = painted_pixels(layer)
-        if union is None:
-            union = painted
-        elif union.shape != painted.shape:  # no target size given and layers disagree
-            raise UIError("the mask layers have different sizes; clear the mask and paint it again")
-        else:
-            union = union | painted
-    if union is None or not union.any():
-        return None
-    return Image.fromarray(union.astype(np.uint8) * 255, mode="L")
-
-
-def reference_images(items: Sequence[Any] | None, max_bytes: int | None = None) -> list[Image.Image]:
-    """Extra reference images (gallery value) as RGB images, each size-checked."""
-    out = []
-    for i, item in enumerate(items or []):
-        media = item[0] if isinstance(item, (tuple, list)) and len(item) == 2 else item
-        if max_bytes is not None:
-            check_upload_size(media, max_bytes, f"reference image {i + 1}")
-        out.append(flatten_rgb(to_pil(media, f"reference image {i + 1}")))
-    return out
 
 
 # --- LoRA picker -----------------------------------------------------------------------
@@ -469,8 +327,10 @@ class UIHandlers:
             result = editor.edit(EditRequest(
                 images=[image, *refs], prompt=prompt, negative_prompt=inputs.negative_prompt or "",
                 mask=mask, steps=steps, cfg=cfg, seed=seed, mask_blend=mask_blend,
-                lbm_steps=lbm_steps, progress=lambda step, n: report(step, n, "denoising")))
+                lbm_steps=lbm_steps, max_prompt_tokens=self.config.max_prompt_tokens,
+                progress=lambda step, n: report(step, n, "denoising")))
             seconds = time.perf_counter() - t0
+            prune_temp_files(self.config.resolved_temp_dir, self.config.max_temp_bytes)
         if lbm and result.sub_image is None:
             raise RuntimeError("the editor returned no sub-stream image in LBM mode")
 

@@ -18,6 +18,11 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 T = TypeVar("T")
 
 
+def cli_help(text: str, **extra: Any) -> dict:
+    """A config field's ``metadata``: ``field(default=..., metadata=cli_help("what it does"))``."""
+    return {"help": text, **extra}
+
+
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):

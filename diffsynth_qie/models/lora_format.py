@@ -1,0 +1,275 @@
+"""Reading LoRA files of every common key format into a :class:`LoraState`.
+
+Every key is either used or reported, and a damaged file (NaN/inf, absurd values,
+an empty ``.alpha``, rank-0 pairs) is refused with the file and key named.
+
+Formats read by :func:`load_lora_state`
+---------------------------------------
+``diffsynth_qie`` (ours), ``diffsynth`` (bare keys), ``peft`` (``.lora_A.default.``
+keys and/or a ``base_model.model.`` prefix), ``diffusers`` (``transformer.`` prefix),
+``comfyui`` (``diffusion_model.`` prefix, ``lora_A``/``lora_B`` or ``lora_down``/
+``lora_up``, ``.alpha``, and the ``.set_weight`` full-weight patches our ComfyUI
+export writes), ``kohya`` (kohya-ss / musubi-tuner: ``lora_unet_<module with
+underscores>.lora_down.weight`` / ``lora_up.weight`` / ``.alpha``; also
+``lora_transformer_`` and SimpleTuner's ``lycoris_``). Kohya names lose the dots, so
+they are mapped back with the *model's* module names in :func:`match_lora` (or, when
+exporting without a model, with the module names of DiffSynth's ``QwenImageDiT``).
+
+
+Alpha in metadata: diffusers (>= 0.33) keeps ``lora_alpha`` (and PEFT's
+``alpha_pattern`` / ``rank_pattern``, ``use_rslora``) only in the safetensors
+metadata key ``lora_adapter_metadata``; it is applied per module, as PEFT would.
+An explicit ``<module>.alpha`` tensor takes precedence.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .lora_state import FORMAT_NAME, LoraModule, LoraState, listing
+
+log = logging.getLogger(__name__)
+
+# Dotted prefixes other tools put before the module path, and the format they signal.
+_DOTTED_PREFIXES = (
+    ("pipe.dit.", "diffsynth"),  # DiffSynth's ModelLogger without --remove_prefix_in_ckpt
+    ("base_model.model.", "peft"),
+    ("diffusion_model.", "comfyui"),
+    ("transformer.", "diffusers"),
+)
+# Kohya-style prefixes: the rest of the name is the module path with "." -> "_".
+_UNDERSCORE_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
+_TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "text_encoder.", "text_encoders.")
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_down|lora_up)(?:\.(?P<adapter>[^.]+))?\.weight$")
+_KIND = {"lora_A": "A", "lora_down": "A", "lora_B": "B", "lora_up": "B"}
+# diffusers (>= 0.33) stores the PEFT LoraConfig of each component as JSON under this
+# safetensors metadata key: ``{"transformer.r": 4, "transformer.lora_alpha": 8,
+# "transformer.alpha_pattern": {...}, ...}`` from a pipeline's ``save_lora_weights``, the
+# same keys without the component prefix from a model's ``save_lora_adapter``.
+ADAPTER_METADATA_KEY = "lora_adapter_metadata"
+# A trained LoRA never holds a value this large (see :func:`check_tensors`).
+MAX_ABS_VALUE = 1e4
+
+
+def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not path.is_file():
+        raise ValueError(f"LoRA file not found: {path} (give the path of a .safetensors LoRA file)")
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        tensors = {}
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                metadata = dict(f.metadata() or {})
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"LoRA file {path} is not a readable safetensors file: {e}") from e
+        return tensors, metadata
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"LoRA file {path} could not be read (expected .safetensors or a torch state dict): {e}") from e
+    if isinstance(obj, dict) and len(obj) == 1 and next(iter(obj)) in ("state_dict", "module", "model_state"):
+        obj = next(iter(obj.values()))
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"LoRA file {path} does not hold a flat dict of tensors")
+    return dict(obj), {}
+
+
+def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+                          source: str = "<memory>") -> LoraState:
+    """Normalise a LoRA state dict of any supported format (see the module docstring).
+
+    Every key is either used or reported: unknown LoRA variants (DoRA, LoKr, LoHa,
+    ``.diff`` patches), text-encoder LoRAs and incomplete pairs raise ``ValueError``.
+    """
+    metadata = dict(metadata or {})
+    pairs: dict[str, dict[str, Any]] = {}
+    full: dict[str, torch.Tensor] = {}
+    formats: set[str] = set()
+    adapters: set[str] = set()
+    underscore: set[bool] = set()
+    unsupported: list[str] = []
+    text_encoder: list[str] = []
+    for key, value in state_dict.items():
+        if key.startswith(_TEXT_ENCODER_PREFIXES):
+            text_encoder.append(key)
+            continue
+        body, is_underscore = key, False
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix, fmt in _DOTTED_PREFIXES:
+                if body.startswith(prefix):
+                    body, stripped = body[len(prefix):], True
+                    formats.add(fmt)
+        for prefix in _UNDERSCORE_PREFIXES:
+            if body.startswith(prefix):
+                body, is_underscore = body[len(prefix):], True
+                formats.add("kohya")
+                break
+        m = _LORA_KEY.match(body)
+        if m:
+            if m.group("adapter"):
+                adapters.add(m.group("adapter"))
+                formats.add("peft")
+            entry = pairs.setdefault(m.group("module"), {})
+            kind = _KIND[m.group("kind")]
+            if kind in entry:
+                unsupported.append(key)  # the same module twice (e.g. two adapters)
+            entry[kind] = value
+            underscore.add(is_underscore)
+        elif body.endswith(".alpha"):
+            if value.numel() != 1:
+                raise ValueError(f"LoRA {source}: {key} must hold one number (the LoRA alpha), "
+                                 f"it holds {value.numel()} values of shape {tuple(value.shape)}")
+            alpha = float(value.float().reshape(-1)[0])
+            if not math.isfinite(alpha):
+                raise ValueError(f"LoRA {source}: {key} is {alpha}; the file is damaged")
+            pairs.setdefault(body[: -len(".alpha")], {})["alpha"] = alpha
+            underscore.add(is_underscore)
+        elif body.endswith(".set_weight") and not is_underscore:  # ComfyUI "set" patch (our export)
+            target = body[: -len(".set_weight")]
+            full[target if target.endswith(".bias") else target + ".weight"] = value
+        elif (body.endswith(".weight") or body.endswith(".bias")) and "lora" not in body and not is_underscore:
+            full[body] = value
+        else:
+            unsupported.append(key)
+    if len(adapters) > 1:
+        raise ValueError(f"LoRA {source} holds several PEFT adapters ({', '.join(sorted(adapters))}); "
+                         "save one adapter per file")
+    if text_encoder:
+        raise ValueError(f"LoRA {source} has {len(text_encoder)} text-encoder key(s); only DiT LoRAs are "
+                         f"supported: {listing(text_encoder)}")
+    if unsupported:
+        raise ValueError(f"LoRA {source} has {len(unsupported)} key(s) this loader does not understand "
+                         f"(not a plain LoRA on the DiT: DoRA/LoKr/LoHa, .diff patches, or duplicates): "
+                         f"{listing(unsupported)}")
+    if len(underscore) > 1:
+        raise ValueError(f"LoRA {source} mixes kohya (lora_unet_...) and dotted module names")
+    config = adapter_config(metadata, source)
+    modules: dict[str, LoraModule] = {}
+    incomplete, bad_shape, rank_zero = [], [], []
+    for name, entry in pairs.items():
+        if "A" not in entry or "B" not in entry:
+            missing = [k for k in ("A", "B") if k not in entry]
+            incomplete.append(f"{name} (missing lora_{'/lora_'.join(missing)})")
+            continue
+        a, b = entry["A"], entry["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            bad_shape.append(f"{name}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}")
+            continue
+        if a.shape[0] == 0:
+            rank_zero.append(name)
+            continue
+        alpha = entry.get("alpha")
+        if alpha is None and config is not None:
+            alpha = _config_alpha(config, name, int(a.shape[0]), source)
+        modules[name] = LoraModule(A=a, B=b, alpha=alpha)
+    both = sorted(n for n in modules if f"{n}.weight" in full)
+    if both:
+        raise ValueError(f"LoRA {source} has both a LoRA pair and a full weight for: {listing(both)}; "
+                         "keep one of them per module")
+    if incomplete or bad_shape or rank_zero:
+        parts = []
+        if incomplete:
+            parts.append(f"incomplete LoRA pairs: {listing(incomplete)}")
+        if bad_shape:
+            parts.append(f"not 2-D low-rank pairs of matching rank: {listing(bad_shape)}")
+        if rank_zero:
+            parts.append(f"rank-0 pairs (lora_A with no rows): {listing(rank_zero)}")
+        raise ValueError(f"LoRA {source} is malformed: " + "; ".join(parts))
+    if not modules and not full:
+        raise ValueError(f"LoRA {source} holds no LoRA tensors")
+    return LoraState(modules=modules, full=full, format=_format_name(formats, metadata), metadata=metadata,
+                     source=source, underscore_names=underscore == {True})
+
+
+def adapter_config(metadata: Mapping[str, str], source: str = "<memory>") -> dict[str, Any] | None:
+    """The DiT's PEFT ``LoraConfig`` dict from diffusers' ``lora_adapter_metadata``, or None."""
+    raw = metadata.get(ADAPTER_METADATA_KEY)
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"LoRA {source}: metadata {ADAPTER_METADATA_KEY!r} is not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA {source}: metadata {ADAPTER_METADATA_KEY!r} is not a JSON object")
+    if any("." in k for k in config):  # a pipeline's file: one prefixed config per component
+        config = {k[len("transformer."):]: v for k, v in config.items() if k.startswith("transformer.")}
+    return config or None
+
+
+def _pattern_value(patterns: Mapping[str, Any] | None, name: str) -> Any:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``peft.utils.other.get_pattern_key``):
+    a key matches a module path that it ends, as a regular expression after a dot."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return None
+
+
+def _config_alpha(config: Mapping[str, Any], name: str, rank: int, source: str) -> float | None:
+    """Module ``name``'s alpha from a PEFT config, in our ``alpha / rank`` convention."""
+    r = _pattern_value(config.get("rank_pattern"), name) or config.get("r")
+    alpha = _pattern_value(config.get("alpha_pattern"), name)
+    if alpha is None:
+        alpha = config.get("lora_alpha")
+    if alpha is None:
+        return None
+    if r is not None and int(r) != rank:
+        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} gives rank {r} for {name}, but its "
+                         f"tensors have rank {rank}; the metadata does not describe this file")
+    alpha = float(alpha)
+    if not math.isfinite(alpha):
+        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} gives lora_alpha {alpha} for {name}")
+    if config.get("use_rslora"):  # PEFT scales rsLoRA by alpha / sqrt(r)
+        alpha *= math.sqrt(rank)
+    return alpha
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], source: str) -> None:
+    """Refuse a LoRA file holding NaN/inf, or values beyond ``MAX_ABS_VALUE``.
+
+    Such a file (a diverged run, a damaged download) would otherwise render black or
+    noise images with no error. ``.alpha`` scalars are exempt from the size limit:
+    their effect is bounded by the delta check in :func:`match_lora`.
+    """
+    for key, value in tensors.items():
+        if not value.is_floating_point() or value.numel() == 0:
+            continue
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            raise ValueError(f"LoRA {source}: tensor {key} holds {bad} NaN/inf value(s); the file is damaged "
+                             "or its training diverged. Use an earlier checkpoint or retrain.")
+        if key.endswith(".alpha"):
+            continue
+        peak = float(value.abs().max())
+        if peak > MAX_ABS_VALUE:
+            raise ValueError(f"LoRA {source}: tensor {key} holds a value of magnitude {peak:.3g}, beyond "
+                             f"{MAX_ABS_VALUE:g}, which no trained LoRA reaches; the file is damaged.")
+
+
+def _format_name(formats: set[str], metadata: Mapping[str, str]) -> str:
+    for fmt in ("kohya", "comfyui", "diffusers", "peft"):
+        if fmt in formats:
+            return fmt
+    return "diffsynth_qie" if metadata.get("format") == FORMAT_NAME else "diffsynth"
+
+
+def load_lora_state(path: str | os.PathLike) -> LoraState:
+    """Read a LoRA file of any supported format into a :class:`LoraState`."""
+    path = Path(path)
+    tensors, metadata = _read_file(path)
+    check_tensors(tensors, str(path))
+    return parse_lora_state_dict(tensors, metadata, source=str(path))
