@@ -7,7 +7,7 @@ is not bitwise because the positive and negative prompts have different lengths,
 our batch of 2 pads the shorter prompt and masks it in attention (a different
 summation order than two unpadded batch-1 passes); the bound is 1e-4 relative.
 Everything asserts on latents as well as pixels: the random tiny VAE squashes
-pixel differences (FINDINGS).
+pixel differences (docs/DIFFSYNTH_NOTES.md).
 """
 from __future__ import annotations
 
@@ -35,16 +35,6 @@ def smooth_image(w: int, h: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     small = rng.integers(0, 256, (max(h // 8, 2), max(w // 8, 2), 3), dtype=np.uint8)
     return Image.fromarray(small).resize((w, h), Image.BILINEAR)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from 2 threads, and OpenMP spin-waiting makes them ~10x
-    slower when the 2 cores are shared with other processes (measured: 0.4 s vs 3.7 s per edit)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

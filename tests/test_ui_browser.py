@@ -14,7 +14,6 @@ import io
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -34,12 +35,6 @@ W, H = 96, 64   # multiples of 16: the output keeps this size
 LORA_NAME = "run1/lora.safetensors"
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _chromium_or_skip() -> str:
@@ -101,7 +96,7 @@ def server(tmp_path, tiny_model_dir):
     """The app on a free port: tiny model, a LoRA folder holding one real LoRA."""
     lora_dir = tmp_path / "loras"
     _write_lora(lora_dir / LORA_NAME, Path(tiny_model_dir) / "transformer" / "diffusion_pytorch_model.safetensors")
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "server.log"
     env = dict(os.environ, DIFFSYNTH_SKIP_DOWNLOAD="True", GRADIO_ANALYTICS_ENABLED="False",
                GRADIO_TEMP_DIR=str(tmp_path / "gradio-tmp"), PYTHONUNBUFFERED="1")
