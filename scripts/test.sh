@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The test command: sets up the environment (idempotent), then runs the whole suite on CPU.
 #   bash scripts/test.sh [extra pytest args]
+# Two pytest-xdist workers (QIE_TEST_WORKERS; 0 runs in one process), one test file per worker at a
+# time: the slow tests are single-threaded subprocesses (launchers, DDP, ZeRO, the browser), so two
+# run side by side on two cores, and module-scoped fixtures are built once.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
 bash scripts/install_chromium.sh || echo "test.sh: Chromium unavailable; the browser test will be skipped with its reason."
 export DIFFSYNTH_SKIP_DOWNLOAD=True WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
-exec "${QIE_VENV:-$ROOT/.venv}/bin/python" -m pytest tests -q "$@"
+WORKERS="${QIE_TEST_WORKERS:-2}"
+XDIST=()
+[ "$WORKERS" = 0 ] || XDIST=(-n "$WORKERS" --dist loadfile)
+exec "${QIE_VENV:-$ROOT/.venv}/bin/python" -m pytest tests -q "${XDIST[@]}" "$@"
