@@ -24,7 +24,7 @@ from diffsynth.models.qwen_image_vae import QwenImageCausalConv3d, QwenImageVAE
 
 Z_DIM = 16
 #: Channel widths of the encoder's four levels (the decoder mirrors them).
-WIDTHS = (32, 32, 48, 48)
+WIDTHS = (16, 32, 48, 64)
 
 
 class _Frames2d(nn.Module):
@@ -58,7 +58,7 @@ def _decoder(widths=WIDTHS, z_dim: int = Z_DIM) -> nn.Sequential:
 
 
 class TinyConvQwenImageVAE(QwenImageVAE):
-    """``QwenImageVAE`` whose encoder/decoder are small plain conv nets (about 110 k parameters)."""
+    """``QwenImageVAE`` whose encoder/decoder are small plain conv nets (about 120 k parameters)."""
 
     def __init__(self, widths=WIDTHS, z_dim: int = Z_DIM):
         nn.Module.__init__(self)
