@@ -16,9 +16,10 @@ import torch
 
 STEPS = 150          # LoRA optimizer steps (batch 4, rank 16, lr 1e-3)
 SAMPLER_STEPS = 8
-# Measured on the held-out pairs below: base 16.4 dB, LoRA after 150 steps +4.4 dB; a LoRA that
-# never sees the right reference (shuffled) or a sampler that ignores the DiT stays below +1 dB.
-MIN_GAIN_DB = 2.5
+# Measured on the 4 held-out pairs below (1 thread, ~15 s for cache + training): base 14.4 dB, LoRA
+# 20.3 dB (+5.9 dB). With shuffled references the LoRA scores 1.9 dB *below* the base (unmasked), and
+# on the random tiny base the same run gains under 1 dB. Half the measured gain is the bar.
+MIN_GAIN_DB = 3.0
 
 
 @pytest.fixture(scope="module")
