@@ -97,8 +97,8 @@ after_training() {
   echo "checkpoints:   $out/checkpoint-*/"
   echo "loss log:      $out/loss.jsonl"
   echo "before/after:  $out/before_after.png"
-  [ -z "$DEMO_DATA" ] || echo "held-out grid: $out/heldout_grid.png (source | base | LoRA | target)"
-  echo "try it:        python app_gradio.py --model ${MODEL} --lora_dir $out"
+  [ -z "$DEMO_DATA" ] || echo "held-out grid: $out/heldout_grid.png (source | base | LoRA [| sub-stream] | target)"
+  echo "try it:        python app_gradio.py ${MODEL_ARGS[*]} --lora_dir $out"
 }
 
 # split_training [qie train args...]: phase 1 (`qie cache`), phase 2 (`qie train`), then after_training.

@@ -51,13 +51,13 @@ def run(args: argparse.Namespace) -> int:
                   lbm_steps=args.lbm_steps)
     base = evaluate(editor, cases, **kwargs)
     columns = [base.outputs]
-    print(f"held-out PSNR to target ({len(cases)} rows): base {base.mean_psnr:.2f} dB", end="")
+    line = f"held-out PSNR to target ({len(cases)} rows): base {base.mean_psnr:.2f} dB"
     if args.lora:
         editor.set_loras(lora_pairs(args.lora, []))
         tuned = evaluate(editor, cases, **kwargs)
         columns += [tuned.outputs, tuned.sub_outputs]
-        print(f", with LoRA {tuned.mean_psnr:.2f} dB ({tuned.mean_psnr - base.mean_psnr:+.2f} dB)", end="")
-    print()
+        line += f", with LoRA {tuned.mean_psnr:.2f} dB ({tuned.mean_psnr - base.mean_psnr:+.2f} dB)"
+    print(line, flush=True)  # stdout: the result, for people and scripts
     if args.grid:
         with atomic_path(args.grid) as tmp:
             compare_grid(cases, columns).save(tmp, format="PNG")
