@@ -47,7 +47,9 @@ launch_defaults() {
     DEMO_DATA="$ROOT/outputs/demo-red-circle-blue"
     DATASET_METADATA="$DEMO_DATA/metadata.json"
     [ -f "$DATASET_METADATA" ] || "$PY" -m diffsynth_qie.cli make-demo-data --task red_circle_blue --out "$DEMO_DATA"
-    MODEL_ARGS=(--model tiny --model_dir "$("$PY" -m diffsynth_qie.cli --log_level WARNING make-tiny --pretrained | tail -n 1)")
+    local base="${QIE_HOME:-$HOME/.cache/diffsynth-qie}/models/Qwen-Image-Edit-tiny-pretrained"
+    "$PY" -m diffsynth_qie.cli --log_level WARNING make-tiny --pretrained --out "$base"
+    MODEL_ARGS=(--model tiny --model_dir "$base")
   fi
   DATASET_ARGS=(--dataset_metadata "$DATASET_METADATA")
   [ -z "${DATASET_BASE:-}" ] || DATASET_ARGS+=(--dataset_base "$DATASET_BASE")

@@ -1,6 +1,6 @@
 """`qie eval-edits`: mean PSNR to the target on held-out rows, without and with LoRA(s).
 
-Prints one line per setting (``base`` and ``lora``) and optionally writes a grid
+Logs one line with the mean PSNR without and with the LoRA(s) and optionally writes a grid
 (source | base | LoRA [| LoRA sub-stream] | target per row). The CPU demo's launch
 scripts call it on the demo's ``heldout.json``.
 """
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         tuned = evaluate(editor, cases, **kwargs)
         columns += [tuned.outputs, tuned.sub_outputs]
         line += f", with LoRA {tuned.mean_psnr:.2f} dB ({tuned.mean_psnr - base.mean_psnr:+.2f} dB)"
-    print(line, flush=True)  # stdout: the result, for people and scripts
+    log.info("%s", line)
     if args.grid:
         with atomic_path(args.grid) as tmp:
             compare_grid(cases, columns).save(tmp, format="PNG")

@@ -69,5 +69,4 @@ def _run_pretrained(args: argparse.Namespace) -> int:
     if args.write_shipped:
         log.info("shipped copy written to %s", tiny_pretrained.write_shipped(out, Path(args.write_shipped)))
     log.info("pretrained tiny base in %s (use it with: --model tiny --model_dir %s)", out, out)
-    print(out)  # stdout: the directory, for scripts
     return 0

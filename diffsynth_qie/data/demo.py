@@ -8,6 +8,10 @@ exactly. About a quarter of the rows have a second source, a colour swatch
 ("paint the circle with the colour of picture 2"). Every row has a ``ref_gt``:
 the target's shape on white, same size as the target.
 
+The CPU demo uses one consistent edit instead (:func:`make_recolour_demo`: "make
+the red circle blue", with held-out pairs); a LoRA trained on mixed edits only learns
+to erase shapes. :func:`random_shapes_image` draws the pretrained tiny base's images.
+
 Deterministic from ``seed`` (no timestamps in the PNGs), fast (well under a
 second for the default 36 pairs). The metadata file is written last and
 atomically, so a half-written directory is never mistaken for a dataset.
