@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "edit": ("edit", "edit image(s) with a prompt, optional mask, LoRA and LBM sampling"),
     "cache": ("cache", "phase 1: cache prompt embeddings and VAE latents"),
     "train": ("train", "phase 2: train a LoRA on the DiT from the cache"),
+    "eval-edits": ("eval_edits", "held-out PSNR to the target, without and with LoRA(s)"),
     "export-lora": ("export_lora", "convert a LoRA to ComfyUI or diffusers key names"),
 }
 

@@ -35,6 +35,7 @@ gpu_count() {
 launch_defaults() {
   local run_name="$1" preset="$2"
   MODEL="${MODEL:-tiny}"
+  DEMO_DATA=""
   OUTPUT_DIR="${OUTPUT_DIR:-$ROOT/outputs/$run_name}"
   CACHE_DIR="${CACHE_DIR:-$OUTPUT_DIR/cache}"
   MODEL_ARGS=(--model "$MODEL")
@@ -44,8 +45,13 @@ launch_defaults() {
       echo "$run_name: set DATASET_METADATA (and DATASET_BASE) to train $MODEL; see README 'Your own data'." >&2
       exit 2
     fi
-    DATASET_METADATA="$ROOT/outputs/demo-data/metadata.json"
-    [ -f "$DATASET_METADATA" ] || "$PY" -m diffsynth_qie.cli make-demo-data --out "$ROOT/outputs/demo-data"
+    # CPU demo: the pretrained tiny base (built once, in $QIE_HOME) learns one edit, "make the red circle blue".
+    DEMO_DATA="$ROOT/outputs/demo-red-circle-blue"
+    DATASET_METADATA="$DEMO_DATA/metadata.json"
+    [ -f "$DATASET_METADATA" ] || "$PY" -m diffsynth_qie.cli make-demo-data --task red_circle_blue --out "$DEMO_DATA"
+    local base="${QIE_HOME:-$HOME/.cache/diffsynth-qie}/models/Qwen-Image-Edit-tiny-pretrained"
+    "$PY" -m diffsynth_qie.cli --log_level WARNING make-tiny --pretrained --out "$base"
+    MODEL_ARGS=(--model tiny --model_dir "$base")
   fi
   DATASET_ARGS=(--dataset_metadata "$DATASET_METADATA")
   [ -z "${DATASET_BASE:-}" ] || DATASET_ARGS+=(--dataset_base "$DATASET_BASE")
@@ -89,16 +95,23 @@ after_training() {
   local out="$1"; shift
   local lora="$out/lora.safetensors"
   if [ ! -f "$lora" ]; then echo "no LoRA at $lora" >&2; exit 1; fi
+  local rows="$DATASET_METADATA"
+  [ -z "$DEMO_DATA" ] || rows="$DEMO_DATA/heldout.json"   # CPU demo: a pair the LoRA never saw
   if [ "$NODE_RANK" = 0 ]; then
-    "$PY" -m diffsynth_qie.cli edit "${MODEL_ARGS[@]}" --dataset_metadata "$DATASET_METADATA" --row 0 \
+    "$PY" -m diffsynth_qie.cli edit "${MODEL_ARGS[@]}" --dataset_metadata "$rows" --row 0 \
       --lora "$lora" --out "$out/after.png" --before_after "$out/before_after.png" "$@"
+  fi
+  if [ -n "$DEMO_DATA" ] && [ "$NODE_RANK" = 0 ]; then   # CPU demo: held-out PSNR, base vs LoRA
+    "$PY" -m diffsynth_qie.cli eval-edits "${MODEL_ARGS[@]}" --dataset_metadata "$DEMO_DATA/heldout.json" \
+      --lora "$lora" --grid "$out/heldout_grid.png" "$@"
   fi
   echo
   echo "LoRA:          $lora"
   echo "checkpoints:   $out/checkpoint-*/"
   echo "loss log:      $out/loss.jsonl"
   echo "before/after:  $out/before_after.png"
-  echo "try it:        python app_gradio.py --model ${MODEL} --lora_dir $out"
+  [ -z "$DEMO_DATA" ] || echo "held-out grid: $out/heldout_grid.png (source | base | LoRA [| sub-stream] | target)"
+  echo "try it:        python app_gradio.py ${MODEL_ARGS[*]} --lora_dir $out"
 }
 
 # split_training [qie train args...]: phase 1 (`qie cache`), phase 2 (`qie train`), then after_training.
@@ -107,7 +120,7 @@ after_training() {
 split_training() {
   local demo_cache=() demo_train=() demo_edit=()
   if [ "$MODEL" = tiny ]; then   # CPU demo sizes
-    demo_cache=(--max_pixels 16384); demo_train=("${DEMO_TRAIN[@]}"); demo_edit=(--steps 8)
+    demo_cache=(--max_pixels 16384); demo_train=("${DEMO_TRAIN[@]}"); demo_edit=(--steps 8 --cfg 1)
   fi
   qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" \
     "${demo_cache[@]}" ${CACHE_ARGS:-}

@@ -17,12 +17,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["diffsynth", "firered", "both"], default="diffsynth",
                         help="metadata.json (DiffSynth), metadata.jsonl (FireRed-style, with inverse and "
                              "text-to-image rows), or both over the same images")
+    parser.add_argument("--task", choices=["mixed", "red_circle_blue"], default="mixed",
+                        help="mixed edits (move, remove, recolour, swatch), or the CPU demo's one edit "
+                             "'make the red circle blue' (64x64, metadata.json + held-out heldout.json)")
+    parser.add_argument("--num_heldout", type=int, default=8, help="red_circle_blue: held-out pairs")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..data.demo import make_demo_data, make_demo_jsonl
 
     out = Path(args.out)
+    if args.task == "red_circle_blue":
+        from ..data.demo import make_recolour_demo
+
+        make_recolour_demo(out, num_pairs=args.num_pairs, num_heldout=args.num_heldout, seed=args.seed)
+        log.info("wrote %s (%d pairs) and %s (%d held-out pairs)", out / "metadata.json", args.num_pairs,
+                 out / "heldout.json", args.num_heldout)
+        return 0
     written = []
     if args.format in ("diffsynth", "both"):
         make_demo_data(out, num_pairs=args.num_pairs, seed=args.seed, mixed_sizes=args.mixed_sizes)

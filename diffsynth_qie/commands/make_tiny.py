@@ -3,6 +3,11 @@
 The result has the real repositories' layout, so every other command takes it via
 ``--model tiny --model_dir DIR``. Idempotent: an existing complete build from the
 same seed is kept unless ``--force``.
+
+``--pretrained`` builds the pretrained tiny base instead (``training/pretrain_tiny.py``):
+a VAE and DiT that draw flat shapes, so a LoRA visibly learns an edit on CPU. It is
+installed from the weights shipped with the package when they match the recipe
+(seconds), otherwise trained (a few minutes of one CPU thread); either way once.
 """
 from __future__ import annotations
 
@@ -15,15 +20,28 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output directory (the model's root; created if missing)")
+    parser.add_argument("--out", default=None,
+                        help="output directory (the model's root; created if missing). Required without "
+                             "--pretrained; with it, default $QIE_HOME/models/Qwen-Image-Edit-tiny-pretrained")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed -> byte-identical weights)")
     parser.add_argument("--force", action="store_true",
                         help="rebuild even if --out already holds a complete tiny model from this seed")
+    parser.add_argument("--pretrained", action="store_true",
+                        help="the pretrained tiny base (trained VAE + DiT) for the CPU demo")
+    parser.add_argument("--retrain", action="store_true",
+                        help="with --pretrained: train it even when the shipped weights match the recipe")
+    parser.add_argument("--write_shipped", default=None, metavar="DIR",
+                        help="with --pretrained: also copy the built DiT/VAE and their recipe record to DIR "
+                             "(how the package's shipped copy is made)")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..models.tiny import ensure_tiny, is_complete, looks_like_tiny_dir
 
+    if args.pretrained:
+        return _run_pretrained(args)
+    if args.out is None:
+        raise ValueError("--out is required (or pass --pretrained for the pretrained base's default directory)")
     out = Path(args.out)
     if not looks_like_tiny_dir(out):
         raise ValueError(f"--out {out} exists and holds files that are not part of a tiny model; "
@@ -35,4 +53,20 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(out)  # safe: looks_like_tiny_dir checked it holds only tiny-model files
     ensure_tiny(out, seed=args.seed)
     log.info("tiny Qwen-Image-Edit written to %s (use it with: --model tiny --model_dir %s)", out, out)
+    return 0
+
+
+def _run_pretrained(args: argparse.Namespace) -> int:
+    from ..models import tiny_pretrained
+    from ..models.tiny import looks_like_tiny_dir
+    from ..training.pretrain_tiny import ensure_pretrained_tiny
+
+    out = Path(args.out) if args.out else tiny_pretrained.default_dir()
+    if not looks_like_tiny_dir(out):
+        raise ValueError(f"--out {out} exists and holds files that are not part of a tiny model; "
+                         "pick an empty or new directory")
+    ensure_pretrained_tiny(out, seed=args.seed, rebuild=args.retrain or args.force)
+    if args.write_shipped:
+        log.info("shipped copy written to %s", tiny_pretrained.write_shipped(out, Path(args.write_shipped)))
+    log.info("pretrained tiny base in %s (use it with: --model tiny --model_dir %s)", out, out)
     return 0

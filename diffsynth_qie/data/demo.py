@@ -8,6 +8,10 @@ exactly. About a quarter of the rows have a second source, a colour swatch
 ("paint the circle with the colour of picture 2"). Every row has a ``ref_gt``:
 the target's shape on white, same size as the target.
 
+The CPU demo uses one consistent edit instead (:func:`make_recolour_demo`: "make
+the red circle blue", with held-out pairs); a LoRA trained on mixed edits only learns
+to erase shapes. :func:`random_shapes_image` draws the pretrained tiny base's images.
+
 Deterministic from ``seed`` (no timestamps in the PNGs), fast (well under a
 second for the default 36 pairs). The metadata file is written last and
 atomically, so a half-written directory is never mistaken for a dataset.
@@ -205,4 +209,79 @@ def make_demo_jsonl(out_dir: str | os.PathLike, num_pairs: int = 36, seed: int =
         lines.append({"source_image": None, "target_image": p.target,
                       "instruction": p.description, "instruction_cn": p.description_cn})
     atomic_write_text(out / "metadata.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines))
+    return out
+
+
+# --- one consistent edit: "make the red circle blue" ----------------------------------
+#: The CPU demo's edit. The pretrained tiny base reproduces its source image; a LoRA
+#: teaches it this edit (see ``training/pretrain_tiny.py`` and the launch scripts).
+RECOLOUR_PROMPT = "make the red circle blue"
+RECOLOUR_SIZE = (64, 64)
+
+
+def _free_box(rng: random.Random, size, s: int, avoid=None) -> tuple[int, int, int, int]:
+    w, h = size
+    for _ in range(50):
+        x0, y0 = rng.randrange(2, w - s - 1), rng.randrange(2, h - s - 1)
+        box = (x0, y0, x0 + s - 1, y0 + s - 1)
+        if avoid is None or box[2] + 3 < avoid[0] or avoid[2] + 3 < box[0] or box[3] + 3 < avoid[1] or avoid[3] + 3 < box[1]:
+            return box
+    return box
+
+
+def random_shapes_image(rng: random.Random, size=RECOLOUR_SIZE) -> Image.Image:
+    """A plain background with one or two shapes of any colour (the tiny base's pretraining images)."""
+    image = Image.new("RGB", size, BACKGROUNDS[rng.randrange(len(BACKGROUNDS))])
+    draw = ImageDraw.Draw(image)
+    box = None
+    for _ in range(rng.choice((1, 2))):
+        s = rng.randrange(min(size) // 5, min(size) // 2)
+        box = _free_box(rng, size, s, avoid=box)
+        _draw_shape(draw, rng.choice(SHAPES), box, COLOURS[rng.choice(list(COLOURS))])
+    return image
+
+
+def recolour_pair(rng: random.Random, size=RECOLOUR_SIZE) -> dict[str, Image.Image]:
+    """A red circle (and sometimes another, non-red shape) -> the same circle in blue, inside the mask."""
+    bg = BACKGROUNDS[rng.randrange(len(BACKGROUNDS))]
+    s = rng.randrange(min(size) // 4, min(size) // 2)
+    box = _free_box(rng, size, s)
+    source = Image.new("RGB", size, bg)
+    edited = Image.new("RGB", size, bg)
+    other = None
+    if rng.random() < 0.5:  # a distractor the edit must leave alone
+        t = rng.randrange(min(size) // 6, min(size) // 3)
+        other = (_free_box(rng, size, t, avoid=box), rng.choice(SHAPES),
+                 COLOURS[rng.choice([c for c in COLOURS if c not in ("red", "blue")])])
+    for image, colour in ((source, COLOURS["red"]), (edited, COLOURS["blue"])):
+        draw = ImageDraw.Draw(image)
+        _draw_shape(draw, "circle", box, colour)
+        if other is not None:
+            _draw_shape(draw, other[1], other[0], other[2])
+    mask = _mask_from_boxes(size, [box])
+    target = Image.composite(edited, source, mask)
+    return {"src": source, "tgt": target, "mask": mask}
+
+
+def make_recolour_demo(out_dir: str | os.PathLike, num_pairs: int = 32, num_heldout: int = 8, seed: int = 0) -> Path:
+    """Write the one-edit demo: ``metadata.json`` (training) and ``heldout.json`` (evaluation).
+
+    Every row asks for :data:`RECOLOUR_PROMPT`; held-out rows come from their own
+    random stream, so they never repeat a training image. Returns ``out_dir``.
+    """
+    if num_pairs < 1 or num_heldout < 0:
+        raise ValueError(f"num_pairs must be >= 1 and num_heldout >= 0, got {num_pairs} and {num_heldout}")
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    for name, n, stream in (("metadata.json", num_pairs, "train"), ("heldout.json", num_heldout, "heldout")):
+        rng = random.Random(f"{seed}:{stream}")
+        rows = []
+        for i in range(n):
+            images = recolour_pair(rng)
+            rel = {k: f"images/{stream}_{i:03d}_{k}.png" for k in images}
+            for k, im in images.items():
+                im.save(out / rel[k], format="PNG")
+            rows.append({"prompt": RECOLOUR_PROMPT, "image": rel["tgt"], "edit_image": [rel["src"]],
+                         "back_mask": rel["mask"]})
+        atomic_write_json(out / name, rows)
     return out

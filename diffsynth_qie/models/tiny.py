@@ -334,6 +334,9 @@ def register_tiny_model_configs() -> None:
     """
     from diffsynth.configs import MODEL_CONFIGS, VRAM_MANAGEMENT_MODULE_MAPS
 
+    from .tiny_vae import register_tiny_vae_config
+
+    register_tiny_vae_config()  # the pretrained base's conv VAE (models/tiny_vae.py)
     known = {(c["model_hash"], c["model_class"]) for c in MODEL_CONFIGS}
     for entry in tiny_model_configs():
         if (entry["model_hash"], entry["model_class"]) not in known:
