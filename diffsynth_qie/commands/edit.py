@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         lbm_noise=args.lbm_noise, max_prompt_tokens=args.max_prompt_tokens,
     )
     result = editor.edit(request)
+    log.info("edited %dx%d (%s) in %.2f s", result.width, result.height,
+             f"LBM {args.lbm_steps} step(s)" if args.lbm_steps else f"{args.steps} steps, cfg {args.cfg:g}",
+             result.seconds)
     outputs = [(Path(args.out), result.image)]
     if result.sub_image is not None:
         outputs.append((sub_path(args.out), result.sub_image))

@@ -322,7 +322,7 @@ class Editor:
             decoded = [blend_pixels(im, images[0], request.mask, request.mask_blend, request.mask_feather)
                        for im in decoded]
         seconds = time.perf_counter() - start
-        log.info("edited %dx%d (%s) in %.2f s", width, height,
+        log.debug("edited %dx%d (%s) in %.2f s", width, height,
                  f"LBM {request.lbm_steps} step(s)" if lbm else f"{request.steps} steps, cfg {cfg:g}", seconds)
         return EditResult(image=decoded[0], sub_image=decoded[1] if lbm else None,
                           latents=latents.detach().float().cpu(), width=width, height=height, seconds=seconds)

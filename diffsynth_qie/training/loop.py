@@ -60,6 +60,9 @@ class TrainResult:
     steps_per_second: float = 0.0
 
 
+_DISTRIBUTION = {"NO": "no distribution", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP on CPUs"}  # accelerate's names
+
+
 def micro_seed(seed: int, rank: int, step: int, micro: int) -> int:
     """Seed of the σ/noise generator for one micro-batch (independent of history)."""
     digest = hashlib.sha256(f"{seed}/{rank}/{step}/{micro}".encode()).digest()
@@ -162,7 +165,8 @@ def setup(config: RunConfig) -> _Run:
     t = cfg.train
     log.info("training %s (zero_cond_t=%s) on %d process(es), %s, mixed precision %s", preset.name, t.zero_cond_t,
              accelerator.num_processes, "DeepSpeed ZeRO-%s" % ds_config.get("zero_optimization", {}).get("stage")
-             if ds_config else accelerator.distributed_type.value, accelerator.mixed_precision)
+             if ds_config else _DISTRIBUTION.get(accelerator.distributed_type.value, accelerator.distributed_type.value),
+             accelerator.mixed_precision)
 
     data = build_training_data(t.cache_dir, preset, cfg.sampling, seed=t.seed, cfg_dropout=t.cfg_dropout,
                                num_validation=t.num_validation if t.validate_every > 0 else 0,
