@@ -38,7 +38,7 @@ step, no recomputation) and the bf16 matmul rate measured in the same run.
 
 ``--tiny`` additionally checks parity: our loss and DiffSynth's ``FlowMatchSFTLoss``
 on the same inputs and seed must agree (same σ, same noise), and the result files
-carry the check (``parity`` in the JSON).
+record the check (``parity`` in the JSON).
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def _store(path):
 
 
 def _name(path) -> str:
-    """The dataset name a cache's entries carry (one per cache here)."""
+    """The dataset name a cache's entries hold (one per cache here)."""
     store = _store(path)
     names = {store.meta(i).dataset for i in range(len(store))}
     assert len(names) == 1

@@ -66,7 +66,7 @@ def _write_lora(path: Path, dit_file: Path, seed: int, rank: int = 4, targets=("
 # --- masks from the image editor --------------------------------------------------------
 def test_mask_unites_layers_by_alpha_whatever_colour(tmp_path):
     boxes_a, boxes_b = [(4, 4, 20, 12)], [(50, 30, 90, 60)]
-    # Layer A: opaque magenta; layer B: faint (alpha 40) dark paint; both carry colour under alpha 0.
+    # Layer A: opaque magenta; layer B: faint (alpha 40) dark paint; both hold colour under alpha 0.
     a = _layer((W, H), boxes_a, under=(200, 200, 200))
     b = _layer((W, H), boxes_b, alpha=40, colour=(10, 10, 10), under=(255, 255, 255))
     b_path = tmp_path / "layer_b.png"

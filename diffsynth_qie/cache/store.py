@@ -31,7 +31,7 @@ Inside a shard every tensor key is ``<EntryMeta.key>/<name>`` with names
 ``prompt_emb.<k>``, ``prompt_mask.<k>`` (one per prompt alternative),
 ``empty_prompt_emb``, ``empty_prompt_mask``, ``target_latents``,
 ``edit_latents.<j>``, and optionally ``back_mask``, ``ref_gt_latents``,
-``lbm_source_latents``. Shapes carry no batch dimension (the trainer's collate
+``lbm_source_latents``. Shapes have no batch dimension (the trainer's collate
 adds it): prompt embeddings ``[L, D]`` with masks ``[L]`` (int64, unpadded so all
 ones; kept so the trainer can pad and mask uniformly), latents ``[16, h, w]`` with
 ``h, w`` = pixel size / 8, ``back_mask`` ``[1, h, w]`` float32 in [0, 1] (area

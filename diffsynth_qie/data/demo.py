@@ -188,7 +188,7 @@ def make_demo_jsonl(out_dir: str | os.PathLike, num_pairs: int = 36, seed: int =
                     mixed_sizes: bool = True, num_t2i: int = 2) -> Path:
     """Write a FireRed-style ``metadata.jsonl`` over the same images; returns ``out_dir``.
 
-    Single-source rows carry ``instruction_cn`` and inverse instructions; swatch
+    Single-source rows have ``instruction_cn`` and inverse instructions; swatch
     rows have a list of two sources (and no inverse); ``num_t2i`` extra rows have
     ``source_image: null`` with a caption of their target — read them with
     ``t2i_mode`` (without it they are reported as bad rows).

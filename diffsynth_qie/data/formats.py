@@ -12,7 +12,7 @@ Supported (auto-detected by extension, then content, then field names):
   text and exactly one source also yields an *inverse* row (source and target
   swapped) unless ``disable_inverse``.
 
-Either format may carry an ``id`` field; otherwise the row id is
+Either format may have an ``id`` field; otherwise the row id is
 ``<dataset>:<index>`` (0-based record index; for JSONL the 0-based line number),
 stable as long as the file is only appended to. Parsing never opens images:
 :func:`prepare_rows` adds validation, ``skipped.jsonl`` and the bad-row limit.

@@ -149,7 +149,6 @@ class BucketBatchSampler:
         self.config = config
         self.num_replicas = num_replicas
         self.rank = rank
-        self._planned_once = False
         self.epoch = 0
         self._consumed = 0
         self._cached: Optional[tuple[int, list[list[int]]]] = None
@@ -216,9 +215,7 @@ class BucketBatchSampler:
                 log.warning("epoch %d: %d sample(s) exceed --max_tokens_per_batch %d on their own (e.g. index %d "
                             "with %d tokens); each is a batch of its own", epoch, len(over), budget, over[0][0],
                             self._lookup[over[0][0]].tokens)
-        # the first epoch this process plans is news; the same line for every later epoch is not (--verbose)
-        level, self._planned_once = (logging.DEBUG if self._planned_once else logging.INFO), True
-        log.log(level, "epoch %d: %d batches (%d per process), padding %.1f%% of image tokens; mix: %s", epoch,
+        log.info("epoch %d: %d batches (%d per process), padding %.1f%% of image tokens; mix: %s", epoch,
                  len(batches), len(batches) // self.num_replicas, 100 * padding_fraction(batches, self._lookup),
                  realised_mix(batches, self._lookup).describe())
 

@@ -24,7 +24,7 @@ Exactly what DiffSynth's ``pipe.load_lora(pipe.dit, path, alpha=...)`` loads:
   ComfyUI module names of Qwen-Image.
 - optional ``<module>.alpha`` (0-dim float32): the delta is ``alpha / rank * B @ A``;
   without it ``B @ A``. Written only when alpha != rank (PEFT's ``lora_alpha`` differs
-  from ``r``), so LoRAs trained with DiffSynth's default (alpha = rank) carry none.
+  from ``r``), so LoRAs trained with DiffSynth's default (alpha = rank) have none.
 - optional full module weights under their parameter names (``img_in.weight``,
   ``img_in.bias``) for modules trained fully rather than with LoRA.
 - safetensors metadata: ``format``, ``format_version``, ``rank``, ``alpha``,

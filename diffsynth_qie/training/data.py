@@ -65,7 +65,7 @@ class CachePart:
     """One cache in the training set: its store, the entries trained on, an optional dataset name.
 
     ``name`` (from ``--cache_dir NAME=DIR``) overrides the dataset name the entries
-    carry (the one ``qie cache`` recorded).
+    hold (the one ``qie cache`` recorded).
     """
 
     store: CacheStore
@@ -266,7 +266,7 @@ def build_training_data(cache_dirs: "str | Sequence[str]", preset, sampling: Sam
     """Open every cache (``[NAME=]DIR``), hold out validation entries of the first, build dataset and sampler.
 
     Caches must come from the same encoders (equal ``encoder_fingerprint``). Caches whose
-    entries carry the same dataset name are sampled as one dataset (logged).
+    entries have the same dataset name are sampled as one dataset (logged).
     """
     cache_dirs = [cache_dirs] if isinstance(cache_dirs, str) else list(cache_dirs)
     if not cache_dirs:

@@ -110,7 +110,7 @@ class QIETrainingModule(DiffusionTrainingModule):
 
     # --- names ---------------------------------------------------------------------
     def lora_module_names(self) -> list[str]:
-        """DiT module paths that carry a LoRA (canonical names)."""
+        """DiT module paths that hold a LoRA (canonical names)."""
         return sorted(n for n, m in self.dit.named_modules() if hasattr(m, "lora_A"))
 
     def trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
