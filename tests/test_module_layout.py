@@ -1,4 +1,5 @@
-"""Layout rules for the LoRA, image and UI modules: one job each, small, no duplicated helpers."""
+"""Layout rules beyond tests/test_architecture.py (layers, cycles, module size): no duplicated helpers, and
+the LoRA modules' public names stay importable from ``models.lora_io``."""
 from __future__ import annotations
 
 import ast
@@ -8,20 +9,10 @@ from pathlib import Path
 import diffsynth_qie
 
 PACKAGE = Path(diffsynth_qie.__file__).resolve().parent
-MAX_LINES = 400
 
 
 def _modules():
     return sorted(PACKAGE.rglob("*.py"))
-
-
-def test_lora_and_ui_modules_are_small():
-    checked = [p for p in _modules() if p.name.startswith("lora_") or p.parent.name == "ui"
-               or p.name in ("images.py", "encoding.py", "editor.py")]
-    assert {p.name for p in checked} >= {"lora_io.py", "lora_format.py", "lora_apply.py", "lora_manager.py",
-                                        "lora_export.py", "lora_state.py", "handlers.py", "uploads.py"}
-    too_long = {str(p.relative_to(PACKAGE)): n for p in checked if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert too_long == {}
 
 
 def test_shared_helpers_are_defined_once():
