@@ -69,9 +69,10 @@ class CacheLock:
     def holder(self) -> dict:
         """What the current holder wrote into the lock file ({} if unknown)."""
         try:
-            return json.loads(self.path.read_text() or "{}")
+            info = json.loads(self.path.read_text() or "{}")
         except (OSError, ValueError):
             return {}
+        return info if isinstance(info, dict) else {}
 
     def release(self) -> None:
         if self._fd is not None:

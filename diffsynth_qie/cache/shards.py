@@ -117,12 +117,13 @@ def scan_shards(cache_dir: str | os.PathLike) -> list[EntryMeta]:
     for sidecar in finished_files(shard_dir, "*.json"):
         try:
             data = json.loads(sidecar.read_text())
-        except (OSError, json.JSONDecodeError):
+            if data.get("format_version") != FORMAT_VERSION or not (shard_dir / str(data.get("shard", ""))).is_file():
+                continue
+            metas = [EntryMeta.from_json(e) for e in data["entries"]]
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):  # damaged: its rows are encoded again
             log.warning("ignoring unreadable shard sidecar %s", sidecar)
             continue
-        if data.get("format_version") != FORMAT_VERSION or not (shard_dir / data.get("shard", "")).is_file():
-            continue
-        out.extend(EntryMeta.from_json(e) for e in data["entries"])
+        out.extend(metas)
     return out
 
 
@@ -193,7 +194,7 @@ def finalize_store(cache_dir: str | os.PathLike, wanted: list[tuple[str, str]], 
         try:
             data = json.loads(sidecar.read_text())
             shard_sizes[data["shard"]] = len(data["entries"])
-        except (OSError, json.JSONDecodeError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):  # damaged: scan_shards ignored it too
             pass
     final_meta: dict[tuple[str, str], EntryMeta] = {}
     token = f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"

@@ -236,7 +236,7 @@ class CacheStore:
             raise ValueError(
                 f"{cache_dir} holds no finished cache ({MANIFEST_NAME} missing): run `qie cache --cache_dir "
                 f"{cache_dir} ...` (an interrupted run resumes where it stopped)")
-        manifest = json.loads(path.read_text())
+        manifest = read_cache_json(path, ("format_version", "shards", "entries"))
         check_format_version(manifest.get("format_version"), path)
         by_shard: dict[str, dict[str, EntryMeta]] = {}
         needed = [cache_dir / shared_name(manifest)] if manifest["entries"] else []
@@ -248,7 +248,7 @@ class CacheStore:
                                  f"re-run `qie cache` with the same --cache_dir to repair it")
         for shard in manifest["shards"]:
             sidecar = cache_dir / SHARDS_DIR / sidecar_name(shard)
-            data = json.loads(sidecar.read_text())
+            data = read_cache_json(sidecar, ("format_version", "entries"))
             check_format_version(data.get("format_version"), sidecar)
             by_shard[shard] = {e["entry_id"]: EntryMeta.from_json(e) for e in data["entries"]}
         metas = [by_shard[e["shard"]][e["id"]] for e in manifest["entries"]]
@@ -318,6 +318,25 @@ class CacheStore:
                 lbm_source_latents=lbm,
             )
         return entry
+
+
+def read_cache_json(path: Path, fields: tuple[str, ...]) -> dict:
+    """A cache JSON file (manifest or shard sidecar) as a dict holding ``fields``, or ValueError
+    naming the file and the repair (such a file was damaged after it was written, e.g. by a copy)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        problem = f"is not readable JSON ({e})"
+    else:
+        if not isinstance(data, dict):
+            problem = "is not a JSON object"
+        else:
+            missing = [f for f in fields if f not in data]
+            if not missing:
+                return data
+            problem = f"lacks {', '.join(missing)}"
+    raise ValueError(f"{path} {problem}; the cache is damaged: re-run `qie cache` with the same --cache_dir "
+                     "to rebuild it (entries whose shards are intact are reused)")
 
 
 def check_format_version(version: Any, path: Path) -> None:

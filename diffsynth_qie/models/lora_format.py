@@ -131,9 +131,7 @@ def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapp
             if value.numel() != 1:
                 raise ValueError(f"LoRA {source}: {key} must hold one number (the LoRA alpha), "
                                  f"it holds {value.numel()} values of shape {tuple(value.shape)}")
-            alpha = float(value.float().reshape(-1)[0])
-            if not math.isfinite(alpha):
-                raise ValueError(f"LoRA {source}: {key} is {alpha}; the file is damaged")
+            alpha = _checked_alpha(float(value.float().reshape(-1)[0]), f"LoRA {source}: {key}")
             pairs.setdefault(body[: -len(".alpha")], {})["alpha"] = alpha
             underscore.add(is_underscore)
         elif body.endswith(".set_weight") and not is_underscore:  # ComfyUI "set" patch (our export)
@@ -209,29 +207,62 @@ def adapter_config(metadata: Mapping[str, str], source: str = "<memory>") -> dic
     return config or None
 
 
-def _pattern_value(patterns: Mapping[str, Any] | None, name: str) -> Any:
+def _checked_alpha(alpha: float, where: str) -> float:
+    """A LoRA alpha that scales the delta sensibly: finite and positive. Zero would silently
+    disable the module and a negative value invert it."""
+    if not math.isfinite(alpha):
+        raise ValueError(f"{where} is {alpha}; the file is damaged")
+    if alpha <= 0:
+        raise ValueError(f"{where} is {alpha:g}; a LoRA alpha must be positive (0 would switch the module off, a "
+                         "negative value invert it). Fix or drop the alpha; to invert a LoRA give a negative strength")
+    return alpha
+
+
+def _number(value: Any, field: str, source: str) -> float:
+    """A number from the adapter metadata, or ValueError naming the file and the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        value = repr(value)  # falls through to the error below
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} field {field!r} is {value!r}, not a number; "
+                         "fix or remove that metadata field") from None
+
+
+def _pattern_value(patterns: Any, name: str, field: str, source: str) -> Any:
     """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``peft.utils.other.get_pattern_key``):
     a key matches a module path that it ends, as a regular expression after a dot."""
+    if patterns is not None and not isinstance(patterns, Mapping):
+        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} field {field!r} is not a JSON object of "
+                         "module pattern -> value; fix or remove that metadata field")
     for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", name):
+        try:
+            found = re.match(rf"(.*\.)?({key})$", name)
+        except re.error as e:
+            raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} field {field!r} holds the pattern {key!r}, "
+                             f"which is not a valid regular expression ({e}); fix or remove it") from None
+        if found:
             return value
     return None
 
 
 def _config_alpha(config: Mapping[str, Any], name: str, rank: int, source: str) -> float | None:
     """Module ``name``'s alpha from a PEFT config, in our ``alpha / rank`` convention."""
-    r = _pattern_value(config.get("rank_pattern"), name) or config.get("r")
-    alpha = _pattern_value(config.get("alpha_pattern"), name)
+    r_field = "rank_pattern"
+    r = _pattern_value(config.get("rank_pattern"), name, "rank_pattern", source)
+    if not r:
+        r, r_field = config.get("r"), "r"
+    alpha_field = "alpha_pattern"
+    alpha = _pattern_value(config.get("alpha_pattern"), name, "alpha_pattern", source)
     if alpha is None:
-        alpha = config.get("lora_alpha")
+        alpha, alpha_field = config.get("lora_alpha"), "lora_alpha"
     if alpha is None:
         return None
-    if r is not None and int(r) != rank:
+    if r is not None and _number(r, r_field, source) != rank:
         raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} gives rank {r} for {name}, but its "
                          f"tensors have rank {rank}; the metadata does not describe this file")
-    alpha = float(alpha)
-    if not math.isfinite(alpha):
-        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} gives lora_alpha {alpha} for {name}")
+    alpha = _checked_alpha(_number(alpha, alpha_field, source),
+                           f"LoRA {source}: {ADAPTER_METADATA_KEY} field {alpha_field!r} for {name}")
     if config.get("use_rslora"):  # PEFT scales rsLoRA by alpha / sqrt(r)
         alpha *= math.sqrt(rank)
     return alpha

@@ -133,10 +133,12 @@ def resolve_resume(resume: Optional[str], output_dir: str | os.PathLike) -> Opti
         return None
     if resume == "latest":
         found = list_checkpoints(output_dir)
-        if not found:
+        damaged = [f"{p / TRAINER_STATE} is missing" for p in _incomplete_checkpoints(output_dir, found)]
+        for problem in damaged:
+            log.warning("--resume latest: skipping damaged checkpoint: %s", problem)
+        if not found and not damaged:
             log.info("--resume latest: no checkpoint in %s yet, starting from step 0", output_dir)
             return None
-        damaged = []
         for ckpt in reversed(found):
             problem = checkpoint_problem(ckpt)
             if problem is None:
@@ -154,6 +156,20 @@ def resolve_resume(resume: Optional[str], output_dir: str | os.PathLike) -> Opti
         raise ValueError(f"--resume {resume}: damaged checkpoint: {problem}; give another {PREFIX}<step> "
                          "directory or 'latest' (which skips damaged ones)")
     return path
+
+
+def _incomplete_checkpoints(output_dir: str | os.PathLike, found: list[Path]) -> list[Path]:
+    """``checkpoint-<step>`` directories without a trainer state (damaged, or copied
+    incompletely) newer than the newest complete one: resuming silently from an older
+    checkpoint would lose their steps unannounced. Older ones are what an interrupted
+    pruning of old checkpoints leaves and are not reported."""
+    newest = int(_CKPT_RE.match(found[-1].name).group(1)) if found else -1
+    out = []
+    for p in finished_files(output_dir, f"{PREFIX}*"):
+        m = _CKPT_RE.match(p.name)
+        if m and p.is_dir() and int(m.group(1)) > newest and not (p / TRAINER_STATE).is_file():
+            out.append((int(m.group(1)), p))
+    return [p for _, p in sorted(out, reverse=True)]
 
 
 # --- validating checkpoints -----------------------------------------------------------

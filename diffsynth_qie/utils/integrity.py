@@ -25,7 +25,10 @@ def safetensors_problem(path: Path) -> Optional[str]:
         return f"{path} is missing"
     except (OSError, ValueError) as e:
         return f"{path} has an unreadable header ({e})"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError) as e:
+        return f"{path} has an unreadable header (not a safetensors header: {type(e).__name__}: {e})"
     if 8 + n + end > size:
         return f"{path} is truncated ({size} of {8 + n + end} bytes)"
     return None
