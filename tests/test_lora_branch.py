@@ -188,3 +188,71 @@ def test_lora_host_bytes_on_the_real_dit_meta():
     assert unmerged == sum(32 * sum(m.weight.shape) * 2 for m in linears.values())
     assert backup > 50 * unmerged  # the merged mode's backup dwarfs the LoRA itself
     assert backup > 0.6 * sum(p.numel() * 2 for p in real.parameters())  # most of a second DiT
+
+
+# --- the UI and qie edit ------------------------------------------------------------------
+@pytest.mark.parametrize("lora_merge", [False, True])
+def test_ui_applies_loras_unmerged_by_default(tiny_model_dir, tiny_pipe, tmp_path, lora_merge):
+    import numpy as np
+    from PIL import Image
+
+    from diffsynth_qie.ui.config import UIConfig
+    from diffsynth_qie.ui.handlers import NO_LORA, GenerateInputs, UIHandlers
+
+    path, sd = write_lora(tmp_path / "loras" / "a.safetensors", tiny_pipe.dit, seed=8)
+    kwargs = {} if not lora_merge else {"lora_merge": True}
+    ui = UIHandlers(UIConfig(model="tiny", model_dir=str(tiny_model_dir), lora_dir=str(path.parent), device="cpu",
+                             **kwargs))
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8))
+
+    def run(lora, scale=1.0):
+        inputs = GenerateInputs(editor={"background": photo, "layers": []}, prompt="make it blue", steps=2,
+                                cfg=1.0, seed=3, lora=lora, lora_scale=scale)
+        return ui.generate(inputs).result.latents
+
+    base = run(NO_LORA)
+    before = weights(ui.editor().pipe.dit)
+    with_lora, half = run("a.safetensors"), run("a.safetensors", 0.5)
+    assert rel_err(with_lora, base) > 1e-3 and rel_err(half, with_lora) > 1e-4
+    held = ui.editor()._loras.held_bytes()
+    if lora_merge:
+        touched = targeted(tiny_pipe.dit)
+        assert held == {"backup": sum(m.weight.nbytes for m in touched.values()), "adapters": 0}
+    else:
+        assert held == {"backup": 0, "adapters": lora_nbytes(sd)}
+        assert_untouched(ui.editor().pipe.dit, before)  # switching and rescaling wrote no weight
+    assert torch.equal(run(NO_LORA), base)
+    assert_untouched(ui.editor().pipe.dit, before)
+
+
+def test_qie_edit_lora_merge_flag(tiny_model_dir, tiny_pipe, tmp_path, monkeypatch):
+    import argparse
+
+    import numpy as np
+    from PIL import Image
+
+    from diffsynth_qie.commands import edit as cmd
+    from diffsynth_qie.inference.editor import Editor
+
+    path, _ = write_lora(tmp_path / "a.safetensors", tiny_pipe.dit, seed=9)
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(tmp_path / "in.png")
+    parser = argparse.ArgumentParser()
+    cmd.add_arguments(parser)
+    common = ["--model", "tiny", "--model_dir", str(tiny_model_dir), "--image", str(tmp_path / "in.png"),
+              "--prompt", "blue", "--steps", "2", "--cfg", "1", "--lora", str(path), "--device", "cpu"]
+    seen, real_set_loras = [], Editor.set_loras
+
+    def spy(self, loras):
+        out = real_set_loras(self, loras)
+        seen.append((self._loras.merge, self._loras.held_bytes()))
+        return out
+
+    monkeypatch.setattr(Editor, "set_loras", spy)
+    assert parser.parse_args(common + ["--out", "x.png"]).lora_merge is False
+    for extra, name in (([], "u.png"), (["--lora_merge"], "m.png")):
+        assert cmd.run(parser.parse_args(common + extra + ["--out", str(tmp_path / name)])) == 0
+    (merge_u, held_u), (merge_m, held_m) = seen
+    assert (merge_u, merge_m) == (False, True)
+    assert held_u["backup"] == 0 < held_u["adapters"] and held_m["adapters"] == 0 < held_m["backup"]
+    diff = np.abs(np.asarray(Image.open(tmp_path / "u.png"), int) - np.asarray(Image.open(tmp_path / "m.png"), int))
+    assert diff.max() <= 1  # same edit either way (8-bit rounding at most)
