@@ -51,8 +51,9 @@ def _branch_hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -
     for adapter in _adapters(module):
         if adapter.scale == 0.0:
             continue
-        a = getattr(module, f"{adapter.key}_A")
-        b = getattr(module, f"{adapter.key}_B")
+        # no-ops unless the weights are onloaded per layer (DiffSynth's VRAM management)
+        a = getattr(module, f"{adapter.key}_A").to(x.device)
+        b = getattr(module, f"{adapter.key}_B").to(x.device)
         h = torch.nn.functional.linear(torch.nn.functional.linear(x.to(a.dtype), a), b)
         output = output + (h * adapter.scale).to(output.dtype)
     return output
