@@ -496,7 +496,7 @@ def test_lora_manager_switch_and_clear_restore_bit_identical(tmp_path, dit):
     full_b = {"proj_out.bias": torch.randn(64)}
     path_b = save_lora(tmp_path / "b.safetensors", {**canonical(pairs_b), **full_b})
     bad = save_lora(tmp_path / "bad.safetensors", canonical({"transformer_blocks.9.attn.to_q": pairs_a[TARGETS[0]]}))
-    manager = LoraManager(dit)
+    manager = LoraManager(dit, merge=True)
 
     manager.set_loras([(path_a, 1.0)])
     assert_deltas(changes(dit, base), expected_deltas(pairs_a, alpha=8.0))

@@ -24,9 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="model preset (tiny is built on first use when --model_dir is not given)")
     m.add_argument("--model_dir", default=None, help="local directory with the model repo's layout")
     m.add_argument("--lora", action="append", default=[], metavar="PATH",
-                   help="LoRA file to merge into the DiT (repeatable)")
+                   help="LoRA file to apply to the DiT (repeatable)")
     m.add_argument("--lora_scale", action="append", type=float, default=[], metavar="S",
                    help="scale per --lora, in the same order (default 1.0 each)")
+    m.add_argument("--lora_merge", action="store_true",
+                   help="merge the LoRAs into the weights (slightly faster steps, but a host copy of every "
+                        "weight a LoRA touches); default: an unmerged adapter branch costing only the LoRA's size")
     m.add_argument("--zero_cond_t", action=argparse.BooleanOptionalAction, default=None,
                    help="override the preset's zero_cond_t (on for 2511 only)")
     io = parser.add_argument_group("inputs / output")
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
     editor = Editor.from_preset(args.model, model_dir=args.model_dir, device=args.device, torch_dtype=args.dtype,
                                 device_map=args.device_map, cpu_offload=args.cpu_offload,
-                                zero_cond_t=args.zero_cond_t)
+                                zero_cond_t=args.zero_cond_t, lora_merge=args.lora_merge)
     if loras:
         editor.set_loras(loras)
     request = EditRequest(

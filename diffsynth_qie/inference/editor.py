@@ -179,8 +179,9 @@ class Editor:
     """Edit images with a loaded ``QwenImagePipeline`` (text encoder + DiT + VAE)."""
 
     def __init__(self, pipe, device_map: Mapping[str, str] | str | None = None, cpu_offload: bool = False,
-                 zero_cond_t: bool | None = None, offload_device: str = "cpu"):
+                 zero_cond_t: bool | None = None, offload_device: str = "cpu", lora_merge: bool = False):
         self.pipe = pipe
+        self.lora_merge = bool(lora_merge)
         self.preset = getattr(pipe, "qie_preset", None)
         self.zero_cond_t = bool(self.preset.zero_cond_t if zero_cond_t is None and self.preset else zero_cond_t)
         self.multi_image_prompt = self.preset.multi_image_prompt if self.preset is not None else True
@@ -211,7 +212,8 @@ class Editor:
     @classmethod
     def from_preset(cls, model: str = "tiny", model_dir=None, device: str | None = None,
                     torch_dtype: str | torch.dtype | None = None, device_map: Mapping[str, str] | str | None = None,
-                    cpu_offload: bool = False, zero_cond_t: bool | None = None) -> "Editor":
+                    cpu_offload: bool = False, zero_cond_t: bool | None = None,
+                    lora_merge: bool = False) -> "Editor":
         """Load ``model`` (edit, 2509, 2511, tiny; tiny is built on first use) and wrap it.
 
         dtype ``None``/"auto": bf16 when any component runs on a GPU, fp32 on CPU.
@@ -231,19 +233,22 @@ class Editor:
         pipe = load_pipeline(model, model_dir=model_dir, device=load_device, torch_dtype=dtype,
                              zero_cond_t=zero_cond_t)
         pipe.device = devices["dit"]  # where the pipeline's own intermediate tensors live
-        return cls(pipe, device_map=devices, cpu_offload=cpu_offload)
+        return cls(pipe, device_map=devices, cpu_offload=cpu_offload, lora_merge=lora_merge)
 
     # --- LoRA ---------------------------------------------------------------------
     def set_loras(self, loras: Sequence[tuple[str, float]]):
         """Make exactly ``loras`` [(path, scale), ...] active on the DiT (``[]`` = base model).
 
-        Merged into the weights (no per-step cost); switching restores the base weights
-        bit-exactly first, without reloading the model. Returns the load reports.
+        Unmerged by default: an adapter branch on each targeted linear, so a LoRA costs
+        its own size and a scale change writes no weight. With ``lora_merge=True`` the
+        deltas are merged into the weights (no per-step cost, a CPU backup of every
+        touched weight). Either way, switching restores the base weights bit-exactly,
+        without reloading the model. Returns the load reports.
         """
         if self._loras is None:
             from ..models.lora_manager import LoraManager
 
-            self._loras = LoraManager(self.pipe.dit)
+            self._loras = LoraManager(self.pipe.dit, merge=self.lora_merge)
         return self._loras.set_loras([(str(p), float(s)) for p, s in loras])
 
     @property

@@ -8,8 +8,8 @@ used or reported, and a LoRA that does not fit the model raises ``ValueError``.
 
 
 The work is split by job: ``lora_state`` (the in-memory form), ``lora_format``
-(reading every format), ``lora_apply`` (checking and merging), ``lora_manager``
-(switching on a loaded model) and ``lora_export`` (writing). This module gathers their
+(reading every format), ``lora_apply`` (checking and merging), ``lora_branch``
+(unmerged adapter branches), ``lora_manager`` (switching on a loaded model) and ``lora_export`` (writing). This module gathers their
 public names.
 
 Canonical format (what :func:`save_lora` writes, "diffsynth_qie")

@@ -40,6 +40,9 @@ class UIConfig:
         "help": "keep the UI's temporary files under this many megabytes; the oldest are removed first"})
     device: str | None = field(default=None, metadata={
         "help": "torch device (default: cuda if available, else cpu)"})
+    lora_merge: bool = field(default=False, metadata={
+        "help": "merge the chosen LoRA into the weights (slightly faster steps, but a host copy of every weight it "
+                "touches); default: an unmerged adapter branch, so switching costs only the LoRA's own size"})
     preload: bool = field(default=True, metadata={
         "help": "start loading the model in the background at startup (--no-preload: load it on "
                 "the first Generate)"})

@@ -217,7 +217,7 @@ class UIHandlers:
 
             ensure_tiny(self.config.model_dir)
         return Editor.from_preset(model=self.config.model, model_dir=self.config.model_dir,
-                                  device=self.config.device)
+                                  device=self.config.device, lora_merge=self.config.lora_merge)
 
     @property
     def loaded(self) -> bool:
