@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "phase 2: train a LoRA on the DiT from the cache"),
     "eval-edits": ("eval_edits", "held-out PSNR to the target, without and with LoRA(s)"),
     "export-lora": ("export_lora", "convert a LoRA to ComfyUI or diffusers key names"),
+    "plan": ("plan", "predict peak GPU memory / host RAM and the cheapest options that fit a GPU"),
 }
 
 log = logging.getLogger("diffsynth_qie")

@@ -1,0 +1,85 @@
+"""`qie plan`: predicted peak GPU memory and host RAM, and the cheapest options that fit a GPU.
+
+Counts come from the real model classes built on the ``meta`` device (or a ``--model_dir``
+checkpoint's safetensors headers); activations from constants measured on the tiny model
+(``--calibrate`` prints the prediction beside a fresh measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+log = logging.getLogger(__name__)
+
+MODELS = ("edit", "2509", "2511", "tiny")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="2511", choices=MODELS, help="model preset")
+    parser.add_argument("--model_dir", default=None,
+                        help="count parameters from this checkpoint's DiT safetensors headers instead")
+    parser.add_argument("--task", default="train", choices=("train", "edit"), help="a training step or an edit")
+    parser.add_argument("--resolution", type=int, default=1024, help="side of a square image (multiple of 16)")
+    parser.add_argument("--ref_images", type=int, default=1, help="reference images per sample")
+    parser.add_argument("--prompt_tokens", type=int, default=300, help="prompt tokens per sample")
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--lora_rank", type=int, default=32)
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "prodigy_sf"))
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--fp8_base", action="store_true", help="frozen DiT linears in FP8 (e4m3 + scales)")
+    parser.add_argument("--blocks_to_swap", type=int, default=0, help="DiT blocks kept in host RAM")
+    parser.add_argument("--zero_stage", type=int, default=0, choices=(0, 2, 3))
+    parser.add_argument("--num_gpus", type=int, default=1)
+    parser.add_argument("--no_cfg", action="store_true", help="edit: --cfg 1 (no negative pass)")
+    parser.add_argument("--gpu_memory_gb", type=float, default=None,
+                        help="also print the cheapest options (least slowdown) predicted to fit this many GiB")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure tiny training steps on the CPU and print them beside the predictions")
+
+
+def run(args) -> int:
+    from ..models.memory_plan import PlanOptions, describe, format_plan, predict, recommend
+
+    if args.calibrate:
+        from ..models.memory_probe import calibration_table
+        log.info("tiny model, one forward + backward on the CPU (fp32), LoRA rank 4:\n%s", calibration_table())
+        return 0
+    census = _census(args)
+    base = PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
+                       prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
+                       optimizer=args.optimizer, gradient_checkpointing=args.gradient_checkpointing,
+                       fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
+                       num_gpus=args.num_gpus, cfg=not args.no_cfg)
+    log.info("DiT: %.3f B parameters, %d blocks of %.3f B, width %d; LoRA rank %d: %.1f M parameters",
+             census.params / 1e9, census.num_layers, census.block_params / 1e9, census.dim,
+             base.lora_rank, census.lora_params(base.lora_rank) / 1e6)
+    log.info("%s (%d tokens per sample):\n%s", describe(base), base.tokens, format_plan(predict(census, base)))
+    if args.gpu_memory_gb is None:
+        return 0
+    fit = recommend(census, base, args.gpu_memory_gb)
+    if fit is None:
+        log.error("nothing fits %.1f GiB even with every option; lower --resolution or --batch_size, "
+                  "or use more GPUs with --zero_stage 3", args.gpu_memory_gb)
+        return 1
+    log.info("cheapest options that fit %.1f GiB: %s\n%s", args.gpu_memory_gb, describe(fit.options),
+             format_plan(fit))
+    return 0
+
+
+def _census(args):
+    from ..models.model_census import census_from_files, dit_files, preset_census
+    from ..models.presets import get_preset
+
+    if args.model_dir is None:
+        return preset_census(args.model, with_encoders=args.task == "edit")
+    preset = get_preset(args.model)
+    files = dit_files(args.model_dir, preset.dit.pattern)
+    if not files:
+        raise ValueError(f"--model_dir {args.model_dir} has no {preset.dit.pattern}; "
+                         f"pass the model repository's folder (it contains transformer/)")
+    census = census_from_files(files, preset.lora_target_modules)
+    if args.task == "edit":  # encoders' sizes are the preset's own (identical in every Edit repo)
+        enc = preset_census(args.model, with_encoders=True)
+        census = dataclasses.replace(census, text_encoder_params=enc.text_encoder_params, vae_params=enc.vae_params)
+    return census

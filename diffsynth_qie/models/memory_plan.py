@@ -1,0 +1,215 @@
+"""Predicted peak GPU memory and host RAM of a training step or an edit: the maths of ``qie plan``.
+
+Pure functions of a :class:`~.model_census.DiTCensus` (counts taken from the real modules on the
+``meta`` device) and :class:`PlanOptions`. Every term, in bytes:
+
+- DiT weights: ``params * b`` (``b`` = 2 for bf16). ``fp8_base`` stores each linear weight in one
+  byte (e4m3) plus one fp32 scale per output channel; biases and norms stay in bf16.
+  ``blocks_to_swap N`` keeps N blocks in host RAM and adds ``min(N, 2)`` blocks of GPU buffers
+  (the running block and the prefetched one). ZeRO-3 keeps ``1/num_gpus`` of the weights plus two
+  gathered blocks.
+- LoRA: ``r * sum(in + out)`` over the targeted linears, at 16 bytes per parameter with AdamW
+  (fp32 weight, gradient and two moments; 20 with ``prodigy_sf``'s three states). ZeRO-2 divides
+  gradients and optimizer state by ``num_gpus``, ZeRO-3 all of it.
+- Activations, per sample of ``T = (H/16)(W/16)(1 + refs) + prompt_tokens`` tokens and model
+  width ``d``, in elements of ``b`` bytes:
+  without checkpointing ``T * d * (L * (K_BLOCK + n_t * r / d) + K_OUTSIDE)``;
+  with checkpointing ``T * d * (L * K_BOUNDARY + K_BLOCK + n_t * r / d + K_OUTSIDE_CKPT)``
+  (the saved block inputs plus one block being recomputed), where ``n_t`` is the number of
+  LoRA-targeted linears a token passes per block (each keeps its rank-r intermediate).
+  The constants are measured, not guessed: see :data:`CALIBRATION`.
+- A fixed allowance for the CUDA context and allocator fragmentation.
+
+Host RAM: a process baseline, the swapped blocks (pinned), and the state dict while loading.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from .model_census import DiTCensus
+
+GiB = 1024 ** 3
+
+# Activation constants, in elements per token and per unit of model width, fitted by
+# least squares on peak memory measured during one forward + backward of the tiny DiT
+# (DiffSynth's QwenImageTransformerBlock at dim 64, fp32, CPU, LoRA rank 4 on the default
+# targets; `models/memory_probe.py`, `qie plan --calibrate`) at 2, 4 and 6 blocks with and
+# without checkpointing (the LoRA gradients, allocated while activations are freed, are inside
+# the measured peak; the plan lists them again under LoRA, which errs on the safe side). The blocks are the real model's code, so the element counts per token
+# and width carry over; attention keeps no S x S matrix (measured: memory is linear in tokens).
+CALIBRATION = {
+    "K_BLOCK": 26.27,  # kept per block for backward (q, k, v, MLP hidden, norms, gates)
+    "K_OUTSIDE": 3.67,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, transients
+    "K_BOUNDARY": 1.13,  # checkpointing: each block's saved inputs (image + text hidden states)
+    "K_OUTSIDE_CKPT": 2.08,  # checkpointing: everything outside the recomputed block
+}
+OPTIMIZER_BYTES = {"adamw": 16, "prodigy_sf": 20}  # per trainable parameter, weight included
+FP8_SCALE_BYTES = 4
+CUDA_OVERHEAD = int(1.0 * GiB)  # CUDA context + allocator slack (assumed; not in the tiny runs)
+HOST_BASELINE = int(3.0 * GiB)  # Python, torch, CUDA libraries, dataloader (assumed)
+DEFAULT_PROMPT_TOKENS = 300
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    task: Literal["train", "edit"] = "train"
+    resolution: int = 1024  # side of a square image, pixels
+    ref_images: int = 1
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    batch_size: int = 1
+    lora_rank: int = 32
+    optimizer: Literal["adamw", "prodigy_sf"] = "adamw"
+    gradient_checkpointing: bool = False
+    fp8_base: bool = False
+    blocks_to_swap: int = 0
+    zero_stage: int = 0
+    num_gpus: int = 1
+    cfg: bool = True  # edit: true CFG runs the negative prompt in the same batch
+    dtype_bytes: int = 2  # bf16 on GPUs; the CPU calibration runs fp32 (4)
+    overhead_bytes: int = CUDA_OVERHEAD
+
+    def validate(self, census: DiTCensus) -> None:
+        if self.resolution % 16 or self.resolution <= 0:
+            raise ValueError(f"--resolution {self.resolution} must be a positive multiple of 16")
+        if not 0 <= self.blocks_to_swap < max(census.num_layers, 1):
+            raise ValueError(f"--blocks_to_swap {self.blocks_to_swap} must be in 0..{census.num_layers - 1}")
+        if self.zero_stage not in (0, 2, 3):
+            raise ValueError(f"--zero_stage {self.zero_stage}: use 0 (none), 2 or 3")
+        if self.num_gpus < 1 or self.batch_size < 1 or self.ref_images < 0 or self.lora_rank < 0:
+            raise ValueError("--num_gpus and --batch_size must be >= 1, --ref_images and --lora_rank >= 0")
+        if self.zero_stage == 3 and self.blocks_to_swap:
+            raise ValueError("--blocks_to_swap cannot be combined with --zero_stage 3 (ZeRO-3 owns the weights); "
+                             "use one or the other")
+        if self.task == "edit" and self.zero_stage:
+            raise ValueError("--zero_stage applies to training only; drop it with --task edit")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one sample: target + references + prompt."""
+        return (self.resolution // 16) ** 2 * (1 + self.ref_images) + self.prompt_tokens
+
+
+@dataclass
+class Plan:
+    options: PlanOptions
+    gpu: dict[str, int] = field(default_factory=dict)  # component -> bytes per GPU
+    host: dict[str, int] = field(default_factory=dict)  # component -> bytes per process
+
+    @property
+    def gpu_peak(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def host_peak(self) -> int:
+        return sum(self.host.values())
+
+
+def dit_weight_bytes(c: DiTCensus, o: PlanOptions) -> tuple[int, int]:
+    """(all DiT weights, one block) in bytes, FP8 or not."""
+    if not o.fp8_base:
+        return c.params * o.dtype_bytes, c.block_params * o.dtype_bytes
+    total = ((c.params - c.linear_weight_params) * o.dtype_bytes + c.linear_weight_params
+             + c.linear_out_features * FP8_SCALE_BYTES)
+    return total, round(c.block_params * total / c.params)
+
+
+def activation_bytes(c: DiTCensus, o: PlanOptions) -> int:
+    k = CALIBRATION
+    lora = c.lora_token_targets * o.lora_rank / c.dim
+    if o.gradient_checkpointing:
+        per = c.num_layers * k["K_BOUNDARY"] + k["K_BLOCK"] + lora + k["K_OUTSIDE_CKPT"]
+    else:
+        per = c.num_layers * (k["K_BLOCK"] + lora) + k["K_OUTSIDE"]
+    return round(o.batch_size * o.tokens * c.dim * per * o.dtype_bytes)
+
+
+def lora_bytes(c: DiTCensus, o: PlanOptions) -> tuple[int, int]:
+    """(trainable weights, gradients + optimizer state) per GPU."""
+    n = c.lora_params(o.lora_rank)
+    weights = 4 * n
+    rest = (OPTIMIZER_BYTES[o.optimizer] - 4) * n
+    if o.zero_stage >= 2:
+        rest //= o.num_gpus
+    if o.zero_stage == 3:
+        weights //= o.num_gpus
+    return weights, rest
+
+
+def predict(c: DiTCensus, o: PlanOptions) -> Plan:
+    """The predicted per-GPU and per-process memory of ``o`` on the model ``c``."""
+    o.validate(c)
+    plan = Plan(o)
+    weights, block = dit_weight_bytes(c, o)
+    if o.zero_stage == 3:
+        plan.gpu["DiT weights (1/num_gpus + 2 gathered blocks)"] = weights // o.num_gpus + 2 * block
+    else:
+        swapped = o.blocks_to_swap * block
+        plan.gpu["DiT weights" + (f" ({o.blocks_to_swap} blocks in host RAM)" if swapped else "")] = weights - swapped
+        if swapped:
+            plan.gpu["block swap buffers"] = min(o.blocks_to_swap, 2) * block
+            plan.host["swapped blocks (pinned)"] = swapped
+    if o.task == "train":
+        lw, rest = lora_bytes(c, o)
+        plan.gpu["LoRA weights"] = lw
+        plan.gpu["LoRA gradients + optimizer state"] = rest
+        plan.gpu["activations" + (" (checkpointed)" if o.gradient_checkpointing else "")] = activation_bytes(c, o)
+    else:
+        batch = o.batch_size * (2 if o.cfg else 1)
+        plan.gpu["text encoder + VAE"] = (c.text_encoder_params + c.vae_params) * o.dtype_bytes
+        # no graph is kept: the working set of one block (upper bound), not the whole stack
+        plan.gpu["activations (one block, no grad)"] = round(
+            batch * o.tokens * c.dim * (CALIBRATION["K_BLOCK"] + CALIBRATION["K_OUTSIDE"]) * o.dtype_bytes)
+    plan.gpu["CUDA context + allocator slack"] = o.overhead_bytes
+    plan.host["process baseline"] = HOST_BASELINE
+    # the bf16 state dict passes through host memory while loading (before any FP8 conversion;
+    # per rank, 1/num_gpus with ZeRO-3's sharded loading)
+    plan.host["DiT state dict while loading"] = c.params * o.dtype_bytes // (o.num_gpus if o.zero_stage == 3 else 1)
+    return plan
+
+
+def candidates(c: DiTCensus, base: PlanOptions) -> list[PlanOptions]:
+    """Option sets from the least to the most slowdown, never weaker than ``base``'s own choices:
+    checkpointing < FP8 < swapping N blocks (N ascending) < ZeRO-3."""
+    stages = [base.zero_stage] if base.num_gpus == 1 or base.task == "edit" else sorted({max(base.zero_stage, 2), 3})
+    ckpts = [True] if base.gradient_checkpointing or base.task == "edit" else [False, True]
+    fp8s = [True] if base.fp8_base else [False, True]
+    out = []
+    for stage in stages:
+        swaps = [0] if stage == 3 else range(base.blocks_to_swap, c.num_layers)
+        for swap in swaps:
+            for fp8 in fp8s:
+                for ckpt in ckpts:
+                    out.append(dataclasses.replace(base, zero_stage=stage, blocks_to_swap=swap, fp8_base=fp8,
+                                                   gradient_checkpointing=ckpt))
+    return out
+
+
+def recommend(c: DiTCensus, base: PlanOptions, gpu_memory_gb: float) -> Optional[Plan]:
+    """The first (cheapest) option set whose predicted peak fits ``gpu_memory_gb``; None if none does."""
+    budget = gpu_memory_gb * GiB
+    for opts in candidates(c, base):
+        plan = predict(c, opts)
+        if plan.gpu_peak <= budget:
+            return plan
+    return None
+
+
+def describe(o: PlanOptions) -> str:
+    parts = [f"--resolution {o.resolution}", f"--ref_images {o.ref_images}", f"--batch_size {o.batch_size}"]
+    if o.task == "train":
+        parts.append(f"--lora_rank {o.lora_rank}")
+        parts += ["--gradient_checkpointing"] if o.gradient_checkpointing else []
+    parts += ["--fp8_base"] if o.fp8_base else []
+    parts += [f"--blocks_to_swap {o.blocks_to_swap}"] if o.blocks_to_swap else []
+    parts += [f"--zero_stage {o.zero_stage} --num_gpus {o.num_gpus}"] if o.zero_stage else []
+    return " ".join(parts)
+
+
+def format_plan(plan: Plan) -> str:
+    rows = [f"  {name:<48} {b / GiB:8.2f} GiB" for name, b in plan.gpu.items()]
+    rows.append(f"  {'predicted peak GPU memory (per GPU)':<48} {plan.gpu_peak / GiB:8.2f} GiB")
+    rows += [f"  host: {name:<42} {b / GiB:8.2f} GiB" for name, b in plan.host.items()]
+    rows.append(f"  {'predicted peak host RAM (per process)':<48} {plan.host_peak / GiB:8.2f} GiB")
+    return "\n".join(rows)

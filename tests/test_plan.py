@@ -1,0 +1,129 @@
+"""`qie plan`: counts from the meta-built DiT, predictions against tiny measurements, the search."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffsynth_qie.models.memory_plan import GiB, PlanOptions, activation_bytes, candidates, predict, recommend
+from diffsynth_qie.models.memory_probe import (ProbeCase, measure_step_peak, predicted_step_bytes, tiny_census,
+                                               tiny_lora_dit)
+from diffsynth_qie.models.model_census import census_from_files, census_from_module, preset_census
+from diffsynth_qie.models.presets import LORA_TARGETS_2511
+
+# Activation constants were fitted at 2/4/6 blocks, batch 1, 128 px, one reference, 40 prompt
+# tokens, rank 4; the prediction must hold for other batches, sizes and ranks within this.
+TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def real():
+    return preset_census("2511", with_encoders=False)
+
+
+def test_real_dit_counts_from_meta(real):
+    from diffsynth.models.qwen_image_dit import QwenImageDiT
+
+    with torch.device("meta"):
+        dit = QwenImageDiT()
+    assert real.params == sum(p.numel() for p in dit.parameters())
+    assert real.num_layers == len(dit.transformer_blocks) == 60 and real.dim == 3072
+    assert abs(real.params - 20.4e9) < 0.05e9  # the published "20 B" model
+    assert real.block_params == sum(p.numel() for p in dit.transformer_blocks[0].parameters())
+    # LoRA parameters: r * (in + out) summed over every targeted linear, counted by hand from the modules
+    lora = sum(m.in_features + m.out_features for n, m in dit.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in LORA_TARGETS_2511))
+    assert real.lora_params(32) == 32 * lora
+    # to_q/k/v, to_out.0, img_mlp.net.2 on image tokens (same count on text tokens)
+    assert real.lora_token_targets == 5
+
+
+def test_census_from_safetensors_header_matches_module(tiny_model_dir):
+    from diffsynth_qie.models.tiny import DIT_FILE, DIT_SIZES, TinyQwenImageDiT
+
+    with torch.device("meta"):
+        module = census_from_module(TinyQwenImageDiT(**DIT_SIZES), LORA_TARGETS_2511)
+    assert census_from_files([tiny_model_dir / DIT_FILE], LORA_TARGETS_2511) == module
+
+
+@pytest.mark.parametrize("case", [
+    ProbeCase(batch_size=2),
+    ProbeCase(batch_size=2, gradient_checkpointing=True),
+    ProbeCase(num_layers=3, resolution=192, ref_images=2, prompt_tokens=64, gradient_checkpointing=True),
+    ProbeCase(num_layers=3, resolution=192, ref_images=0, prompt_tokens=64, lora_rank=16),
+], ids=["b2", "b2-ckpt", "3blocks-192px-2refs-ckpt", "3blocks-0refs-rank16"])
+def test_prediction_matches_tiny_measurement(case):
+    measured, predicted = measure_step_peak(case), predicted_step_bytes(case)
+    assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)
+
+
+def test_checkpointing_measured_and_predicted_savings_agree():
+    dit = tiny_lora_dit(4, 4)
+    plain, ckpt = ProbeCase(num_layers=4), ProbeCase(num_layers=4, gradient_checkpointing=True)
+    m_plain, m_ckpt = measure_step_peak(plain, dit), measure_step_peak(ckpt, dit)
+    assert m_ckpt < 0.5 * m_plain  # 4 blocks: boundaries + one recomputed block
+    ratio_pred = predicted_step_bytes(ckpt) / predicted_step_bytes(plain)
+    assert abs(ratio_pred - m_ckpt / m_plain) < 0.05
+
+
+def test_more_swap_less_gpu_more_host(real):
+    plans = [predict(real, PlanOptions(gradient_checkpointing=True, blocks_to_swap=n)) for n in range(0, 60, 4)]
+    gpu = [p.gpu_peak for p in plans]
+    host = [p.host_peak for p in plans]
+    assert all(a > b for a, b in zip(gpu, gpu[1:]))  # 4 swapped blocks outweigh 2 prefetch buffers
+    assert all(a < b for a, b in zip(host, host[1:]))
+    # each further swapped block frees one block's bf16 weights
+    assert gpu[2] - gpu[3] == 4 * real.block_params * 2
+
+
+def test_fp8_halves_linear_weights_and_zero_divides(real):
+    bf16 = predict(real, PlanOptions())
+    fp8 = predict(real, PlanOptions(fp8_base=True))
+    w16, w8 = bf16.gpu["DiT weights"], fp8.gpu["DiT weights"]
+    assert w16 == real.params * 2
+    assert w16 - w8 == real.linear_weight_params - 4 * real.linear_out_features
+    assert 0.49 < w8 / w16 < 0.52
+    z2 = predict(real, PlanOptions(zero_stage=2, num_gpus=4))
+    assert z2.gpu["LoRA gradients + optimizer state"] * 4 == bf16.gpu["LoRA gradients + optimizer state"]
+    z3 = predict(real, PlanOptions(zero_stage=3, num_gpus=8))
+    assert z3.gpu_peak < z2.gpu_peak and z3.host_peak < bf16.host_peak
+
+
+def test_activation_prediction_scales_with_tokens(real):
+    one = activation_bytes(real, PlanOptions())
+    assert activation_bytes(real, PlanOptions(batch_size=2)) == pytest.approx(2 * one, rel=1e-9)
+    tokens = PlanOptions(ref_images=2).tokens / PlanOptions().tokens
+    assert activation_bytes(real, PlanOptions(ref_images=2)) == pytest.approx(tokens * one, rel=1e-9)
+
+
+@pytest.mark.parametrize("budget", [24, 48, 80])
+def test_recommendation_fits_and_is_the_cheapest(real, budget):
+    base = PlanOptions()
+    plan = recommend(real, base, budget)
+    assert plan is not None and plan.gpu_peak <= budget * GiB
+    order = candidates(real, base)
+    earlier = order[: order.index(plan.options)]
+    assert all(predict(real, o).gpu_peak > budget * GiB for o in earlier)
+
+
+def test_nothing_fits_a_tiny_budget(real):
+    assert recommend(real, PlanOptions(), 4) is None
+
+
+def test_invalid_options_name_the_flag(real):
+    with pytest.raises(ValueError, match="--blocks_to_swap 60"):
+        predict(real, PlanOptions(blocks_to_swap=60))
+    with pytest.raises(ValueError, match="--zero_stage 3"):
+        predict(real, PlanOptions(blocks_to_swap=4, zero_stage=3, num_gpus=2))
+    with pytest.raises(ValueError, match="--resolution 1000"):
+        predict(real, PlanOptions(resolution=1000))
+
+
+def test_qie_plan_prints_a_fitting_configuration(capfd):
+    from diffsynth_qie.cli import main
+
+    assert main(["plan", "--model", "2511", "--gpu_memory_gb", "24"]) == 0
+    out, err = capfd.readouterr()
+    text = out + err
+    assert "cheapest options that fit 24.0 GiB" in text
+    peaks = [float(line.split()[-2]) for line in text.splitlines() if "predicted peak GPU memory" in line]
+    assert len(peaks) == 2 and peaks[1] <= 24 < peaks[0]
