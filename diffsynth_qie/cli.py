@@ -18,6 +18,7 @@ from .utils.logging import setup_logging
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("make_tiny", "build the tiny Qwen-Image-Edit model on disk (tests, demo)"),
     "make-demo-data": ("make_demo_data", "write a small synthetic editing dataset"),
+    "make-dataset": ("make_dataset", "DiffSynth metadata (JSON/JSONL) from folders of images, checked in parallel"),
     "edit": ("edit", "edit image(s) with a prompt, optional mask, LoRA and LBM sampling"),
     "cache": ("cache", "phase 1: cache prompt embeddings and VAE latents"),
     "train": ("train", "phase 2: train a LoRA on the DiT from the cache"),

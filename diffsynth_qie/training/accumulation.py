@@ -47,3 +47,22 @@ def step_mean(values: Sequence[torch.Tensor], scales: Sequence[float]) -> torch.
     """
     return torch.stack([v.detach().float() * s if s != 1.0 else v.detach().float()
                         for v, s in zip(values, scales)]).mean()
+
+
+def step_sample_starts(local_sizes: Sequence[int], accelerator=None) -> tuple[list[int], int]:
+    """Global index of the first sample of each of this rank's micro-batches, and the step's sample count.
+
+    Samples are numbered rank-major (all of rank 0's micro-batches, then rank 1's, ...), then by
+    micro-batch, then by position: every sample of the step has one index in ``range(total)``.
+    """
+    local = [int(n) for n in local_sizes]
+    offset, total = 0, sum(local)
+    if accelerator is not None and accelerator.num_processes > 1:
+        per_rank = accelerator.gather(torch.tensor([total], dtype=torch.int64, device=accelerator.device))
+        per_rank = [int(v) for v in per_rank.cpu().tolist()]
+        offset, total = sum(per_rank[:accelerator.process_index]), sum(per_rank)
+    starts = []
+    for n in local:
+        starts.append(offset)
+        offset += n
+    return starts, total

@@ -87,9 +87,10 @@ class OptimConfig:
 class TimestepConfig:
     """Which noise levels σ training sees (per sample, from DiffSynth's Qwen-Image schedule)."""
 
-    timestep_sampling: Literal["uniform", "logit_normal"] = field(default="uniform", metadata=_help(
-        "uniform over the scheduler's 1000 training timesteps (DiffSynth), or logit-normal (SD3) over "
-        "the same shifted schedule"))
+    timestep_sampling: Literal["uniform", "logit_normal", "stratified"] = field(default="uniform", metadata=_help(
+        "uniform over the scheduler's 1000 training timesteps (DiffSynth), logit-normal (SD3) over "
+        "the same shifted schedule, or stratified: uniform, with the σ's of one optimizer step (all "
+        "micro-batches and ranks) one in each of as many equal strata (lower-variance loss curves)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
     logit_std: float = field(default=1.0, metadata=_help("logit_normal: standard deviation"))
     min_timestep_boundary: float = field(default=0.0, metadata=_help(
@@ -245,6 +246,9 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 <= ts.min_timestep_boundary < ts.max_timestep_boundary <= 1.0:
         raise ValueError("need 0 <= --min_timestep_boundary < --max_timestep_boundary <= 1, got "
                          f"{ts.min_timestep_boundary} and {ts.max_timestep_boundary}")
+    if ts.timestep_sampling == "stratified" and ls.loss != "sft":
+        raise ValueError("--timestep_sampling stratified applies to --loss sft; --loss lbm draws its σ's "
+                         "with --lbm_sigma_sampling")
     if ts.logit_std <= 0 or not math.isfinite(ts.logit_mean):
         raise ValueError(f"--logit_std must be > 0 (got {ts.logit_std}) and --logit_mean finite")
     if ls.mask_loss_weights is not None:

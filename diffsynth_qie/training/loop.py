@@ -264,6 +264,8 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
             fetched = [next(stream) for _ in range(accumulation)]
             sizes = [len(batch["target_latents"]) for batch, _ in fetched]
             step_samples = step_sample_count(sizes, acc)
+            if run.cfg.timesteps.timestep_sampling == "stratified":  # the step's σ's: one per stratum
+                _attach_strata(fetched, sizes, t.seed, state.step, acc)
             micro: list[tuple[torch.Tensor, dict, float]] = []
             grad_norm = None
             for m, (batch, _) in enumerate(fetched):
@@ -313,6 +315,16 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
     result.steps, result.new_steps = state.step, state.step - first_step
     result.steps_per_second = result.new_steps / max(time.perf_counter() - t_loop, 1e-9)
     return result
+
+
+def _attach_strata(fetched, sizes, seed: int, step: int, accelerator) -> None:
+    """Give each fetched micro-batch its samples' strata of the step (``--timestep_sampling stratified``)."""
+    from .accumulation import step_sample_starts
+    from .timesteps import micro_strata, step_strata
+
+    starts, total = step_sample_starts(sizes, accelerator)
+    for (batch, _), strata in zip(fetched, micro_strata(step_strata(seed, step, total), starts, sizes)):
+        batch["timestep_strata"] = strata
 
 
 def _step_record(accelerator, micro, lr, optimizer, grad_norm, engine, state) -> dict:

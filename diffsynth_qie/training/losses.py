@@ -28,7 +28,7 @@ import torch
 from ..models.forward import dit_forward
 from .config import RunConfig
 from .loss_common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
-from .timesteps import draw_timesteps
+from .timesteps import Strata, draw_timesteps
 
 Tensor = torch.Tensor
 
@@ -41,8 +41,11 @@ def flow_match_sft_loss(dit, batch: dict, config: RunConfig, generator: torch.Ge
     n = len(targets)
     draws = []
     noisy, velocity = [], []
-    for x0 in targets:
-        d = draw_timesteps(1, config.timesteps, generator, weighting=config.loss.loss_weighting)
+    # --timestep_sampling stratified: the loop puts each sample's stratum of the step into the batch
+    strata = batch.get("timestep_strata")
+    for b, x0 in enumerate(targets):
+        one = None if strata is None else Strata((strata.strata[b],), strata.count)
+        d = draw_timesteps(1, config.timesteps, generator, weighting=config.loss.loss_weighting, strata=one)
         noise = sample_noise(x0, generator)
         sigma = d.sigmas[0].to(x0.device, torch.float32)
         noisy.append(add_noise(x0.float(), noise.float(), sigma).to(x0.dtype))
