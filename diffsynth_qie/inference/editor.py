@@ -211,11 +211,13 @@ class Editor:
     @classmethod
     def from_preset(cls, model: str = "tiny", model_dir=None, device: str | None = None,
                     torch_dtype: str | torch.dtype | None = None, device_map: Mapping[str, str] | str | None = None,
-                    cpu_offload: bool = False, zero_cond_t: bool | None = None) -> "Editor":
+                    cpu_offload: bool = False, zero_cond_t: bool | None = None, fp8_base: bool = False) -> "Editor":
         """Load ``model`` (edit, 2509, 2511, tiny; tiny is built on first use) and wrap it.
 
         dtype ``None``/"auto": bf16 when any component runs on a GPU, fp32 on CPU.
         With a ``device_map`` or ``cpu_offload`` the weights are loaded on the CPU first.
+        ``fp8_base``: the DiT's block linears are stored as FP8 (``models/fp8.py``), quantised
+        from a host copy straight onto the DiT's device; LoRAs are then applied unmerged.
         """
         from ..models.loading import default_device, load_pipeline
 
@@ -227,9 +229,13 @@ class Editor:
             on_gpu = any(not d.startswith("cpu") for d in devices.values())
             dtype = torch.bfloat16 if on_gpu else torch.float32
         split = len(set(devices.values())) > 1
-        load_device = "cpu" if (cpu_offload or split) else device
+        load_device = "cpu" if (cpu_offload or split or fp8_base) else device
         pipe = load_pipeline(model, model_dir=model_dir, device=load_device, torch_dtype=dtype,
                              zero_cond_t=zero_cond_t)
+        if fp8_base:
+            from ..models.fp8 import quantize_linears
+
+            quantize_linears(pipe.dit.requires_grad_(False), device="cpu" if cpu_offload else devices["dit"])
         pipe.device = devices["dit"]  # where the pipeline's own intermediate tensors live
         return cls(pipe, device_map=devices, cpu_offload=cpu_offload)
 

@@ -40,6 +40,9 @@ class UIConfig:
         "help": "keep the UI's temporary files under this many megabytes; the oldest are removed first"})
     device: str | None = field(default=None, metadata={
         "help": "torch device (default: cuda if available, else cpu)"})
+    fp8_base: bool = field(default=False, metadata={
+        "help": "store the DiT's block weights as float8 e4m3 with per-channel scales (about half the DiT "
+                "memory of bf16)"})
     preload: bool = field(default=True, metadata={
         "help": "start loading the model in the background at startup (--no-preload: load it on "
                 "the first Generate)"})

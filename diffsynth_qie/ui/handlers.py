@@ -217,7 +217,7 @@ class UIHandlers:
 
             ensure_tiny(self.config.model_dir)
         return Editor.from_preset(model=self.config.model, model_dir=self.config.model_dir,
-                                  device=self.config.device)
+                                  device=self.config.device, fp8_base=self.config.fp8_base)
 
     @property
     def loaded(self) -> bool:
