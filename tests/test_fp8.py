@@ -218,5 +218,8 @@ def test_edit_latents_with_fp8_base_stay_close(tiny_model_dir):
         editor = Editor.from_preset("tiny", model_dir=tiny_model_dir, device="cpu", fp8_base=fp8)
         assert len(fp8_layers(editor.pipe.dit)) == (28 if fp8 else 0)
         latents.append(editor.edit(request).latents)
+    with pytest.raises(ValueError, match="FP8"):  # merging into FP8 bits would be wrong: refused
+        editor.set_loras([("any.safetensors", 1.0)])
+    editor.set_loras([])
     rel = float((latents[1] - latents[0]).norm() / latents[0].norm())
     assert 1e-6 < rel < 5e-3, rel  # measured 8.4e-4 (4 steps, true CFG 2)

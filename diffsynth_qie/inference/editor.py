@@ -246,6 +246,11 @@ class Editor:
         Merged into the weights (no per-step cost); switching restores the base weights
         bit-exactly first, without reloading the model. Returns the load reports.
         """
+        from ..models.fp8 import fp8_layers
+
+        if loras and fp8_layers(self.pipe.dit):  # a merge would add an unscaled delta to FP8 bits
+            raise ValueError("LoRAs cannot be merged into FP8 base weights; load the model without --fp8_base "
+                             "to apply LoRAs")
         if self._loras is None:
             from ..models.lora_manager import LoraManager
 
