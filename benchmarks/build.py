@@ -21,7 +21,7 @@ way on the CPU.
 Optional speed-ups (each off by default; ``NOTES.md`` records predictions and
 outcomes): :func:`sdpa_context` (attention backend), :func:`compile_blocks`
 (regional ``torch.compile``), :func:`wrap_selective_checkpointing` (checkpoint every
-k-th block) and :func:`apply_fp8_base` (FP8 storage of the frozen base weights).
+k-th block) and :func:`apply_fp8_base` (the product's FP8 base weights).
 """
 from __future__ import annotations
 
@@ -244,57 +244,15 @@ def _blocks(dit: torch.nn.Module) -> list[torch.nn.Module]:
     return [b.block if isinstance(b, CheckpointedBlock) else b for b in dit.transformer_blocks]
 
 
-class _FP8Linear(torch.autograd.Function):
-    """``x @ (w8·scale)ᵀ + b`` that saves the FP8 weight (not a bf16 copy) for the input-gradient."""
-
-    @staticmethod
-    def forward(ctx, x, weight8, scale, bias):
-        ctx.save_for_backward(weight8, scale)
-        weight = weight8.to(x.dtype) * scale.to(x.dtype)
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        weight8, scale = ctx.saved_tensors
-        weight = weight8.to(grad_out.dtype) * scale.to(grad_out.dtype)
-        return grad_out @ weight, None, None, None
-
-
-class FP8StorageLinear(torch.nn.Linear):
-    """A frozen ``Linear`` whose weight is stored as float8_e4m3fn with one per-tensor scale.
-
-    Halves the base model's memory (≈20 GB saved on the 20 B DiT); the matmul still
-    runs in the activation dtype (weight-only quantisation: memory, not speed). The
-    FP8-matmul variant (``torch._scaled_mm`` / torchao float8 training) is a TODO.
-    """
-
-    @classmethod
-    def from_linear(cls, linear: torch.nn.Linear) -> "FP8StorageLinear":
-        new = cls.__new__(cls)
-        torch.nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach()
-        scale = w.abs().amax().float().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-        new.weight = torch.nn.Parameter((w.float() / scale).to(torch.float8_e4m3fn), requires_grad=False)
-        new.register_buffer("scale", scale.reshape(()))
-        new.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
-        return new
-
-    def forward(self, x):
-        return _FP8Linear.apply(x, self.weight, self.scale, self.bias)
-
-
 def apply_fp8_base(dit: torch.nn.Module) -> int:
-    """Replace every ``nn.Linear`` inside the transformer blocks by :class:`FP8StorageLinear`.
+    """``--fp8_base``: the product's FP8 base weights (``diffsynth_qie.models.fp8.quantize_linears``).
 
-    Call before :func:`add_lora` (PEFT then wraps the FP8 layers; DiffSynth's
-    ``add_lora_to_model`` upcasts the adapters back to the training dtype). Returns
-    the number of layers converted.
+    Quantises every frozen linear of the transformer blocks (e4m3, a scale per output
+    channel, compute in the activation dtype). Call after :func:`add_lora` (only PEFT's
+    ``base_layer`` is quantised; the adapters stay in their dtype); calling it again after a
+    new injection converts only what is new. Returns the number of FP8 layers in ``dit``.
     """
-    todo = [(name, m) for name, m in dit.transformer_blocks.named_modules()
-            if type(m) is torch.nn.Linear]
-    for name, module in todo:
-        parent_name, _, child = name.rpartition(".")
-        parent = dit.transformer_blocks.get_submodule(parent_name) if parent_name else dit.transformer_blocks
-        setattr(parent, child, FP8StorageLinear.from_linear(module))
-    return len(todo)
+    from diffsynth_qie.models.fp8 import fp8_layers, quantize_linears
+
+    quantize_linears(dit)
+    return len(fp8_layers(dit))

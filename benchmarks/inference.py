@@ -96,7 +96,7 @@ def build_pipeline(cfg: InferBenchConfig, device: torch.device, dtype: torch.dty
     pipe = QwenImagePipeline(device=str(device), torch_dtype=dtype)
     pipe.dit = build.build_dit(cfg.tiny, device, dtype, seed=cfg.seed)
     if cfg.fp8_base:
-        log.info("FP8 base weights: %d linear layers converted", build.apply_fp8_base(pipe.dit))
+        log.info("FP8 base weights: %d linear layers converted", build.apply_fp8_base(pipe.dit.requires_grad_(False)))
     pipe.text_encoder = build.build_text_encoder(cfg.tiny, device, dtype, seed=cfg.seed + 1)
     pipe.vae = build.build_vae(cfg.tiny, device, dtype, seed=cfg.seed + 2)
     pipe.tokenizer, pipe.processor = build.build_tokenizer_and_processor(cfg.tiny)

@@ -96,7 +96,7 @@ class TrainBenchConfig:
         "help": "regional torch.compile of every transformer block"})
     compile_backend: str = field(default="inductor", metadata={"help": "torch.compile backend for --compile_blocks"})
     fp8_base: bool = field(default=False, metadata={
-        "help": "store the frozen block weights in FP8 (e4m3, per-tensor scale; bf16 compute)"})
+        "help": "store the frozen block weights in FP8 (e4m3, per-channel scale; bf16 compute), as `qie train --fp8_base`"})
     selective_checkpointing: int = field(default=0, metadata={
         "help": "also run with every k-th block checkpointed (0 = off)", "metavar": "K"})
     tag: str = field(default="", metadata={"help": "label appended to row ids (e.g. an attempt name)"})
@@ -332,8 +332,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
              "fp32" if cfg.tiny else "bf16", env["torch"], env["diffsynth"])
     t0 = time.perf_counter()
     dit = build.build_dit(cfg.tiny, device, dtype, seed=cfg.seed)
-    if cfg.fp8_base:
-        log.info("FP8 base weights: %d linear layers converted", build.apply_fp8_base(dit))
     dims = flops.dims_of(dit)
     pipe = stock_pipeline(dit, device, dtype)
     log.info("built %s DiT (%d blocks, dim %d, %.2f B params) in %.1f s", "tiny" if cfg.tiny else "full",
@@ -342,9 +340,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rows, parity = [], None
     for rank in cfg.lora_ranks:
         module = our_module(dit, rank, gradient_checkpointing=True, batch_size=1)
-        # PEFT creates the adapters in the base weights' dtype (FP8 with --fp8_base); start from
-        # DiffSynth's choice (the pipeline dtype) — each case then sets its own LoRA dtype.
+        # Start from DiffSynth's choice of adapter dtype (the pipeline dtype); each case then sets its own.
         set_lora_dtype(list(module.trainable_modules()), dtype)
+        if cfg.fp8_base:  # after the injection: only the frozen base layers are quantised
+            log.info("FP8 base weights: %d linear layers", build.apply_fp8_base(dit))
         if cfg.compile_blocks:
             build.compile_blocks(dit, cfg.compile_backend)
         if cfg.tiny and parity is None:

@@ -213,11 +213,13 @@ class Editor:
     def from_preset(cls, model: str = "tiny", model_dir=None, device: str | None = None,
                     torch_dtype: str | torch.dtype | None = None, device_map: Mapping[str, str] | str | None = None,
                     cpu_offload: bool = False, zero_cond_t: bool | None = None,
-                    lora_merge: bool = False) -> "Editor":
+                    lora_merge: bool = False, fp8_base: bool = False) -> "Editor":
         """Load ``model`` (edit, 2509, 2511, tiny; tiny is built on first use) and wrap it.
 
         dtype ``None``/"auto": bf16 when any component runs on a GPU, fp32 on CPU.
         With a ``device_map`` or ``cpu_offload`` the weights are loaded on the CPU first.
+        ``fp8_base``: the DiT's block linears are stored as FP8 (``models/fp8.py``), quantised
+        from a host copy straight onto the DiT's device; LoRAs are then applied unmerged.
         """
         from ..models.loading import default_device, load_pipeline
 
@@ -229,9 +231,13 @@ class Editor:
             on_gpu = any(not d.startswith("cpu") for d in devices.values())
             dtype = torch.bfloat16 if on_gpu else torch.float32
         split = len(set(devices.values())) > 1
-        load_device = "cpu" if (cpu_offload or split) else device
+        load_device = "cpu" if (cpu_offload or split or fp8_base) else device
         pipe = load_pipeline(model, model_dir=model_dir, device=load_device, torch_dtype=dtype,
                              zero_cond_t=zero_cond_t)
+        if fp8_base:
+            from ..models.fp8 import quantize_linears
+
+            quantize_linears(pipe.dit.requires_grad_(False), device="cpu" if cpu_offload else devices["dit"])
         pipe.device = devices["dit"]  # where the pipeline's own intermediate tensors live
         return cls(pipe, device_map=devices, cpu_offload=cpu_offload, lora_merge=lora_merge)
 
@@ -245,6 +251,11 @@ class Editor:
         touched weight). Either way, switching restores the base weights bit-exactly,
         without reloading the model. Returns the load reports.
         """
+        from ..models.fp8 import fp8_layers
+
+        if loras and self.lora_merge and fp8_layers(self.pipe.dit):  # would add an unscaled delta to FP8 bits
+            raise ValueError("LoRAs cannot be merged into FP8 base weights: drop --lora_merge (LoRAs then run as "
+                             "unmerged branches beside the FP8 weights) or load the model without --fp8_base")
         if self._loras is None:
             from ..models.lora_manager import LoraManager
 

@@ -59,9 +59,13 @@ def _branch_hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -
     return output
 
 
-def adapter_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype adapters are held and computed in: the weight's, or bf16 for a quantised weight."""
-    return weight.dtype if weight.dtype in _COMPUTE_DTYPES else torch.bfloat16
+def adapter_dtype(weight: torch.Tensor, module: torch.nn.Module | None = None) -> torch.dtype:
+    """The dtype adapters are held and computed in: the weight's; for a quantised (FP8) weight, the dtype the
+    layer's bias is kept in (the model's compute dtype: fp32 on CPU, bf16 on GPU), else bf16."""
+    if weight.dtype in _COMPUTE_DTYPES:
+        return weight.dtype
+    bias = getattr(module, "bias", None)
+    return bias.dtype if isinstance(bias, torch.Tensor) and bias.dtype in _COMPUTE_DTYPES else torch.bfloat16
 
 
 def attach(module: torch.nn.Module, lora: LoraModule, scale: float) -> Adapter:
@@ -71,7 +75,7 @@ def attach(module: torch.nn.Module, lora: LoraModule, scale: float) -> Adapter:
     they already are). Several branches on one module add up, in attach order.
     """
     weight = module.weight
-    dtype = adapter_dtype(weight)
+    dtype = adapter_dtype(weight, module)
     adapters = _adapters(module)
     index = 0
     while hasattr(module, f"{_PREFIX}{index}_A"):

@@ -138,6 +138,10 @@ class TrainConfig:
     mixed_precision: MixedPrecision = field(default="auto", metadata=_help(
         "auto = bf16 on GPU, no (fp32) on CPU; under accelerate launch the launcher's setting wins"))
     gradient_checkpointing: bool = field(default=True, metadata=_help("recompute DiT blocks in backward (saves memory)"))
+    fp8_base: bool = field(default=False, metadata=_help(
+        "store the frozen DiT block linears as float8 e4m3 with a scale per output channel (half the "
+        "memory of a bf16 base; compute stays bf16/fp32; LoRA and --full_finetune_modules stay full "
+        "precision). Not with DeepSpeed ZeRO-3"))
     cfg_dropout: float = field(default=0.1, metadata=_help(
         "probability per sample of training with the cached empty-prompt embedding"))
     save_every: int = field(default=500, metadata=_help("checkpoint every N optimizer steps (0 = only at the end)"))

@@ -117,8 +117,10 @@ def device_name(accelerator) -> str:
 def load_dit(preset, config: RunConfig, accelerator):
     from ..models.loading import load_pipeline
 
+    # --fp8_base: load on the host, quantise each layer onto the device (the full-precision DiT never sits there)
     pipe = load_pipeline(preset, model_dir=config.train.model_dir, components=("dit",),
-                         device=device_name(accelerator), torch_dtype=weight_dtype(accelerator))
+                         device="cpu" if config.train.fp8_base else device_name(accelerator),
+                         torch_dtype=weight_dtype(accelerator))
     return pipe.dit
 
 
@@ -150,7 +152,7 @@ def setup(config: RunConfig) -> _Run:
     from ..models.presets import get_preset
     from . import checkpoint as ckpt
     from .data import build_training_data
-    from .module import QIETrainingModule
+    from .module import QIETrainingModule, check_fp8_base
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
                         configure_deepspeed)
     from .tracking import Tracker
@@ -175,7 +177,11 @@ def setup(config: RunConfig) -> _Run:
     total_steps = total_optimizer_steps(cfg, len(sampler.epoch_batches(0)))
 
     set_seed(t.seed)  # the LoRA init, identical on every rank
+    check_fp8_base(cfg, ds_config)
     module = QIETrainingModule(load_dit(preset, cfg, accelerator), cfg, preset.name)
+    if t.fp8_base:
+        module.quantize_frozen_base(accelerator.device)
+        module.to(accelerator.device)
     if ds_config is None:
         module.upcast_trainable(torch.float32)  # fp32 LoRA + optimizer states; DeepSpeed keeps fp32 masters itself
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)

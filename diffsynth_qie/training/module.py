@@ -35,6 +35,14 @@ def _is_zero3_param(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")
 
 
+def check_fp8_base(config: RunConfig, ds_config: Optional[dict]) -> None:
+    """``--fp8_base`` needs whole weights per rank; ZeRO-3 partitions them."""
+    stage = (ds_config or {}).get("zero_optimization", {}).get("stage")
+    if config.train.fp8_base and stage == 3:
+        raise ValueError("--fp8_base cannot be combined with DeepSpeed ZeRO-3 (its parameters are partitioned "
+                         "across ranks); use ZeRO-2 or DDP with --fp8_base, or ZeRO-3 without it")
+
+
 def canonical_param_name(name: str) -> str:
     """A trainable parameter's name in a LoRA file: no ``dit.`` prefix, no PEFT ``base_layer``."""
     if name.startswith("dit."):
@@ -101,6 +109,16 @@ class QIETrainingModule(DiffusionTrainingModule):
                                  "remove them from one of the two lists")
             for n in chosen:
                 params[n].requires_grad_(True)
+
+    def quantize_frozen_base(self, device: Optional[torch.device | str] = None):
+        """``--fp8_base``: store the frozen block linears as FP8 (``models/fp8.py``), made on ``device``.
+
+        Called after the LoRA is injected: only PEFT's ``base_layer`` is quantised; adapters and
+        ``--full_finetune_modules`` (trainable) stay in full precision. Returns the report.
+        """
+        from ..models.fp8 import quantize_linears
+
+        return quantize_linears(self.dit, skip=self.config.lora.full_finetune_modules or (), device=device)
 
     def upcast_trainable(self, dtype: torch.dtype = torch.float32) -> None:
         """Keep trainable weights in ``dtype`` (fp32 for AdamW states) while the frozen DiT

@@ -1,0 +1,182 @@
+"""FP8 base weights: frozen linears stored as float8 e4m3 with one scale per output channel.
+
+``quantize_linears(dit)`` replaces every frozen ``nn.Linear`` under ``transformer_blocks``
+(≈99.6 % of the real DiT's 20 B parameters) by :class:`Fp8Linear`. The weight is kept as
+``float8_e4m3fn`` bits, ``w ≈ q · s`` with ``s = max|w_row| / 448`` per output channel, and
+dequantised to the compute dtype inside ``forward`` (weight-only quantisation: it halves the
+memory of a bf16 base, it does not make matmuls faster). The backward pass saves the FP8
+weight, not a dequantised copy, so a step holds one layer's full-precision weight at a time.
+
+What stays in full precision: LoRA adapters (PEFT's ``lora_A``/``lora_B``; for a PEFT-wrapped
+linear only its ``base_layer`` is quantised), every linear with a trainable parameter (fully
+fine-tuned modules), the embeddings, norms and the output projection outside the blocks.
+
+Storage details that keep the FP8 bits intact: the bits are a ``uint8`` parameter
+(``weight_bits``) and the scale an ``int32`` view of fp32 values (``scale_bits``), both frozen
+parameters. ``module.to(torch.bfloat16)`` (DeepSpeed and accelerate cast whole models) and
+DDP's one-time broadcast of parameters then move them between devices without converting
+them, and ``compute dtype = first frozen floating-point parameter`` rules keep working.
+``weight`` (read-only) returns the ``float8_e4m3fn`` view; it cannot be merged into.
+
+Error bound (round-to-nearest into e4m3's 3 mantissa bits): for every element,
+``|w - q·s| <= 2^-4·|w| + 2^-10·s`` (relative 2^-4 for normal numbers, half the subnormal
+step below), hence per channel ``max|w - q·s| <= max|w| / 28`` (the top binade's half step,
+16, over 448).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+DEFAULT_SCOPE = "transformer_blocks"
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``q`` float8_e4m3fn of ``weight``'s shape, ``scale`` fp32 of shape ``[out]``."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q.to(dtype) * scale.to(dtype)[:, None]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """``x @ (q·s)ᵀ + b`` that saves the FP8 weight (not a dequantised copy) for backward."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias, dtype):
+        ctx.save_for_backward(q, scale)
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        b = None if bias is None else bias.to(dtype)
+        return torch.nn.functional.linear(x.to(dtype), dequantize_weight(q, scale, dtype), b)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, scale = ctx.saved_tensors
+        g = grad_out.to(ctx.dtype)
+        grad_x = (g @ dequantize_weight(q, scale, ctx.dtype)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.bias_grad else None
+        return grad_x, None, None, grad_b, None
+
+
+class Fp8Linear(torch.nn.Module):
+    """A frozen linear layer with float8 e4m3 weights and per-output-channel fp32 scales."""
+
+    def __init__(self, in_features: int, out_features: int, bias: Optional[torch.nn.Parameter],
+                 q: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_bits = torch.nn.Parameter(q.view(torch.uint8), requires_grad=False)
+        self.scale_bits = torch.nn.Parameter(scale.float().view(torch.int32), requires_grad=False)
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, device: Optional[torch.device | str] = None) -> "Fp8Linear":
+        """Quantise ``linear`` (its weight moved to ``device`` first, default: where it is)."""
+        weight = linear.weight.detach()
+        if device is not None:
+            weight = weight.to(device)
+        q, scale = quantize_weight(weight)
+        bias = linear.bias
+        if bias is not None:
+            bias = torch.nn.Parameter(bias.detach().to(weight.device), requires_grad=bias.requires_grad)
+        return cls(linear.in_features, linear.out_features, bias, q, scale)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The stored ``float8_e4m3fn`` weight (a view; multiply by :attr:`scale` row-wise)."""
+        return self.weight_bits.view(FP8_DTYPE)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.scale_bits.view(torch.float32)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Fp8LinearFn.apply(x, self.weight, self.scale, self.bias, _compute_dtype(x))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, weight=float8_e4m3fn, scale=per-output-channel"
+
+
+@dataclass
+class Fp8Report:
+    """What :func:`quantize_linears` did; bytes count the layers' weights (and scales)."""
+
+    layers: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)   # frozen-ness or ``skip`` kept them in full precision
+    params: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def summary(self) -> str:
+        return (f"FP8 base weights: {len(self.layers)} linear layers, {self.params / 1e6:.1f} M weights, "
+                f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB; "
+                f"{len(self.skipped)} trainable or skipped layer(s) kept in full precision")
+
+
+def _is_trainable(module: torch.nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def quantize_linears(model: torch.nn.Module, skip: Iterable[str] = (), scope: Optional[str] = DEFAULT_SCOPE,
+                     device: Optional[torch.device | str] = None) -> Fp8Report:
+    """Replace every frozen ``nn.Linear`` under ``scope`` of ``model`` by :class:`Fp8Linear`, in place.
+
+    ``skip``: module-path prefixes (relative to ``model``; PEFT's ``.base_layer`` ignored) kept
+    in full precision. Linears with a trainable parameter and PEFT adapters (``lora_A``,
+    ``lora_B``, ...) are always kept. ``scope`` ``None`` = the whole model. ``device``: where
+    the FP8 weights are made (quantise a CPU-loaded model straight onto the GPU, one layer at
+    a time). Already quantised layers are left alone, so calling it twice is harmless.
+    """
+    skip = [s.rstrip(".") for s in skip]
+    root = model.get_submodule(scope) if scope else model
+    prefix = f"{scope}." if scope else ""
+    report = Fp8Report()
+    todo = []
+    for name, module in root.named_modules():
+        if type(module) is not torch.nn.Linear:
+            continue
+        full = prefix + name
+        plain = full.replace(".base_layer", "")
+        if ".lora_" in f".{full}" or _is_trainable(module) \
+                or any(plain == s or plain.startswith(s + ".") for s in skip):
+            if ".lora_" not in f".{full}":
+                report.skipped.append(full)
+            continue
+        todo.append((name, full, module))
+    for name, full, module in todo:
+        new = Fp8Linear.from_linear(module, device)
+        parent_name, _, child = name.rpartition(".")
+        setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+        report.layers.append(full)
+        report.params += module.weight.numel()
+        report.bytes_before += module.weight.numel() * module.weight.element_size()
+        report.bytes_after += new.weight_bits.numel() + new.scale_bits.numel() * 4
+    log.info(report.summary())
+    return report
+
+
+def fp8_layers(model: torch.nn.Module) -> list[str]:
+    """Names of the :class:`Fp8Linear` modules in ``model``."""
+    return [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
