@@ -217,7 +217,7 @@ def test_edit_latents_with_fp8_base_stay_close(tiny_model_dir, tmp_path):
     g = torch.Generator().manual_seed(5)
     lora = save_lora(tmp_path / "lora.safetensors", {
         f"transformer_blocks.{i}.attn.{m}.lora_{ab}.weight": torch.randn(*((4, 64) if ab == "A" else (64, 4)),
-                                                                          generator=g) * 0.3
+                                                                          generator=g)
         for i in (0, 1) for m in ("to_q", "to_v") for ab in "AB"})
     latents, with_lora = [], []
     for fp8 in (False, True):
@@ -232,7 +232,7 @@ def test_edit_latents_with_fp8_base_stay_close(tiny_model_dir, tmp_path):
     # the LoRA acts on the FP8 base as on the full-precision one
     effect = float((with_lora[0] - latents[0]).norm() / latents[0].norm())
     rel_lora = float((with_lora[1] - with_lora[0]).norm() / with_lora[0].norm())
-    assert effect > 1e-2 and rel_lora < 5e-3, (effect, rel_lora)
+    assert effect > 1e-2 and rel_lora < 5e-3, (effect, rel_lora)  # measured 0.06 and 1e-3
     merging = Editor.from_preset("tiny", model_dir=tiny_model_dir, device="cpu", fp8_base=True, lora_merge=True)
     with pytest.raises(ValueError, match="FP8"):  # merging into FP8 bits would be wrong: refused
         merging.set_loras([(lora, 1.0)])

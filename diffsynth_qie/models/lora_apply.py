@@ -57,8 +57,8 @@ def match_lora(model: torch.nn.Module, state: LoraState) -> LoraState:
         elif tuple(weight.shape) != (mod.B.shape[0], mod.A.shape[1]):
             mismatched.append(f"{name} (LoRA {mod.B.shape[0]}x{mod.A.shape[1]} vs weight "
                               f"{weight.shape[0]}x{weight.shape[1]})")
-        else:
-            _check_delta(name, mod, weight, state.source)
+        else:  # a quantised (FP8) layer is checked against the weight it stands for
+            _check_delta(name, mod, target.dequantized() if hasattr(target, "dequantized") else weight, state.source)
     for name, tensor in state.full.items():
         if name not in params:
             missing.append(name)
