@@ -137,6 +137,10 @@ class TrainConfig:
     mixed_precision: MixedPrecision = field(default="auto", metadata=_help(
         "auto = bf16 on GPU, no (fp32) on CPU; under accelerate launch the launcher's setting wins"))
     gradient_checkpointing: bool = field(default=True, metadata=_help("recompute DiT blocks in backward (saves memory)"))
+    blocks_to_swap: int = field(default=0, metadata=_help(
+        "keep this many DiT blocks (the last ones) in pinned CPU memory and stream each to the GPU just before "
+        "it runs, forward and backward; 1..number of blocks (60 for the real DiT, ~0.68 GB bf16 each), "
+        "0 = off. Not under DeepSpeed (docs/MEMORY.md)"))
     cfg_dropout: float = field(default=0.1, metadata=_help(
         "probability per sample of training with the cached empty-prompt embedding"))
     save_every: int = field(default=500, metadata=_help("checkpoint every N optimizer steps (0 = only at the end)"))
@@ -220,7 +224,7 @@ def validate(cfg: RunConfig) -> None:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     non_negative = {"max_steps": t.max_steps, "num_epochs": t.num_epochs, "save_every": t.save_every,
                     "keep_last": t.keep_last, "validate_every": t.validate_every, "num_validation": t.num_validation,
-                    "num_workers": t.num_workers, "warmup_steps": o.warmup_steps, "lora_rank": lo.lora_rank}
+                    "num_workers": t.num_workers, "blocks_to_swap": t.blocks_to_swap, "warmup_steps": o.warmup_steps, "lora_rank": lo.lora_rank}
     for name, value in non_negative.items():
         if value < 0:
             raise ValueError(f"--{name} must be >= 0, got {value}")

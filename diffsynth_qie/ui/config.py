@@ -40,6 +40,9 @@ class UIConfig:
         "help": "keep the UI's temporary files under this many megabytes; the oldest are removed first"})
     device: str | None = field(default=None, metadata={
         "help": "torch device (default: cuda if available, else cpu)"})
+    blocks_to_swap: int = field(default=0, metadata={
+        "help": "keep the DiT's last N blocks in pinned CPU memory and stream each to the GPU just before it "
+                "runs (~0.68 GB bf16 saved per block of the real DiT); 0 = off"})
     preload: bool = field(default=True, metadata={
         "help": "start loading the model in the background at startup (--no-preload: load it on "
                 "the first Generate)"})

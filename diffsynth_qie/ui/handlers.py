@@ -217,7 +217,7 @@ class UIHandlers:
 
             ensure_tiny(self.config.model_dir)
         return Editor.from_preset(model=self.config.model, model_dir=self.config.model_dir,
-                                  device=self.config.device)
+                                  device=self.config.device, blocks_to_swap=self.config.blocks_to_swap)
 
     @property
     def loaded(self) -> bool:
