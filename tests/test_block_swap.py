@@ -217,3 +217,44 @@ def test_edit_latents_identical(tiny_model_dir):
     editor.block_swapper.remove()
     with pytest.raises(ValueError, match="cpu_offload"):
         Editor(pipe, cpu_offload=True, blocks_to_swap=1)
+
+
+def test_qie_train_with_swapping_trains_the_same_lora(tiny_model_dir, cache_dir, tmp_path, monkeypatch):
+    """The whole loop (accelerate, no device placement, optimizer, save): same losses, same LoRA."""
+    from safetensors.torch import load_file
+
+    from diffsynth_qie.training import loop, swapping
+    from diffsynth_qie.training.config import RunConfig, TrainConfig
+
+    made = []
+
+    class Recording(BlockSwapper):  # the loop's own swapper (host transport), with its events recorded
+        def __init__(self, *args, **kw):
+            super().__init__(*args, record_events=True, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(swapping, "BlockSwapper", Recording)
+    results = {}
+    for n in (0, 2):
+        cfg = RunConfig(train=TrainConfig(cache_dir=str(cache_dir), output_dir=str(tmp_path / f"swap{n}"),
+                                          model="tiny", model_dir=str(tiny_model_dir), max_steps=3, save_every=0,
+                                          device="cpu", blocks_to_swap=n))
+        result = loop.train(cfg)
+        results[n] = (result.losses, load_file(result.lora_path))
+    (losses0, lora0), (losses2, lora2) = results[0], results[2]
+    assert len(losses0) == 3 and losses0 == losses2
+    assert lora0.keys() == lora2.keys() and all(torch.equal(lora0[k], lora2[k]) for k in lora0)
+    assert any(not torch.equal(lora0[k], torch.zeros_like(lora0[k])) for k in lora0 if "lora_B" in k)
+    assert len(made) == 1 and made[0].swapped == [0, 1]
+    assert sum(e == ("in", 0) for e in made[0].events) >= 2 * 3  # forward and backward of every step
+
+
+def test_deepspeed_is_refused_by_name():
+    from diffsynth_qie.training.config import RunConfig, TrainConfig
+    from diffsynth_qie.training.swapping import install_block_swap
+
+    cfg = RunConfig(train=TrainConfig(cache_dir="c", output_dir="o", blocks_to_swap=4))
+    with pytest.raises(ValueError, match="--blocks_to_swap 4 does not work under DeepSpeed"):
+        install_block_swap(object(), cfg, object(), {"zero_optimization": {"stage": 2}})
+    assert install_block_swap(object(), RunConfig(train=TrainConfig(cache_dir="c", output_dir="o")), object(),
+                              {"zero_optimization": {"stage": 3}}) is None

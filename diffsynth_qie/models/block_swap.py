@@ -19,11 +19,14 @@ Why ``param.data`` and module hooks:
   ``register_full_backward_pre_hook`` does (it fires when the gradient of the block's
   outputs is ready, before any of the block's own backward nodes).
 - DiffSynth's ``gradient_checkpoint_forward`` calls the block module itself
-  (``module(*args, **kwargs)``), in the forward and again in the recompute, so forward
-  pre/post hooks see both. A recompute runs inside the backward pass
-  (``torch._C._current_graph_task_id() != -1``): then the block stays in after its
-  forward, because its backward follows at once. Saved-tensor hooks would see every
-  activation and fire once per tensor; the module hooks fire once per block.
+  (``module(*args, **kwargs)``), in the forward and again in the recompute, so the forward
+  pre-hook swaps the block in for both. PyTorch's non-reentrant checkpoint stops a
+  recompute as soon as the saved tensors are rebuilt (the post-hook may never run there)
+  and keeps detached aliases of them, i.e. of the device copies. A recompute runs inside
+  the backward pass (``torch._C._current_graph_task_id() != -1``); should the post-hook run
+  there (reentrant checkpointing), the block stays in, because its backward follows.
+  Saved-tensor hooks would see every activation and fire once per tensor; the module
+  hooks fire once per block, with or without checkpointing.
 - A block's backward is complete when the backward pre-hook of the next block in backward
   order fires (autograd runs ready nodes latest-created first, and the gradient of that
   block's outputs needs the whole of this block's input gradients); that hook swaps out
