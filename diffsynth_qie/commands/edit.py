@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="per-component devices, e.g. text_encoder=cuda:1,dit=cuda:0,vae=cuda:0")
     d.add_argument("--cpu_offload", action="store_true",
                    help="keep components on the CPU, move each to the GPU only while it runs")
+    d.add_argument("--blocks_to_swap", type=int, default=0, metavar="N",
+                   help="keep the DiT's last N blocks in pinned CPU memory and stream each to the GPU just before "
+                        "it runs (~0.68 GB bf16 saved per block of the real DiT; docs/MEMORY.md); 0 = off")
     d.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
     d.add_argument("--fp8_base", action="store_true",
                    help="store the DiT's block weights as float8 e4m3 with per-channel scales (about half "
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     editor = Editor.from_preset(args.model, model_dir=args.model_dir, device=args.device, torch_dtype=args.dtype,
                                 device_map=args.device_map, cpu_offload=args.cpu_offload,
                                 zero_cond_t=args.zero_cond_t, lora_merge=args.lora_merge,
-                                fp8_base=args.fp8_base)
+                                fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap)
     if loras:
         editor.set_loras(loras)
     request = EditRequest(

@@ -22,7 +22,9 @@ Devices
 - ``cpu_offload=True``: components stay on the CPU and each is moved to its device
   only while it runs (model-level offload; peak GPU memory = the largest component,
   the DiT: ≈40 GB bf16 for the real model). For GPUs smaller than the DiT use
-  DiffSynth's layer-level VRAM management instead: build the pipe with
+  ``blocks_to_swap=N`` (the last N DiT blocks stream from pinned CPU memory, prefetched on a
+  side stream; ≈0.68 GB bf16 saved per block, docs/MEMORY.md), or DiffSynth's layer-level
+  VRAM management: build the pipe with
   ``load_pipeline(..., model_config_kwargs={c: {"offload_device": "cpu", ...}},
   vram_limit=...)`` and wrap it with ``Editor(pipe)``; the editor calls
   ``pipe.load_models_to_device`` like DiffSynth's pipeline does (untested on GPU here).
@@ -179,7 +181,8 @@ class Editor:
     """Edit images with a loaded ``QwenImagePipeline`` (text encoder + DiT + VAE)."""
 
     def __init__(self, pipe, device_map: Mapping[str, str] | str | None = None, cpu_offload: bool = False,
-                 zero_cond_t: bool | None = None, offload_device: str = "cpu", lora_merge: bool = False):
+                 zero_cond_t: bool | None = None, offload_device: str = "cpu", lora_merge: bool = False,
+                 blocks_to_swap: int = 0):
         self.pipe = pipe
         self.lora_merge = bool(lora_merge)
         self.preset = getattr(pipe, "qie_preset", None)
@@ -203,8 +206,11 @@ class Editor:
             if module is None:
                 continue
             target = self.offload_device if self.cpu_offload else self.devices[name]
+            if name == "dit" and blocks_to_swap:
+                continue  # the block swapper places the DiT
             if _module_device(module) != target and not getattr(pipe, "vram_management_enabled", False):
                 module.to(device=target)
+        self.block_swapper = self._swap_blocks(blocks_to_swap)
         self._loras = None
         log.debug("editor devices %s, dtype %s, zero_cond_t %s, cpu_offload %s",
                   {k: str(v) for k, v in self.devices.items()}, self.dtype, self.zero_cond_t, self.cpu_offload)
@@ -213,12 +219,12 @@ class Editor:
     def from_preset(cls, model: str = "tiny", model_dir=None, device: str | None = None,
                     torch_dtype: str | torch.dtype | None = None, device_map: Mapping[str, str] | str | None = None,
                     cpu_offload: bool = False, zero_cond_t: bool | None = None,
-                    lora_merge: bool = False, fp8_base: bool = False) -> "Editor":
+                    lora_merge: bool = False, fp8_base: bool = False, blocks_to_swap: int = 0) -> "Editor":
         """Load ``model`` (edit, 2509, 2511, tiny; tiny is built on first use) and wrap it.
 
         dtype ``None``/"auto": bf16 when any component runs on a GPU, fp32 on CPU.
-        With a ``device_map`` or ``cpu_offload`` the weights are loaded on the CPU first.
-        ``fp8_base``: the DiT's block linears are stored as FP8 (``models/fp8.py``), quantised
+        With a ``device_map``, ``cpu_offload``, ``fp8_base`` or ``blocks_to_swap`` the weights are loaded on the
+        CPU first. ``fp8_base``: the DiT's block linears are stored as FP8 (``models/fp8.py``), quantised
         from a host copy straight onto the DiT's device; LoRAs are then applied unmerged.
         """
         from ..models.loading import default_device, load_pipeline
@@ -231,7 +237,7 @@ class Editor:
             on_gpu = any(not d.startswith("cpu") for d in devices.values())
             dtype = torch.bfloat16 if on_gpu else torch.float32
         split = len(set(devices.values())) > 1
-        load_device = "cpu" if (cpu_offload or split or fp8_base) else device
+        load_device = "cpu" if (cpu_offload or split or fp8_base or blocks_to_swap) else device
         pipe = load_pipeline(model, model_dir=model_dir, device=load_device, torch_dtype=dtype,
                              zero_cond_t=zero_cond_t)
         if fp8_base:
@@ -239,7 +245,20 @@ class Editor:
 
             quantize_linears(pipe.dit.requires_grad_(False), device="cpu" if cpu_offload else devices["dit"])
         pipe.device = devices["dit"]  # where the pipeline's own intermediate tensors live
-        return cls(pipe, device_map=devices, cpu_offload=cpu_offload, lora_merge=lora_merge)
+        return cls(pipe, device_map=devices, cpu_offload=cpu_offload, lora_merge=lora_merge,
+                   blocks_to_swap=blocks_to_swap)
+
+    def _swap_blocks(self, blocks_to_swap: int):
+        """``blocks_to_swap`` > 0: stream the DiT's last blocks from the CPU (``models/block_swap.py``)."""
+        if not blocks_to_swap:
+            return None
+        if self.cpu_offload or getattr(self.pipe, "vram_management_enabled", False):
+            raise ValueError(f"blocks_to_swap={blocks_to_swap} cannot be combined with cpu_offload or DiffSynth's "
+                             "VRAM management (both move the whole DiT); use one of them")
+        from ..models.block_swap import BlockSwapper
+
+        self.pipe.dit.requires_grad_(False)  # inference: every weight is frozen, so every block weight swaps
+        return BlockSwapper(self.pipe.dit, blocks_to_swap, self.devices["dit"], self.offload_device).install()
 
     # --- LoRA ---------------------------------------------------------------------
     def set_loras(self, loras: Sequence[tuple[str, float]]):

@@ -142,6 +142,10 @@ class TrainConfig:
         "store the frozen DiT block linears as float8 e4m3 with a scale per output channel (half the "
         "memory of a bf16 base; compute stays bf16/fp32; LoRA and --full_finetune_modules stay full "
         "precision). Not with DeepSpeed ZeRO-3"))
+    blocks_to_swap: int = field(default=0, metadata=_help(
+        "keep this many DiT blocks (the last ones) in pinned CPU memory and stream each to the GPU just before "
+        "it runs, forward and backward; 1..number of blocks (60 for the real DiT, ~0.68 GB bf16 each), "
+        "0 = off. Not under DeepSpeed (docs/MEMORY.md)"))
     cfg_dropout: float = field(default=0.1, metadata=_help(
         "probability per sample of training with the cached empty-prompt embedding"))
     save_every: int = field(default=500, metadata=_help("checkpoint every N optimizer steps (0 = only at the end)"))
@@ -225,7 +229,7 @@ def validate(cfg: RunConfig) -> None:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     non_negative = {"max_steps": t.max_steps, "num_epochs": t.num_epochs, "save_every": t.save_every,
                     "keep_last": t.keep_last, "validate_every": t.validate_every, "num_validation": t.num_validation,
-                    "num_workers": t.num_workers, "warmup_steps": o.warmup_steps, "lora_rank": lo.lora_rank}
+                    "num_workers": t.num_workers, "blocks_to_swap": t.blocks_to_swap, "warmup_steps": o.warmup_steps, "lora_rank": lo.lora_rank}
     for name, value in non_negative.items():
         if value < 0:
             raise ValueError(f"--{name} must be >= 0, got {value}")

@@ -116,11 +116,11 @@ def device_name(accelerator) -> str:
 
 def load_dit(preset, config: RunConfig, accelerator):
     from ..models.loading import load_pipeline
+    from .swapping import load_device
 
     # --fp8_base: load on the host, quantise each layer onto the device (the full-precision DiT never sits there)
     pipe = load_pipeline(preset, model_dir=config.train.model_dir, components=("dit",),
-                         device="cpu" if config.train.fp8_base else device_name(accelerator),
-                         torch_dtype=weight_dtype(accelerator))
+                         device=load_device(config, device_name(accelerator)), torch_dtype=weight_dtype(accelerator))
     return pipe.dit
 
 
@@ -155,6 +155,7 @@ def setup(config: RunConfig) -> _Run:
     from .module import QIETrainingModule, check_fp8_base
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
                         configure_deepspeed)
+    from .swapping import device_placement, install_block_swap
     from .tracking import Tracker
     from .validation import Validator
 
@@ -184,11 +185,13 @@ def setup(config: RunConfig) -> _Run:
         module.to(accelerator.device)
     if ds_config is None:
         module.upcast_trainable(torch.float32)  # fp32 LoRA + optimizer states; DeepSpeed keeps fp32 masters itself
+    swapper = install_block_swap(module, cfg, accelerator, ds_config)  # --blocks_to_swap: the module is placed now
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
     if ds_config is not None:
         configure_deepspeed(ds_config, cfg.optim, t.batch_size)  # micro-batch size and --max_grad_norm
-    wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler)
+    wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler,
+                                                              device_placement=device_placement(swapper, 3))
     ckpt.install_state_hooks(accelerator, module)
 
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,

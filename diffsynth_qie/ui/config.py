@@ -46,6 +46,9 @@ class UIConfig:
     fp8_base: bool = field(default=False, metadata={
         "help": "store the DiT's block weights as float8 e4m3 with per-channel scales (about half the DiT "
                 "memory of bf16)"})
+    blocks_to_swap: int = field(default=0, metadata={
+        "help": "keep the DiT's last N blocks in pinned CPU memory and stream each to the GPU just before it "
+                "runs (~0.68 GB bf16 saved per block of the real DiT); 0 = off"})
     preload: bool = field(default=True, metadata={
         "help": "start loading the model in the background at startup (--no-preload: load it on "
                 "the first Generate)"})

@@ -218,7 +218,7 @@ class UIHandlers:
             ensure_tiny(self.config.model_dir)
         return Editor.from_preset(model=self.config.model, model_dir=self.config.model_dir,
                                   device=self.config.device, lora_merge=self.config.lora_merge,
-                                  fp8_base=self.config.fp8_base)
+                                  fp8_base=self.config.fp8_base, blocks_to_swap=self.config.blocks_to_swap)
 
     @property
     def loaded(self) -> bool:
