@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "phase 2: train a LoRA on the DiT from the cache"),
     "eval-edits": ("eval_edits", "held-out PSNR to the target, without and with LoRA(s)"),
     "export-lora": ("export_lora", "convert a LoRA to ComfyUI or diffusers key names"),
+    "merge-lora": ("merge_lora", "merge LoRA(s) into the DiT and write it as a base model (bf16/fp8)"),
+    "extract-lora": ("extract_lora", "extract a LoRA (per-module SVD) from a fully fine-tuned DiT"),
 }
 
 log = logging.getLogger("diffsynth_qie")
