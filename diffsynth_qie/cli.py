@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval-edits": ("eval_edits", "held-out PSNR to the target, without and with LoRA(s)"),
     "export-lora": ("export_lora", "convert a LoRA to ComfyUI or diffusers key names"),
     "plan": ("plan", "predict peak GPU memory / host RAM and the cheapest options that fit a GPU"),
+    "merge-lora": ("merge_lora", "merge LoRA(s) into the DiT and write it as a base model (bf16/fp8)"),
+    "extract-lora": ("extract_lora", "extract a LoRA (per-module SVD) from a fully fine-tuned DiT"),
 }
 
 log = logging.getLogger("diffsynth_qie")

@@ -49,8 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     io.add_argument("--mask", default=None, metavar="PATH", help="white = region that may change")
     io.add_argument("--out", required=True, metavar="PNG", help="output image (LBM also writes <out>_sub.png)")
     s = parser.add_argument_group("sampling")
-    s.add_argument("--steps", type=int, default=40, help="flow-matching steps")
-    s.add_argument("--cfg", type=float, default=4.0, help="true CFG scale (1 = no negative pass)")
+    s.add_argument("--steps", type=int, default=None,
+                   help="flow-matching steps (default 40; with --scheduler lightning the LoRA's 4 or 8)")
+    s.add_argument("--cfg", type=float, default=None,
+                   help="true CFG scale (1 = no negative pass; default 4; Lightning forces 1)")
+    s.add_argument("--scheduler", default="auto", choices=("auto", "default", "lightning"),
+                   help="flow-matching schedule: lightning = the few-step schedule the Lightning LoRAs were "
+                        "distilled with (CFG 1); auto = lightning when a --lora's name or metadata says so")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--height", type=int, default=None, help="output height (multiple of 16)")
     s.add_argument("--width", type=int, default=None, help="output width (multiple of 16)")
@@ -127,6 +132,9 @@ def sub_path(out: str | Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     images, mask, loras = load_inputs(args)  # before any heavy import or model load
+    from ..models.lightning import sampling_plan
+
+    args.scheduler, args.steps, args.cfg = sampling_plan(args.scheduler, args.steps, args.cfg, [p for p, _ in loras])
 
     from ..data.images import side_by_side
     from ..inference import EditRequest, Editor
@@ -142,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         images=images, prompt=args.prompt, negative_prompt=args.negative_prompt, mask=mask, steps=args.steps,
         cfg=args.cfg, seed=args.seed, height=args.height, width=args.width, max_pixels=args.max_pixels,
         mask_blend=args.mask_blend, mask_feather=args.mask_feather, lbm_steps=args.lbm_steps,
-        lbm_noise=args.lbm_noise, max_prompt_tokens=args.max_prompt_tokens,
+        lbm_noise=args.lbm_noise, max_prompt_tokens=args.max_prompt_tokens, scheduler=args.scheduler,
     )
     result = editor.edit(request)
     log.info("edited %dx%d (%s) in %.2f s", result.width, result.height,

@@ -46,6 +46,7 @@ from ..data.images import check_pixels, fit_image, resize_to, to_rgb
 from ..models.encoding import (DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, decode_latents, encode_image,
                                encode_prompt, white_latents)
 from .masking import LatentMaskBlend, blend_pixels, check_strength, latent_keep_weight
+from ..models.lightning import check_scheduler
 from ..models.sampling import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class EditRequest:
     lbm_noise: float = 0.005                 # LBM bridge noise s
     lbm_cfg: float = 1.0                     # CFG for LBM (off by default)
     max_prompt_tokens: Optional[int] = DEFAULT_MAX_PROMPT_TOKENS  # longer prompts are refused; None = no limit
+    scheduler: str = "default"               # flow matching: "default" or "lightning" (few-step LoRAs, CFG 1)
     progress: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
 
 
@@ -165,6 +167,7 @@ def _check_request(request: EditRequest) -> None:
         if not isinstance(im, Image.Image):
             raise ValueError(f"images[{i}] is a {type(im).__name__}, not a PIL image; load it with data.images.load_rgb")
         check_pixels(*im.size, f"images[{i}]")
+    check_scheduler(request.scheduler)
     if request.lbm_steps is None and request.steps < 1:
         raise ValueError(f"steps must be >= 1, got {request.steps}")
     if request.lbm_steps is not None and (int(request.lbm_steps) != request.lbm_steps or request.lbm_steps < 1):
@@ -332,6 +335,9 @@ class Editor:
         refs = [resize_to(im, reference_size(im, request.ref_max_pixels)) for im in images]
         lbm = request.lbm_steps is not None
         cfg = request.lbm_cfg if lbm else request.cfg
+        if not lbm and request.scheduler == "lightning" and uses_cfg(cfg):
+            log.info("Lightning LoRAs were distilled for CFG 1: using cfg 1 instead of %g", cfg)
+            cfg = 1.0
 
         prompt_emb = self._encode_prompt(request.prompt, refs, request.max_prompt_tokens)
         negative_emb = (self._encode_prompt(request.negative_prompt, refs, request.max_prompt_tokens)
@@ -379,7 +385,8 @@ class Editor:
             noise = seeded_noise((1, 16, *latent_hw), request.seed, self.dtype, dit_device)
             velocity = dit_velocity(self.pipe.dit, cond, cfg)
             keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
-            return sample_flow_match(velocity, noise, int(request.steps), keep, request.progress)
+            return sample_flow_match(velocity, noise, int(request.steps), keep, request.progress,
+                                     scheduler=request.scheduler)
 
     def _latent_blend(self, request: EditRequest, z_src: Tensor | None, prior: Tensor) -> LatentMaskBlend | None:
         if request.mask is None or request.mask_blend <= 0:

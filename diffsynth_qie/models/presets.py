@@ -103,7 +103,7 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         name="tiny", description="tiny random Qwen-Image-Edit for tests and CPU demos",
         repo_id="(built locally by `qie make-tiny`)",
-        dit=Source("", "transformer/diffusion_pytorch_model.safetensors"),
+        dit=Source("", "transformer/diffusion_pytorch_model*.safetensors"),
         text_encoder=Source("", "text_encoder/model.safetensors"),
         vae=Source("", "vae/diffusion_pytorch_model.safetensors"),
         tokenizer=Source("", "tokenizer/"),

@@ -35,6 +35,7 @@ import torch
 from .bridge import (bridge_interpolate, bridge_noise_scale, bridge_sigmas,  # noqa: F401 (re-exported)
                              bridge_step, bridge_target)
 from .forward import dit_forward
+from .lightning import check_scheduler, lightning_scheduler
 
 Tensor = torch.Tensor
 #: (x [B, 16, h, w], timesteps [B] on the 0..1000 scale) -> velocity [B, 16, h, w]
@@ -129,13 +130,17 @@ def flow_match_scheduler(steps: int, latent_h: int, latent_w: int):
 
 @torch.no_grad()
 def sample_flow_match(velocity: VelocityFn, noise: Tensor, steps: int, keep: KeepFn | None = None,
-                      progress: ProgressFn | None = None) -> Tensor:
+                      progress: ProgressFn | None = None, scheduler: str = "default") -> Tensor:
     """Integrate from ``noise`` [B, 16, h, w] (σ = 1) to σ = 0 with DiffSynth's schedule and Euler step.
 
     ``keep(x, σ)`` runs on the initial latents and after every step with the σ the
-    latents are now at (the mask's latent blend).
+    latents are now at (the mask's latent blend). ``scheduler="lightning"`` uses the
+    schedule the Lightning few-step LoRAs were distilled with (``models/lightning.py``).
     """
-    scheduler = flow_match_scheduler(steps, noise.shape[-2], noise.shape[-1])
+    if check_scheduler(scheduler) == "lightning":
+        scheduler = lightning_scheduler(steps, noise.shape[-2], noise.shape[-1])
+    else:
+        scheduler = flow_match_scheduler(steps, noise.shape[-2], noise.shape[-1])
     sigmas = [float(s) for s in scheduler.sigmas] + [0.0]
     x = noise
     if keep is not None:

@@ -13,7 +13,8 @@ from typing import Any
 import gradio as gr
 
 from .config import UIConfig
-from .handlers import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, NO_LORA, GenerateInputs, UIHandlers, user_message
+from .handlers import (LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, NO_LORA, GenerateInputs, UIHandlers,
+                       user_message)
 from .uploads import check_upload, to_8bit_upload
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 prompt = gr.Textbox(label="Prompt", lines=2, placeholder="what should change", elem_id="prompt")
                 negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="negative-prompt")
             with gr.Column(scale=2):
-                mode = gr.Radio([("Flow matching", MODE_FLOW), (f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM)],
+                mode = gr.Radio([("Flow matching", MODE_FLOW), (f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM),
+                                 ("Lightning (4 / 8 steps)", MODE_LIGHTNING)],
                                 value=MODE_FLOW, label="Sampler", elem_id="mode")
                 steps = gr.Slider(1, 100, value=40, step=1, label="Steps", elem_id="steps")
                 lbm_steps = gr.Slider(1, LBM_MAX_STEPS, value=1, step=1, label="LBM steps", visible=False,
@@ -115,8 +117,9 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
 
         def switch_mode(selected: str):
             lbm = selected == MODE_LBM  # LBM samples without CFG: its steps replace steps and CFG
-            return (gr.update(visible=not lbm), gr.update(visible=not lbm), gr.update(visible=lbm),
-                    gr.update(visible=lbm))
+            few = selected == MODE_LIGHTNING  # Lightning: 4 or 8 steps at CFG 1
+            return (gr.update(visible=not lbm, **({"value": 8} if few else {})),
+                    gr.update(visible=not (lbm or few)), gr.update(visible=lbm), gr.update(visible=lbm))
 
         def run(editor_value: Any, refs: Any, prompt_text: str, negative_text: str, mode_value: str,
                 steps_value: float, lbm_value: float, cfg_value: float, seed_value: float, blend: float,

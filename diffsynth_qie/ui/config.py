@@ -28,6 +28,9 @@ class UIConfig:
     lora_dir: str = field(default="./outputs", metadata={
         "help": "folder searched (recursively) for *.safetensors LoRAs; the training scripts' "
                 "OUTPUT_DIR default"})
+    lightning_lora: str | None = field(default=None, metadata={
+        "help": "Lightning few-step LoRA (e.g. Qwen-Image-Edit-2509-Lightning-8steps-V1.0-bf16.safetensors) "
+                "that the 'Lightning (4 / 8 steps)' sampler stacks with the chosen LoRA"})
     max_upload_mb: float = field(default=50.0, metadata={
         "help": "refuse (with a message) any image file larger than this many megabytes as it reaches "
                 "the server; the image editor sends its canvas as PNG, often larger than the file picked"})

@@ -49,7 +49,8 @@ NO_LORA = "(none)"
 LORA_SUFFIX = ".safetensors"
 MODE_FLOW = "flow"
 MODE_LBM = "lbm"
-MODES: tuple[str, ...] = (MODE_FLOW, MODE_LBM)
+MODE_LIGHTNING = "lightning"
+MODES: tuple[str, ...] = (MODE_FLOW, MODE_LBM, MODE_LIGHTNING)
 LBM_MAX_STEPS = 4
 
 # progress(done, total, description)
@@ -135,6 +136,22 @@ def user_message(exc: BaseException) -> str:
                 "or free memory on the device")
     log.error("generation failed", exc_info=exc)
     return f"internal error ({type(exc).__name__}); the details are in the server log"
+
+
+def lightning_loras(loras: list, lightning_lora: str | None, steps: int) -> tuple[list, int, float]:
+    """The LoRAs, steps and CFG of the Lightning sampler: the chosen LoRA stacked with the
+    configured Lightning LoRA; 4 or 8 steps (else the Lightning LoRA's own count); CFG 1."""
+    from ..models.lightning import LIGHTNING_STEPS, is_lightning_lora, lightning_steps
+
+    if lightning_lora and not any(Path(p) == Path(lightning_lora) for p, _ in loras):
+        if not Path(lightning_lora).is_file():
+            raise UIError(f"Lightning LoRA {lightning_lora} not found; fix --lightning_lora")
+        loras = [*loras, (Path(lightning_lora), 1.0)]
+    paths = [str(p) for p, _ in loras]
+    if not any(is_lightning_lora(p) for p in paths):
+        raise UIError("the Lightning sampler needs a Lightning LoRA: start the UI with --lightning_lora FILE, "
+                      "or pick a LoRA whose name contains 'Lightning'")
+    return loras, steps if steps in LIGHTNING_STEPS else lightning_steps(paths), 1.0
 
 
 # --- the generate action -----------------------------------------------------------------
@@ -316,19 +333,24 @@ class UIHandlers:
         mask = mask_from_editor(inputs.editor, size=image.size, max_bytes=limit)
         refs = reference_images(inputs.references, limit)
         lora = resolve_lora(self.config.lora_dir, inputs.lora)
+        loras = [(lora, lora_scale)] if lora is not None else []
+        scheduler = "default"
+        if inputs.mode == MODE_LIGHTNING:
+            loras, steps, cfg = lightning_loras(loras, self.config.lightning_lora, steps)
+            scheduler = "lightning"
 
         with self._lock:
             if not self.loaded:
                 report(0, 1, f"loading model {self.config.model} (first run only)")
             editor = self.editor()
-            editor.set_loras([(lora, lora_scale)] if lora is not None else [])
+            editor.set_loras(loras)
             total = lbm_steps if lbm else steps
             report(0, total, "denoising")
             t0 = time.perf_counter()
             result = editor.edit(EditRequest(
                 images=[image, *refs], prompt=prompt, negative_prompt=inputs.negative_prompt or "",
                 mask=mask, steps=steps, cfg=cfg, seed=seed, mask_blend=mask_blend,
-                lbm_steps=lbm_steps, max_prompt_tokens=self.config.max_prompt_tokens,
+                lbm_steps=lbm_steps, max_prompt_tokens=self.config.max_prompt_tokens, scheduler=scheduler,
                 progress=lambda step, n: report(step, n, "denoising")))
             seconds = time.perf_counter() - t0
             prune_temp_files(self.config.resolved_temp_dir, self.config.max_temp_bytes)
@@ -336,7 +358,7 @@ class UIHandlers:
             raise RuntimeError("the editor returned no sub-stream image in LBM mode")
 
         sampler = (f"LBM, {lbm_steps} step{'s' if lbm_steps != 1 else ''}" if lbm
-                   else f"flow matching, {steps} steps, CFG {cfg:g}")
+                   else f"{'Lightning' if scheduler == 'lightning' else 'flow matching'}, {steps} steps, CFG {cfg:g}")
         parts = [f"Done in {seconds:.1f} s", f"seed {seed}", sampler, f"{result.image.width}×{result.image.height}"]
         parts.append(f"LoRA `{inputs.lora}` × {lora_scale:g}" if lora is not None else "no LoRA")
         if mask is None:
