@@ -152,7 +152,9 @@ def test_detection_steps_and_cfg(tmp_path, caplog):
     assert sampling_plan("default", None, None, [named]) == ("default", 40, 4.0)
 
 
-def test_edit_command_stacks_user_and_lightning_lora(tiny_model_dir, tiny_pipe, tmp_path, capsys):
+def test_edit_command_stacks_user_and_lightning_lora(tiny_model_dir, tiny_pipe, tmp_path, caplog):
+    import logging
+
     from diffsynth_qie.cli import main
     from diffsynth_qie.inference import EditRequest, Editor
     from diffsynth_qie.models.lora_export import save_lora
@@ -169,10 +171,11 @@ def test_edit_command_stacks_user_and_lightning_lora(tiny_model_dir, tiny_pipe, 
     src = tmp_path / "src.png"
     image.save(src)
     out = tmp_path / "out.png"
+    caplog.set_level(logging.INFO, logger="diffsynth_qie")
     assert main(["edit", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--image", str(src),
                  "--prompt", "make it red", "--lora", str(user), "--lora", str(lightning), "--cfg", "4",
                  "--out", str(out), "--device", "cpu", "--dtype", "fp32"]) == 0
-    logged = capsys.readouterr().err  # `qie` logs to stderr
+    logged = caplog.text  # (the root handler's stream depends on which test configured logging first)
     assert "using the Lightning scheduler" in logged and "(4 steps, cfg 1)" in logged
 
     editor = Editor(tiny_pipe)
