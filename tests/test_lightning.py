@@ -172,10 +172,15 @@ def test_edit_command_stacks_user_and_lightning_lora(tiny_model_dir, tiny_pipe, 
     image.save(src)
     out = tmp_path / "out.png"
     caplog.set_level(logging.INFO, logger="diffsynth_qie")
-    assert main(["edit", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--image", str(src),
-                 "--prompt", "make it red", "--lora", str(user), "--lora", str(lightning), "--cfg", "4",
-                 "--out", str(out), "--device", "cpu", "--dtype", "fp32"]) == 0
-    logged = caplog.text  # (the root handler's stream depends on which test configured logging first)
+    ours = logging.getLogger("diffsynth_qie")
+    ours.addHandler(caplog.handler)  # `qie` replaces the root logger's handlers on its first run in a process
+    try:
+        assert main(["edit", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--image", str(src),
+                     "--prompt", "make it red", "--lora", str(user), "--lora", str(lightning), "--cfg", "4",
+                     "--out", str(out), "--device", "cpu", "--dtype", "fp32"]) == 0
+    finally:
+        ours.removeHandler(caplog.handler)
+    logged = caplog.text
     assert "using the Lightning scheduler" in logged and "(4 steps, cfg 1)" in logged
 
     editor = Editor(tiny_pipe)
