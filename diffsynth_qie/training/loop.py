@@ -115,10 +115,10 @@ def device_name(accelerator) -> str:
 
 
 def load_dit(preset, config: RunConfig, accelerator):
-    from ..models.loading import load_pipeline
+    from ..models.zero3_load import load_dit_pipeline  # under ZeRO-3 no rank holds the whole state dict
 
-    pipe = load_pipeline(preset, model_dir=config.train.model_dir, components=("dit",),
-                         device=device_name(accelerator), torch_dtype=weight_dtype(accelerator))
+    pipe = load_dit_pipeline(preset, model_dir=config.train.model_dir,
+                             device=device_name(accelerator), torch_dtype=weight_dtype(accelerator))
     return pipe.dit
 
 
