@@ -9,7 +9,7 @@ memory map one tensor at a time: for each parameter, every rank gathers it
 (``deepspeed.zero.GatheredParameters(..., modifier_rank=0)``), rank 0 alone reads that one
 tensor from disk and copies it in, and leaving the context broadcasts it and keeps each rank's
 partition. The host memory a rank needs for loading is therefore one tensor (the largest DiT
-tensor is about 113 MB in bf16) plus the file pages the kernel keeps mapped, which the reader
+tensor is about 113 MB in bf16) plus at most ``reopen_bytes`` of file pages the kernel keeps mapped, which the reader
 releases by reopening the files every ``reopen_bytes``.
 
 Key names go through the same state-dict converter DiffSynth registers for the weights (for the
@@ -26,7 +26,7 @@ from .loading import load_pipeline
 log = logging.getLogger(__name__)
 
 DIT_MODEL_NAME = "qwen_image_dit"
-REOPEN_BYTES = 1 << 30  # release the memory map's resident pages after every GiB read
+REOPEN_BYTES = 256 << 20  # release the memory map's resident pages after every 256 MiB read
 
 
 def zero3_enabled() -> bool:
