@@ -64,7 +64,8 @@ def test_zero3_trains_saves_a_loadable_lora_and_resumes(cache_dir, tiny_model_di
     common = ["--cache_dir", str(cache_dir), "--output_dir", str(out), "--model", "tiny", "--model_dir",
               str(tiny_model_dir), "--batch_size", "2", "--lora_rank", "4", "--lora_alpha", "8",
               "--learning_rate", "1e-2", "--save_every", "1", "--keep_last", "2", "--no-gradient_checkpointing"]
-    launch(config, [*common, "--max_steps", "2"])
+    proc = launch(config, [*common, "--max_steps", "2"])
+    assert "streamed the DiT's weights into its ZeRO-3 partitions" in proc.stdout + proc.stderr  # models/zero3_load.py
     ckpts = list_checkpoints(out)
     assert [p.name for p in ckpts] == ["checkpoint-1", "checkpoint-2"]
     assert (ckpts[-1] / STATE_DIR / "pytorch_model").is_dir()  # DeepSpeed engine checkpoint (frozen weights excluded)

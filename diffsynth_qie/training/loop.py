@@ -115,12 +115,13 @@ def device_name(accelerator) -> str:
 
 
 def load_dit(preset, config: RunConfig, accelerator):
-    from ..models.loading import load_pipeline
+    from ..models.zero3_load import load_dit_pipeline  # under ZeRO-3 no rank holds the whole state dict
     from .swapping import load_device
 
-    # --fp8_base: load on the host, quantise each layer onto the device (the full-precision DiT never sits there)
-    pipe = load_pipeline(preset, model_dir=config.train.model_dir, components=("dit",),
-                         device=load_device(config, device_name(accelerator)), torch_dtype=weight_dtype(accelerator))
+    # --fp8_base / --blocks_to_swap: load on the host (FP8 quantises each layer onto the device, so the
+    # full-precision DiT never sits there; swapping streams the swapped blocks from the host)
+    pipe = load_dit_pipeline(preset, model_dir=config.train.model_dir,
+                             device=load_device(config, device_name(accelerator)), torch_dtype=weight_dtype(accelerator))
     return pipe.dit
 
 
