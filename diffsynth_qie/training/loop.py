@@ -352,4 +352,5 @@ def _validate(run: _Run, step: int) -> None:
     with schedule_free_eval(run.optimizer, run.engine):
         images = run.validator.run(step, run.wrapped, device, dtype)
     run.wrapped.train()
+    run.tracker.log_validation(step, run.validator.metrics)
     run.tracker.log_images(step, images)
