@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "phase 2: train a LoRA on the DiT from the cache"),
     "eval-edits": ("eval_edits", "held-out PSNR to the target, without and with LoRA(s)"),
     "export-lora": ("export_lora", "convert a LoRA to ComfyUI or diffusers key names"),
+    "report": ("report", "one HTML page about a training run: loss, lr, validation metrics and strips"),
 }
 
 log = logging.getLogger("diffsynth_qie")
