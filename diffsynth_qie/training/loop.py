@@ -176,6 +176,11 @@ def setup(config: RunConfig) -> _Run:
 
     set_seed(t.seed)  # the LoRA init, identical on every rank
     module = QIETrainingModule(load_dit(preset, cfg, accelerator), cfg, preset.name)
+    if cfg.loss.loss == "lbm" and cfg.lbm is not None and cfg.lbm.lbm_pixel_loss != "none":
+        from .lbm_pixel import build_pixel_critic
+
+        module.pixel_critic = build_pixel_critic(cfg.lbm, preset, t.model_dir, accelerator.device,
+                                                 weight_dtype(accelerator), ds_config)
     if ds_config is None:
         module.upcast_trainable(torch.float32)  # fp32 LoRA + optimizer states; DeepSpeed keeps fp32 masters itself
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
