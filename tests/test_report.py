@@ -66,6 +66,7 @@ def test_smooth_is_the_bias_corrected_ema():
 
 
 def test_report_page_is_self_contained_with_plots_and_strips(run_dir):
+    pytest.importorskip("matplotlib")
     out, losses, strips = run_dir
     assert main(["report", str(out), "--smoothing", "0.5"]) == 0
     page = (out / "report.html").read_text()
@@ -93,6 +94,7 @@ def test_report_page_is_self_contained_with_plots_and_strips(run_dir):
 
 
 def test_report_custom_path_and_no_validation(tmp_path):
+    pytest.importorskip("matplotlib")
     out = tmp_path / "run"
     t = Tracker(out, enabled=True)
     t.log(1, {"loss": 0.25, "lr": 1e-4})
@@ -104,17 +106,26 @@ def test_report_custom_path_and_no_validation(tmp_path):
     assert "--validate_every" in page and not (out / "report.html").exists()
 
 
-def test_report_bad_input_names_the_problem(tmp_path, caplog):
-    assert main(["report", str(tmp_path / "missing")]) == 2
-    assert "not a directory" in caplog.text and "missing" in caplog.text
-    caplog.clear()
-    assert main(["report", str(tmp_path)]) == 2
-    assert str(tmp_path / "loss.jsonl") in caplog.text
-    caplog.clear()
+def test_report_bad_input_names_the_problem(tmp_path):
+    from diffsynth_qie.training.report import write_report
+
+    assert main(["report", str(tmp_path / "missing")]) == 2  # a user error: exit code 2, no traceback
+    with pytest.raises(ValueError, match=r"missing is not a directory"):
+        write_report(tmp_path / "missing")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "loss.jsonl")) + " not found"):
+        write_report(tmp_path)
     (tmp_path / "loss.jsonl").write_text(json.dumps({"step": 1, "val_psnr": 20.0}) + "\n")
-    assert main(["report", str(tmp_path)]) == 2
-    assert "no logged loss" in caplog.text
-    caplog.clear()
+    with pytest.raises(ValueError, match="has no logged loss"):
+        write_report(tmp_path)
     (tmp_path / "loss.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
-    assert main(["report", str(tmp_path), "--smoothing", "1"]) == 2
-    assert "smoothing must be in [0, 1)" in caplog.text
+    with pytest.raises(ValueError, match=re.escape("smoothing must be in [0, 1), got 1.0")):
+        write_report(tmp_path, smoothing=1.0)
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_report_help_names_its_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "OUTPUT_DIR" in text and "--smoothing" in text and "--out" in text
