@@ -4,7 +4,7 @@ It reads what training wrote (``loss.jsonl`` and the validation strips
 ``validation/step-<n>/*.png``) and nothing else, so it works during a run, after it,
 and on a copy of the directory. The page holds, with every image inlined as base64:
 
-- a summary table (steps, last and best values of the loss and each metric);
+- a summary table (last value of every logged number, best value of the loss and the quality metrics);
 - the loss curve, raw and smoothed (exponential moving average, bias-corrected like
   TensorBoard's, weight ``--smoothing``);
 - the learning rate;
@@ -123,9 +123,12 @@ def _fmt(v: Optional[float]) -> str:
     return "–" if v is None else f"{v:.6g}"
 
 
-def _best(key: str, values: list[float]) -> float:
-    lower_is_better = key == "loss" or "lpips" in key or "mse" in key or key == "grad_norm"
-    return min(values) if lower_is_better else max(values)
+def _best(key: str, values: list[float]) -> Optional[float]:
+    """The best value of a quality measure (loss, mse*, lpips: lowest; val_psnr*, val_ssim: highest); None for
+    numbers that are not one (lr, grad_norm, sigma_mean, ...)."""
+    if key == "loss" or key.startswith("mse") or "lpips" in key:
+        return min(values)
+    return max(values) if key.startswith("val_") else None
 
 
 def build_report(output_dir: str | Path, smoothing: float = 0.9) -> str:
@@ -175,11 +178,13 @@ def build_report(output_dir: str | Path, smoothing: float = 0.9) -> str:
         parts.append("<p>No validation strips (train with <code>--validate_every N</code> to render them).</p>")
     for s in strips:
         parts.append(f"<h3>step {s.step}</h3>")
-        parts += [f"<figure><img alt='{html.escape(name)}' src='{_strip_data(path)}'>"
+        parts += [f"<figure class='strip'><img alt='{html.escape(name)}' src='{_strip_data(path)}'>"
                   f"<figcaption>{html.escape(name)}</figcaption></figure>" for name, path in s.images]
     style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
-             "td:first-child{text-align:left}img{max-width:100%}figure{margin:0.5em 0}.dir{color:#666}")
+             "td:first-child{text-align:left}img{max-width:100%}figure{margin:0.5em 0}.dir{color:#666}"
+             # small strips (e.g. the tiny demo's 64 px panels) are shown enlarged, pixels kept sharp
+             ".strip img{width:100%;max-width:900px;image-rendering:pixelated}")
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Training report</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
 
