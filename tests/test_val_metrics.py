@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,3 +201,15 @@ def test_training_logs_validation_metrics_per_validation_step(cache_dir, tiny_mo
         assert {"loss", "val_psnr", "val_ssim"} <= set(r)
         assert 0 < r["val_psnr"] < M.MAX_PSNR and -1 <= r["val_ssim"] <= 1
     assert json.loads((out / "loss.jsonl").read_text().splitlines()[-1]) == records[-1]
+
+
+def test_summary_means_overall_and_per_lbm_stream():
+    from diffsynth_qie.training.validation_metrics import summarize
+
+    lbm = summarize([("main", {"psnr": 20.0, "ssim": 0.5}), ("sub", {"psnr": 30.0, "ssim": 0.7}),
+                     ("main", {"psnr": 22.0, "ssim": 0.6, "psnr_preserve": 40.0})])
+    assert lbm == pytest.approx({"val_psnr": 24.0, "val_psnr_main": 21.0, "val_psnr_sub": 30.0, "val_ssim": 0.6,
+                                 "val_ssim_main": 0.55, "val_ssim_sub": 0.7, "val_psnr_preserve": 40.0,
+                                 "val_psnr_preserve_main": 40.0})
+    assert summarize([(None, {"psnr": 10.0}), (None, {"psnr": 14.0})]) == {"val_psnr": 12.0}
+    assert summarize([]) == {}
