@@ -68,7 +68,7 @@ def test_psnr_is_eval_edits_psnr_and_per_sample():
 
 
 def test_ssim_matches_torchmetrics():
-    tm = pytest.importorskip("torchmetrics.functional")
+    tm = pytest.importorskip("torchmetrics.functional.image")
     a = M.to_pixels(random_images(2, seed=2))
     b = (a + 0.1 * torch.randn(a.shape, generator=torch.Generator().manual_seed(0))).clamp(0, 1)
     got = M.ssim(a, b)
