@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "predict peak GPU memory / host RAM and the cheapest options that fit a GPU"),
     "merge-lora": ("merge_lora", "merge LoRA(s) into the DiT and write it as a base model (bf16/fp8)"),
     "extract-lora": ("extract_lora", "extract a LoRA (per-module SVD) from a fully fine-tuned DiT"),
+    "report": ("report", "one HTML page about a training run: loss, lr, validation metrics and strips"),
 }
 
 log = logging.getLogger("diffsynth_qie")

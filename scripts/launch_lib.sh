@@ -90,7 +90,7 @@ qie_launch() {
 }
 
 # after_training OUTPUT_DIR [qie edit flags]: print the LoRA path and try it on the first dataset row,
-# writing OUTPUT_DIR/before_after.png (reference | without LoRA | with LoRA).
+# writing OUTPUT_DIR/before_after.png (reference | without LoRA | with LoRA), and the training report.
 after_training() {
   local out="$1"; shift
   local lora="$out/lora.safetensors"
@@ -105,6 +105,8 @@ after_training() {
     "$PY" -m diffsynth_qie.cli eval-edits "${MODEL_ARGS[@]}" --dataset_metadata "$DEMO_DATA/heldout.json" \
       --lora "$lora" --grid "$out/heldout_grid.png" "$@"
   fi
+  local report="not written (see the error above)"   # a failed report does not fail the finished run
+  if [ "$NODE_RANK" = 0 ] && "$PY" -m diffsynth_qie.cli report "$out"; then report="$out/report.html"; fi
   echo
   echo "LoRA:          $lora"
   echo "checkpoints:   $out/checkpoint-*/"
@@ -112,6 +114,7 @@ after_training() {
   echo "before/after:  $out/before_after.png"
   [ -z "$DEMO_DATA" ] || echo "held-out grid: $out/heldout_grid.png (source | base | LoRA [| sub-stream] | target)"
   echo "try it:        python app_gradio.py ${MODEL_ARGS[*]} --lora_dir $out"
+  [ "$NODE_RANK" != 0 ] || echo "report:        $report"
 }
 
 # split_training [qie train args...]: phase 1 (`qie cache`), phase 2 (`qie train`), then after_training.

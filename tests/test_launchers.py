@@ -30,6 +30,7 @@ def run_script(script: str, tmp_path: Path, demo_data_dir: Path, *args: str, **e
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"LoRA:          {out}/lora.safetensors" in proc.stdout
+    assert proc.stdout.rstrip().endswith(f"report:        {out}/report.html") and (out / "report.html").is_file()
     return out
 
 

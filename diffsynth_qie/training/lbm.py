@@ -62,6 +62,14 @@ class LBMConfig:
         "(linspace(1, 1/N, N))"), "metavar": "SIGMA"})
     lbm_bridge_noise: float = field(default=0.005, metadata={"help": (
         "bridge noise s: x_σ gets s·sqrt(σ(1-σ))·ε (use the same value at inference, qie edit --lbm_noise)")})
+    lbm_pixel_loss: Literal["none", "lpips"] = field(default="none", metadata={"help": (
+        "add a pixel-space perceptual loss as in the LBM reference: LPIPS between the VAE-decoded predicted "
+        "target and the target, on a random crop (loads the VAE decoder in phase 2; LPIPS backbone weights "
+        "must be in the torch hub cache)")})
+    lbm_pixel_weight: float = field(default=10.0, metadata={"help": (
+        "weight W of the pixel loss: loss = mse + W·LPIPS (the LBM reference example uses 10)")})
+    lbm_pixel_crop: int = field(default=512, metadata={"help": (
+        "largest side in pixels of the random crop decoded for the pixel loss (a multiple of 8, >= 64)")})
 
     def __post_init__(self):
         """Raise ``ValueError`` naming the bad flag (so `qie train` fails before loading anything)."""
@@ -77,6 +85,13 @@ class LBMConfig:
         self.lbm_sigma_grid = grid
         if not self.lbm_bridge_noise >= 0:
             raise ValueError(f"--lbm_bridge_noise must be >= 0, got {self.lbm_bridge_noise}")
+        if self.lbm_pixel_loss not in ("none", "lpips"):
+            raise ValueError(f"--lbm_pixel_loss must be none or lpips, got {self.lbm_pixel_loss!r}")
+        if not float(self.lbm_pixel_weight) >= 0:
+            raise ValueError(f"--lbm_pixel_weight must be >= 0, got {self.lbm_pixel_weight}")
+        if int(self.lbm_pixel_crop) < 64 or int(self.lbm_pixel_crop) % 8:
+            raise ValueError(f"--lbm_pixel_crop must be a multiple of 8 (pixels per latent pixel) and at least 64 "
+                             f"(LPIPS's smallest input), got {self.lbm_pixel_crop}")
 
 
 def lbm_config_of(config) -> LBMConfig:
@@ -209,11 +224,13 @@ def make_bridge_batch(batch: dict, config: LBMConfig, generator: Optional["torch
 
 
 # --- the loss --------------------------------------------------------------------
-def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = None):
+def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = None, pixel_critic=None):
     """Latent bridge matching loss of a batch: ``(loss, metrics)`` (see the module docstring).
 
     Metrics: ``mse`` (all samples), ``mse_main`` / ``mse_sub`` (only when the batch has
-    that stream), ``frac_sub`` (share of sub-stream samples), ``sigma_mean``.
+    that stream), ``frac_sub`` (share of sub-stream samples), ``sigma_mean``; with a
+    ``pixel_critic`` (``--lbm_pixel_loss lpips``, ``lbm_pixel.py``) each sample adds
+    ``W·LPIPS`` and ``lpips`` is logged.
     """
     import torch
 
@@ -233,12 +250,20 @@ def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = 
         inside, outside = config.loss.mask_loss_weights
         pixel_w = [None if e.back_mask is None else mask_weights(e.back_mask, inside, outside) for e in bridge.ends]
     losses = torch.stack([per_sample_mse(p, v, w) for p, v, w in zip(pred, bridge.velocity, pixel_w)])
-    loss = losses.mean()
     detached = losses.detach()
+    extra = {}
+    if pixel_critic is not None:
+        from .lbm_pixel import predicted_targets
+
+        perceptual = pixel_critic.losses(predicted_targets(bridge.noisy, pred, bridge.sigmas),
+                                         [e.target for e in bridge.ends], generator)
+        losses = losses + pixel_critic.weight * perceptual.to(losses.device)
+        extra["lpips"] = perceptual.detach().mean()
+    loss = losses.mean()
     metrics = {"mse": detached.mean(), "frac_sub": bridge.streams.count("sub") / len(bridge.streams),
                "sigma_mean": float(bridge.sigmas.mean())}
     for stream in STREAMS:
         rows = [i for i, s in enumerate(bridge.streams) if s == stream]
         if rows:  # logged only when the batch has the stream (the loop averages over batches that do)
             metrics[f"mse_{stream}"] = detached[rows].mean()
-    return loss, metrics
+    return loss, {**metrics, **extra}

@@ -184,6 +184,11 @@ def setup(config: RunConfig) -> _Run:
     if t.fp8_base:
         module.quantize_frozen_base(accelerator.device)
         module.to(accelerator.device)
+    if cfg.loss.loss == "lbm" and cfg.lbm is not None and cfg.lbm.lbm_pixel_loss != "none":
+        from .lbm_pixel import build_pixel_critic
+
+        module.pixel_critic = build_pixel_critic(cfg.lbm, preset, t.model_dir, accelerator.device,
+                                                 weight_dtype(accelerator), ds_config)
     if ds_config is None:
         module.upcast_trainable(torch.float32)  # fp32 LoRA + optimizer states; DeepSpeed keeps fp32 masters itself
     swapper = install_block_swap(module, cfg, accelerator, ds_config)  # --blocks_to_swap: the module is placed now
@@ -374,4 +379,5 @@ def _validate(run: _Run, step: int) -> None:
     with schedule_free_eval(run.optimizer, run.engine):
         images = run.validator.run(step, run.wrapped, device, dtype)
     run.wrapped.train()
+    run.tracker.log_validation(step, run.validator.metrics)
     run.tracker.log_images(step, images)

@@ -64,6 +64,7 @@ class QIETrainingModule(DiffusionTrainingModule):
         self.config = config
         self.preset_name = preset_name
         self.loss_fn = get_loss(config.loss.loss)
+        self.pixel_critic = None  # LBM's --lbm_pixel_loss (frozen VAE + LPIPS, not part of the module's state)
         dit.requires_grad_(False)
         if lo.lora_rank > 0:
             targets = list(lo.lora_target_modules or [])
@@ -230,4 +231,5 @@ class QIETrainingModule(DiffusionTrainingModule):
             from ..models.forward import dit_forward
 
             return dit_forward(self.dit, **predict)
-        return self.loss_fn(self.dit, self.to_compute(batch), self.config, generator)
+        extra = {"pixel_critic": self.pixel_critic} if self.pixel_critic is not None else {}
+        return self.loss_fn(self.dit, self.to_compute(batch), self.config, generator, **extra)

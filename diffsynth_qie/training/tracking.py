@@ -3,6 +3,8 @@
 ``loss.jsonl`` has one JSON object per logged optimizer step (``step``, ``loss``,
 ``lr``, ``epoch`` and every metric the loss reported). On resume the lines after the
 checkpoint's step are dropped first, so the file always reads as one clean curve.
+Validation metrics (``val_psnr``, ...) join the line of their step, or start a line
+with only ``step`` and those metrics when that step logged no loss (``--log_every``).
 
 WandB honours ``WANDB_PROJECT`` (default ``diffsynth-qie``), ``WANDB_NAME`` and
 ``WANDB_MODE`` (tests use ``offline``); a resumed run continues the same WandB run
@@ -55,6 +57,7 @@ class Tracker:
         elif self.path.exists():
             self.path.unlink()  # a fresh run starts a fresh curve
         self._file = open(self.path, "a", encoding="utf-8")
+        self._last: Optional[tuple[int, dict]] = None  # (file offset, record) of the last line written
         if report_to == "wandb":
             self._wandb = self._init_wandb(Path(output_dir), config or {}, resume_step is not None)
 
@@ -76,10 +79,30 @@ class Tracker:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._write(record)
         if self._wandb is not None:
             self._wandb.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=step)
+
+    def log_validation(self, step: int, metrics: dict[str, Any]) -> None:
+        """Validation metrics of ``step``: added to that step's line (WandB: ``validation/<name>``)."""
+        if not self.enabled or not metrics:
+            return
+        values = {k: _plain(v) for k, v in metrics.items()}
+        if self._last is not None and self._last[1].get("step") == step:
+            offset, record = self._last
+            self._file.seek(offset)
+            self._file.truncate()
+            self._write({**record, **values}, offset)
+        else:
+            self._write({"step": step, **values})
+        if self._wandb is not None:
+            self._wandb.log({f"validation/{k}": v for k, v in values.items()}, step=step)
+
+    def _write(self, record: dict, offset: Optional[int] = None) -> None:
+        offset = self._file.tell() if offset is None else offset
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self._last = (offset, record)
 
     def log_images(self, step: int, images: dict[str, Any]) -> None:
         """PIL images by caption, to WandB when it is on (files are written by validation)."""

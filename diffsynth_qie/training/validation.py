@@ -30,7 +30,10 @@ back); the validator itself changes no weight, no training mode and no global RN
 Each image is a strip [reference | target | output] (``side_by_side``), written
 atomically to ``<output_dir>/validation/step-<n>/<k>-<entry>.png`` (LBM:
 ``<k>-<entry>_main.png`` and ``<k>-<entry>_sub.png``) and logged to WandB when it is
-on. The VAE is loaded alone (``components=("vae",)``), lazily, only when validation
+on. Each output is also scored against its target (``validation_metrics``: PSNR,
+SSIM, LPIPS when its weights are available offline, PSNR outside the edit mask);
+the means are in :attr:`Validator.metrics` after :meth:`Validator.run`, which the
+trainer logs to ``loss.jsonl`` and WandB. The VAE is loaded alone (``components=("vae",)``), lazily, only when validation
 runs; reference and target panels are decoded once and reused.
 """
 from __future__ import annotations
@@ -48,6 +51,7 @@ from PIL import Image
 from ..cache.store import CacheEntry, CacheStore
 from ..data.images import side_by_side
 from ..utils.atomic import atomic_save
+from .validation_metrics import output_metrics, summarize
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +195,8 @@ class Validator:
         self.dtype = dtype
         self._vae_pipe = None
         self._panels: dict[tuple[int, str], Image.Image] = {}  # (entry, "reference"|"target"|"ref_gt"), decoded once
+        self._lpips = None  # loaded on the first validation; False when it cannot be
+        self.metrics: dict[str, float] = {}  # of the last run, on the main process
 
     def _zero3(self) -> bool:
         from transformers.integrations import is_deepspeed_zero3_enabled
@@ -249,21 +255,35 @@ class Validator:
             from ..models.encoding import decode_latents
 
             pipe = self._pipe()
+            scores = []
             with _gathered(pipe.vae) if zero3 else contextlib.nullcontext():
                 for r in renders:
                     entry = entries[r.entry]
                     which = "target" if r.target is entry.target_latents else "ref_gt"
                     panels = [self._panel(pipe, (r.entry, which), r.target), decode_latents(pipe, r.latents)]
+                    if self.accelerator.is_main_process:
+                        mask = entry.back_mask if which == "target" else None
+                        scores.append((r.stream, output_metrics(panels[1], panels[0], mask, self._lpips_model())))
                     if entry.edit_latents:  # a text-to-image row has no reference panel
                         panels.insert(0, self._panel(pipe, (r.entry, "reference"), entry.edit_latents[0]))
                     images[r.name] = side_by_side(panels)
+            self.metrics = summarize(scores)
         if self.accelerator.is_main_process:
+            log.info("validation metrics at step %d: %s", step,
+                     ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
             folder = self.output_dir / f"step-{step}"
             for name, img in images.items():
                 atomic_save(folder / f"{name}.png", lambda p, img=img: img.save(p))
             log.info("validation: %d image(s) [reference | target | output] in %s", len(images), folder)
             return images
         return {}
+
+    def _lpips_model(self):
+        if self._lpips is None:
+            from ..models.lpips import load_lpips
+
+            self._lpips = load_lpips() or False
+        return self._lpips or None
 
     def _panel(self, pipe, key: tuple[int, str], latents: Tensor) -> Image.Image:
         from ..models.encoding import decode_latents

@@ -1,0 +1,24 @@
+"""`qie report OUTPUT_DIR`: one self-contained HTML page about a training run.
+
+Loss (raw and smoothed), learning rate, every validation metric over steps, and the
+validation strips of each validation step, images inlined; see
+``diffsynth_qie/training/report.py``.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="the --output_dir of a `qie train` run")
+    parser.add_argument("--out", default=None,
+                        help="where to write the page (default: OUTPUT_DIR/report.html; written atomically)")
+    parser.add_argument("--smoothing", type=float, default=0.9,
+                        help="exponential moving average weight of the smoothed loss curve, in [0, 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..training.report import write_report
+
+    write_report(args.output_dir, args.out, args.smoothing)  # logs "report: <path>"
+    return 0

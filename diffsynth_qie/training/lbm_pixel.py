@@ -1,0 +1,95 @@
+"""LBM's optional pixel-space perceptual loss (``--lbm_pixel_loss lpips --lbm_pixel_weight W``).
+
+As in the LBM reference: from the DiT's velocity v̂ at the bridge point x_σ, the
+predicted target latents are ``ẑ_T = x_σ − σ·v̂`` (the bridge's ``x_σ = z_T + σ·(z_prior − z_T)``
+solved for z_T). A random crop of at most ``--lbm_pixel_crop`` pixels per side
+(default 512; the crop is taken in latent space, 8 px per latent pixel) is decoded
+with the VAE decoder, with gradient, and compared by LPIPS with the same crop of the
+target. Phase 2 has no images, so the target crop is the VAE decode of the cached
+target latents (without gradient). Each sample's loss becomes
+``mse + W · LPIPS(decode(ẑ_T crop), decode(z_T crop))``; the reference example uses W = 10.
+
+The VAE is loaded only when the flag is given, alone (``components=("vae",)``), on
+each process, outside the wrapped training module (it is frozen and not saved);
+LPIPS needs its backbone weights in the torch hub cache (``models/lpips.py``; a
+clear error names the file otherwise). Not with DeepSpeed ZeRO-3 (the decoder must
+be whole on every rank): use DDP or ZeRO-2 (the LBM launcher uses DDP).
+The crop offsets are drawn from the loss's generator after the bridge draws, so
+runs stay reproducible and the default path's draws are unchanged.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..models.lpips import lpips_distance
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+LATENT_SCALE = 8  # pixels per latent pixel
+
+
+@dataclass
+class PixelCritic:
+    """The frozen VAE (DiffSynth ``QwenImageVAE``) and LPIPS network that score decoded crops."""
+
+    vae: torch.nn.Module
+    lpips: torch.nn.Module
+    weight: float
+    crop: int  # max pixels per side
+
+    def crop_box(self, shape: Sequence[int], generator: Optional[torch.Generator]) -> tuple[int, int, int, int]:
+        """(top, left, height, width) in latent pixels of a random crop of a ``[16, h, w]`` latent."""
+        h, w = int(shape[-2]), int(shape[-1])
+        side = max(1, self.crop // LATENT_SCALE)
+        ch, cw = min(h, side), min(w, side)
+        top = int(torch.randint(h - ch + 1, (1,), generator=generator))
+        left = int(torch.randint(w - cw + 1, (1,), generator=generator))
+        return top, left, ch, cw
+
+    def _decode(self, latents: Tensor) -> Tensor:
+        """``[16, h, w]`` -> ``[1, 3, 8h, 8w]`` in [0, 1] (not clamped, so the gradient never stops)."""
+        vae_dtype = next(self.vae.parameters()).dtype
+        image = self.vae.decode(latents[None].to(vae_dtype))
+        return (image.float() + 1) / 2
+
+    def losses(self, predicted_targets: Sequence[Tensor], targets: Sequence[Tensor],
+               generator: Optional[torch.Generator] = None) -> Tensor:
+        """Per-sample LPIPS ``[B]`` between decoded crops of predicted and true target latents."""
+        out = []
+        for pred, target in zip(predicted_targets, targets):
+            top, left, ch, cw = self.crop_box(target.shape, generator)
+            window = (slice(None), slice(top, top + ch), slice(left, left + cw))
+            with torch.no_grad():
+                real = self._decode(target[window])
+            out.append(lpips_distance(self.lpips, self._decode(pred[window]), real)[0])
+        return torch.stack(out)
+
+
+def predicted_targets(noisy: Sequence[Tensor], velocity: Sequence[Tensor], sigmas: Tensor) -> list[Tensor]:
+    """ẑ_T = x_σ − σ·v̂ per sample (fp32)."""
+    return [x.float() - float(s) * v.float() for x, v, s in zip(noisy, velocity, sigmas)]
+
+
+def build_pixel_critic(lbm, preset, model_dir: Optional[str], device, dtype: torch.dtype,
+                       ds_config: Optional[dict] = None) -> PixelCritic:
+    """Load the VAE alone and LPIPS for ``--lbm_pixel_loss lpips`` (``ValueError`` when they cannot be)."""
+    from ..models.loading import load_pipeline
+    from ..models.lpips import require_lpips
+
+    if (ds_config or {}).get("zero_optimization", {}).get("stage") == 3:
+        raise ValueError("--lbm_pixel_loss lpips does not run under DeepSpeed ZeRO-3 (the VAE decoder must be whole "
+                         "on every rank); use DDP or ZeRO-2 (e.g. --config_file deepspeed_configs/zero2.yaml)")
+    lpips = require_lpips().to(device)
+    device_name = "cpu" if torch.device(device).type == "cpu" else str(device)
+    pipe = load_pipeline(preset, model_dir=model_dir, components=("vae",), device=device_name, torch_dtype=dtype)
+    vae = pipe.vae.to(device)
+    vae.requires_grad_(False)
+    vae.eval()
+    log.info("LBM pixel loss: %g x LPIPS on decoded crops of at most %d px (VAE decoder loaded)",
+             lbm.lbm_pixel_weight, lbm.lbm_pixel_crop)
+    return PixelCritic(vae=vae, lpips=lpips, weight=float(lbm.lbm_pixel_weight), crop=int(lbm.lbm_pixel_crop))

@@ -1,0 +1,197 @@
+"""The training report: one self-contained HTML page about a run's output directory.
+
+It reads what training wrote (``loss.jsonl`` and the validation strips
+``validation/step-<n>/*.png``) and nothing else, so it works during a run, after it,
+and on a copy of the directory. The page holds, with every image inlined as base64:
+
+- a summary table (last value of every logged number, best value of the loss and the quality metrics);
+- the loss curve, raw and smoothed (exponential moving average, bias-corrected like
+  TensorBoard's, weight ``--smoothing``);
+- the learning rate;
+- each validation metric (``val_*``: PSNR, SSIM, LPIPS, PSNR outside the mask, ...)
+  and each other logged number (``grad_norm``, ``mse_main``, ...) over steps;
+- the validation strips [reference | target | output] of every validation step.
+
+Plots are matplotlib PNGs (the ``[train]`` extra installs matplotlib).
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from PIL import Image
+
+from ..utils.atomic import atomic_write_text, finished_files
+from .tracking import LOSS_LOG, read_loss_log
+from .validation import VALIDATION_DIR
+
+log = logging.getLogger(__name__)
+
+REPORT_NAME = "report.html"
+NOT_PLOTTED = {"step", "loss", "lr", "epoch"}
+STRIP_MAX_WIDTH = 1536  # wider validation strips are scaled down in the page (the PNG files are untouched)
+
+
+def smooth(values: Sequence[float], weight: float) -> list[float]:
+    """Bias-corrected exponential moving average: ``s_t = w·s_{t-1} + (1-w)·x_t``, divided by ``1 - w^t``."""
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing must be in [0, 1), got {weight}")
+    out, acc = [], 0.0
+    for t, x in enumerate(values, 1):
+        acc = weight * acc + (1 - weight) * x
+        out.append(acc / (1 - weight ** t))
+    return out
+
+
+def series(records: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` over the records that have a finite number for it."""
+    pairs = [(int(r["step"]), float(r[key])) for r in records
+             if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def metric_keys(records: Sequence[dict]) -> list[str]:
+    """Numeric keys besides step/loss/lr/epoch: ``val_*`` first, then the rest, each sorted."""
+    keys = {k for r in records for k, v in r.items()
+            if k not in NOT_PLOTTED and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return sorted(keys, key=lambda k: (not k.startswith("val_"), k))
+
+
+@dataclass
+class StepStrips:
+    step: int
+    images: list[tuple[str, Path]] = field(default_factory=list)  # (name, file)
+
+
+def validation_strips(output_dir: Path) -> list[StepStrips]:
+    """The finished strip PNGs of every ``validation/step-<n>`` folder, by step."""
+    found = []
+    for folder in finished_files(output_dir / VALIDATION_DIR, "step-*"):
+        m = re.fullmatch(r"step-(\d+)", folder.name)
+        if m and folder.is_dir():
+            files = finished_files(folder, "*.png")
+            if files:
+                found.append(StepStrips(int(m.group(1)), [(p.stem, p) for p in files]))
+    return sorted(found, key=lambda s: s.step)
+
+
+def _png_data(image_or_figure) -> str:
+    buf = io.BytesIO()
+    if isinstance(image_or_figure, Image.Image):
+        image_or_figure.save(buf, format="PNG")
+    else:
+        image_or_figure.savefig(buf, format="png", dpi=100)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figure(title: str, ylabel: str, lines: Sequence[tuple[str, list[int], list[float], dict]]):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ValueError("qie report needs matplotlib: `pip install matplotlib` (or the project's [train] extra)") \
+            from e
+    fig = Figure(figsize=(7.5, 3.2))
+    ax = fig.add_subplot()
+    for label, xs, ys, style in lines:
+        ax.plot(xs, ys, label=label, **style)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:
+        ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def _strip_data(path: Path) -> str:
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        if im.width > STRIP_MAX_WIDTH:
+            im = im.resize((STRIP_MAX_WIDTH, round(im.height * STRIP_MAX_WIDTH / im.width)), Image.LANCZOS)
+        return _png_data(im)
+
+
+def _fmt(v: Optional[float]) -> str:
+    return "–" if v is None else f"{v:.6g}"
+
+
+def _best(key: str, values: list[float]) -> Optional[float]:
+    """The best value of a quality measure (loss, mse*, lpips: lowest; val_psnr*, val_ssim: highest); None for
+    numbers that are not one (lr, grad_norm, sigma_mean, ...)."""
+    if key == "loss" or key.startswith("mse") or "lpips" in key:
+        return min(values)
+    return max(values) if key.startswith("val_") else None
+
+
+def build_report(output_dir: str | Path, smoothing: float = 0.9) -> str:
+    """The report page's HTML for a run's ``output_dir``."""
+    out = Path(output_dir)
+    loss_log = out / LOSS_LOG
+    if not out.is_dir():
+        raise ValueError(f"{out} is not a directory; pass the --output_dir of a `qie train` run")
+    if not loss_log.is_file():
+        raise ValueError(f"{loss_log} not found: {out} is not a training output directory (pass the --output_dir "
+                         "of a `qie train` run that has logged at least one step)")
+    records = read_loss_log(loss_log)
+    steps, losses = series(records, "loss")
+    if not steps:
+        raise ValueError(f"{loss_log} has no logged loss yet; run `qie train` for at least one step first")
+    smoothing = float(smoothing)
+    smoothed = smooth(losses, smoothing)
+    keys = metric_keys(records)
+    rows = [("loss", losses[-1], _best("loss", losses), f"{smoothed[-1]:.6g}")]
+    for k in keys:
+        _, vals = series(records, k)
+        rows.append((k, vals[-1], _best(k, vals), ""))
+
+    plots = [("loss", _figure(f"loss (EMA smoothing {smoothing:g})", "loss", [
+        ("raw", steps, losses, {"alpha": 0.35, "color": "tab:blue"}),
+        ("smoothed", steps, smoothed, {"color": "tab:blue", "linewidth": 2})]))]
+    lr_steps, lrs = series(records, "lr")
+    if lr_steps:
+        plots.append(("learning rate", _figure("learning rate", "lr", [("lr", lr_steps, lrs, {"color": "tab:green"})])))
+    for k in keys:
+        xs, ys = series(records, k)
+        style = {"marker": "o"} if len(xs) < 50 else {}
+        plots.append((k, _figure(k, k, [(k, xs, ys, {"color": "tab:orange" if k.startswith("val_") else "tab:gray",
+                                                      **style})])))
+
+    parts = [f"<h1>Training report</h1><p class='dir'>{html.escape(str(out.resolve()))}</p>",
+             f"<p>{len(steps)} logged step(s), last step {steps[-1]}.</p>",
+             "<table><tr><th>value</th><th>last</th><th>best</th><th>smoothed</th></tr>"]
+    parts += [f"<tr><td>{html.escape(k)}</td><td>{_fmt(last)}</td><td>{_fmt(best)}</td><td>{sm}</td></tr>"
+              for k, last, best, sm in rows]
+    parts.append("</table><h2>Curves</h2>")
+    for title, fig in plots:
+        parts.append(f"<figure><img alt='{html.escape(title)}' src='{_png_data(fig)}'></figure>")
+    strips = validation_strips(out)
+    parts.append("<h2>Validation [reference | target | output]</h2>")
+    if not strips:
+        parts.append("<p>No validation strips (train with <code>--validate_every N</code> to render them).</p>")
+    for s in strips:
+        parts.append(f"<h3>step {s.step}</h3>")
+        parts += [f"<figure class='strip'><img alt='{html.escape(name)}' src='{_strip_data(path)}'>"
+                  f"<figcaption>{html.escape(name)}</figcaption></figure>" for name, path in s.images]
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
+             "td:first-child{text-align:left}img{max-width:100%}figure{margin:0.5em 0}.dir{color:#666}"
+             # small strips (e.g. the tiny demo's 64 px panels) are shown enlarged, pixels kept sharp
+             ".strip img{width:100%;max-width:900px;image-rendering:pixelated}")
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Training report</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def write_report(output_dir: str | Path, out_path: Optional[str | Path] = None, smoothing: float = 0.9) -> Path:
+    """Write the report (default ``<output_dir>/report.html``) atomically; returns its path."""
+    path = Path(out_path) if out_path else Path(output_dir) / REPORT_NAME
+    atomic_write_text(path, build_report(output_dir, smoothing))
+    log.info("report: %s", path)
+    return path

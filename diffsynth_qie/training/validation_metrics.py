@@ -1,0 +1,55 @@
+"""Metrics of the validation renders against their targets, logged at every validation step.
+
+For each rendered output (a decoded image) and the target it is judged against:
+
+- ``val_psnr`` and ``val_ssim`` against the target (``models/image_metrics.py``);
+- ``val_lpips`` when the LPIPS network can be loaded offline (``models/lpips.py``;
+  otherwise it is skipped with one logged line, never downloaded);
+- ``val_psnr_preserve`` for entries with an edit mask: PSNR over the pixels outside
+  the mask (weights ``1 - mask``), i.e. how well the edit leaves the rest alone.
+
+Each metric is the mean over the held-out outputs; LBM runs also log the mean per
+stream (``val_psnr_main``, ``val_psnr_sub``, ...).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from PIL import Image
+
+from ..models.image_metrics import mask_to_pixels, masked_psnr, psnr, ssim, to_pixels
+from ..models.lpips import lpips_distance
+
+PREFIX = "val_"
+
+
+def output_metrics(output: Image.Image, target: Image.Image, back_mask: Optional[torch.Tensor] = None,
+                   lpips_model=None) -> dict[str, float]:
+    """The metrics of one output against its target (``back_mask``: the latent edit mask ``[1, h, w]``)."""
+    if output.size != target.size:
+        raise ValueError(f"validation output {output.size} and target {target.size} differ in size")
+    out, tgt = to_pixels([output, target]).split(1)
+    values = {"psnr": float(psnr(out, tgt)[0]), "ssim": float(ssim(out, tgt)[0])}
+    if lpips_model is not None:
+        with torch.no_grad():
+            values["lpips"] = float(lpips_distance(lpips_model, out, tgt)[0])
+    if back_mask is not None:
+        keep = 1 - mask_to_pixels(back_mask, tuple(out.shape[-2:]))
+        value = float(masked_psnr(out, tgt, keep)[0])
+        if not math.isnan(value):
+            values["psnr_preserve"] = value
+    return values
+
+
+def summarize(per_output: Sequence[tuple[Optional[str], dict[str, float]]]) -> dict[str, float]:
+    """Means over outputs (``val_<metric>``) and, for named streams, per stream (``val_<metric>_<stream>``)."""
+    groups: dict[str, list[float]] = {}
+    streams = {s for s, _ in per_output if s is not None}
+    for stream, values in per_output:
+        for k, v in values.items():
+            groups.setdefault(f"{PREFIX}{k}", []).append(v)
+            if stream is not None and len(streams) > 1:
+                groups.setdefault(f"{PREFIX}{k}_{stream}", []).append(v)
+    return {k: sum(v) / len(v) for k, v in sorted(groups.items())}
