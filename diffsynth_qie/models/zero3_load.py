@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Sequence
 
-from .loading import load_pipeline
+from . import loading
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +151,9 @@ def load_dit_pipeline(preset, model_dir=None, device: str | None = None, torch_d
     """``load_pipeline(preset, components=("dit",))`` whose DiT never sits whole in one process's memory
     under ZeRO-3 (see the module docstring); without ZeRO-3 it is exactly ``load_pipeline``."""
     if not zero3_enabled():
-        return load_pipeline(preset, model_dir=model_dir, components=("dit",), device=device, torch_dtype=torch_dtype)
+        return loading.load_pipeline(preset, model_dir=model_dir, components=("dit",), device=device, torch_dtype=torch_dtype)
     # An empty state dict: DiffSynth builds the DiT under zero.Init and loads nothing into it.
-    pipe = load_pipeline(preset, model_dir=model_dir, components=("dit",), device=device, torch_dtype=torch_dtype,
+    pipe = loading.load_pipeline(preset, model_dir=model_dir, components=("dit",), device=device, torch_dtype=torch_dtype,
                          model_config_kwargs={"dit": {"state_dict": {}}})
     paths = pipe.qie_model_paths["dit"]
     reader = SafetensorsStream(paths, _converter_for(paths, DIT_MODEL_NAME), reopen_bytes=reopen_bytes)

@@ -196,8 +196,9 @@ def setup(config: RunConfig) -> _Run:
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
     if ds_config is not None:
         configure_deepspeed(ds_config, cfg.optim, t.batch_size)  # micro-batch size and --max_grad_norm
-    wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler,
-                                                              device_placement=device_placement(swapper, 3))
+    # only a swapper places the module itself (accelerate refuses any device_placement under DeepSpeed)
+    placement = {} if swapper is None else {"device_placement": device_placement(swapper, 3)}
+    wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler, **placement)
     ckpt.install_state_hooks(accelerator, module)
 
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,

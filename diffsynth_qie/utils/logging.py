@@ -9,6 +9,7 @@ import contextlib
 import io
 import logging
 import os
+import sys
 from typing import Iterator
 
 
@@ -30,7 +31,13 @@ def is_main_process() -> bool:
 class _Handler(logging.StreamHandler):
     """A StreamHandler subclass: modelscope's get_logger raises every root handler whose
     type *is* StreamHandler to ERROR once torch.distributed is initialised, which
-    silenced all our INFO logs under ``accelerate launch``."""
+    silenced all our INFO logs under ``accelerate launch``. It writes to whatever
+    ``sys.stderr`` is when a record arrives (not the one at setup), so redirected or
+    captured stderr (tests, notebooks) gets the lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 def setup_logging(level: str | int = "INFO") -> None:
