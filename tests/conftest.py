@@ -47,6 +47,23 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fake_lpips_home(tmp_path, monkeypatch):
+    """TORCH_HOME whose hub cache holds an AlexNet backbone file with random values: LPIPS's real loading path,
+    with no download (real LPIPS values need the real torchvision weights, which tests cannot fetch)."""
+    import torch
+    import torchvision
+
+    from diffsynth_qie.models import lpips
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    path = lpips.backbone_weights_path("alex")
+    path.parent.mkdir(parents=True)
+    torch.manual_seed(0)
+    torch.save(torchvision.models.alexnet(weights=None).state_dict(), path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Path of a tiny Qwen-Image-Edit built once per session (real repo layout)."""

@@ -28,18 +28,6 @@ from diffsynth_qie.training.lbm_pixel import PixelCritic, predicted_targets  # n
 W = 10.0
 
 
-@pytest.fixture
-def fake_lpips_home(tmp_path, monkeypatch):
-    import torchvision
-
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
-    path = L.backbone_weights_path("alex")
-    path.parent.mkdir(parents=True)
-    torch.manual_seed(0)
-    torch.save(torchvision.models.alexnet(weights=None).state_dict(), path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def dit(tiny_model_dir):
     from diffsynth_qie.models.loading import load_pipeline

@@ -42,19 +42,6 @@ def store(cache_dir):
     return CacheStore.open(cache_dir)
 
 
-@pytest.fixture
-def fake_lpips_home(tmp_path, monkeypatch):
-    """TORCH_HOME whose hub cache holds an AlexNet backbone file with random values (no download)."""
-    import torchvision
-
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
-    path = L.backbone_weights_path("alex")
-    path.parent.mkdir(parents=True)
-    torch.manual_seed(0)
-    torch.save(torchvision.models.alexnet(weights=None).state_dict(), path)
-    return path
-
-
 def test_psnr_is_eval_edits_psnr_and_per_sample():
     from diffsynth_qie.inference.evaluate import psnr as pil_psnr
 
