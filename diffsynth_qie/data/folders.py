@@ -15,7 +15,7 @@ pixel cap) in worker processes: a row whose images cannot be read, exceed
 its target's, is skipped with the reason. Rows are written with DiffSynth's field names
 (``prompt``, ``image``, ``edit_image``, ``back_mask``, ``ref_gt``), or with the
 FireRed-style names (``target_image``, ``source_image``, ``instruction``, ...) when the
-prompts carry a second language or inverse instructions, which DiffSynth's fields cannot
+prompts have a second language or inverse instructions, which DiffSynth's fields cannot
 hold. Both are read by :func:`~.formats.read_rows`.
 """
 from __future__ import annotations

@@ -38,7 +38,7 @@ GiB = 1024 ** 3
 # targets; `models/memory_probe.py`, `qie plan --calibrate`) at 2, 4 and 6 blocks with and
 # without checkpointing (the LoRA gradients, allocated while activations are freed, are inside
 # the measured peak; the plan lists them again under LoRA, which errs on the safe side). The blocks are the real model's code, so the element counts per token
-# and width carry over; attention keeps no S x S matrix (measured: memory is linear in tokens).
+# and width hold; attention keeps no S x S matrix (measured: memory is linear in tokens).
 CALIBRATION = {
     "K_BLOCK": 26.27,  # kept per block for backward (q, k, v, MLP hidden, norms, gates)
     "K_OUTSIDE": 3.67,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, transients
