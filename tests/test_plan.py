@@ -110,8 +110,12 @@ def test_nothing_fits_a_tiny_budget(real):
 
 
 def test_invalid_options_name_the_flag(real):
-    with pytest.raises(ValueError, match="--blocks_to_swap 60"):
-        predict(real, PlanOptions(blocks_to_swap=60))
+    with pytest.raises(ValueError, match="--blocks_to_swap 61"):  # 1..60 swap, as the swapper accepts
+        predict(real, PlanOptions(blocks_to_swap=61))
+    with pytest.raises(ValueError, match="--blocks_to_swap cannot be combined with --zero_stage 2"):
+        predict(real, PlanOptions(blocks_to_swap=4, zero_stage=2, num_gpus=2))
+    with pytest.raises(ValueError, match="--fp8_base cannot be combined with --zero_stage 3"):
+        predict(real, PlanOptions(fp8_base=True, zero_stage=3, num_gpus=2))
     with pytest.raises(ValueError, match="--zero_stage 3"):
         predict(real, PlanOptions(blocks_to_swap=4, zero_stage=3, num_gpus=2))
     with pytest.raises(ValueError, match="--resolution 1000"):
@@ -127,3 +131,15 @@ def test_qie_plan_prints_a_fitting_configuration(capfd):
     assert "cheapest options that fit 24.0 GiB" in text
     peaks = [float(line.split()[-2]) for line in text.splitlines() if "predicted peak GPU memory" in line]
     assert len(peaks) == 2 and peaks[1] <= 24 < peaks[0]
+
+
+def test_candidates_are_only_what_qie_train_accepts(real):
+    """No swapping under DeepSpeed, no FP8 under ZeRO-3 (both refused by `qie train`), and DDP (stage 0) tried
+    first on several GPUs."""
+    options = candidates(real, PlanOptions(num_gpus=8))
+    assert options and options[0].zero_stage == 0
+    assert not [o for o in options if o.zero_stage and o.blocks_to_swap]
+    assert not [o for o in options if o.zero_stage == 3 and o.fp8_base]
+    assert {o.zero_stage for o in options} == {0, 2, 3}
+    plan = recommend(real, PlanOptions(num_gpus=8), 24)
+    assert plan is not None and plan.gpu_peak <= 24 * GiB

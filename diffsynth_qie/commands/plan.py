@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--lora_rank", type=int, default=32)
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "prodigy_sf"))
-    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="recompute DiT blocks in backward (on by default, as in qie train)")
     parser.add_argument("--fp8_base", action="store_true", help="frozen DiT linears in FP8 (e4m3 + scales)")
     parser.add_argument("--blocks_to_swap", type=int, default=0, help="DiT blocks kept in host RAM")
     parser.add_argument("--zero_stage", type=int, default=0, choices=(0, 2, 3))

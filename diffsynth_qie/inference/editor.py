@@ -246,7 +246,9 @@ class Editor:
         if fp8_base:
             from ..models.fp8 import quantize_linears
 
-            quantize_linears(pipe.dit.requires_grad_(False), device="cpu" if cpu_offload else devices["dit"])
+            # with swapping, the swapper places the resident blocks: the swapped ones never touch the GPU
+            quantize_linears(pipe.dit.requires_grad_(False),
+                             device="cpu" if (cpu_offload or blocks_to_swap) else devices["dit"])
         pipe.device = devices["dit"]  # where the pipeline's own intermediate tensors live
         return cls(pipe, device_map=devices, cpu_offload=cpu_offload, lora_merge=lora_merge,
                    blocks_to_swap=blocks_to_swap)

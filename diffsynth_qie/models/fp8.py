@@ -57,19 +57,25 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """``x @ (q·s)ᵀ + b`` that saves the FP8 weight (not a dequantised copy) for backward."""
+    """``x @ (q·s)ᵀ + b`` that saves the FP8 weight (not a dequantised copy) for backward.
+
+    It saves the stored parameters themselves (``weight_bits``, ``scale_bits``), not float8 views of them:
+    block swapping (``models/block_swap.py``) frees a swapped-out block by re-pointing each parameter's
+    ``.data``, which a saved view would keep alive until backward."""
 
     @staticmethod
-    def forward(ctx, x, q, scale, bias, dtype):
-        ctx.save_for_backward(q, scale)
+    def forward(ctx, x, bits, scale_bits, bias, dtype):
+        ctx.save_for_backward(bits, scale_bits)
         ctx.dtype, ctx.x_dtype = dtype, x.dtype
         ctx.bias_grad = bias is not None and bias.requires_grad
         b = None if bias is None else bias.to(dtype)
-        return torch.nn.functional.linear(x.to(dtype), dequantize_weight(q, scale, dtype), b)
+        w = dequantize_weight(bits.view(FP8_DTYPE), scale_bits.view(torch.float32), dtype)
+        return torch.nn.functional.linear(x.to(dtype), w, b)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, scale = ctx.saved_tensors
+        bits, scale_bits = ctx.saved_tensors
+        q, scale = bits.view(FP8_DTYPE), scale_bits.view(torch.float32)
         g = grad_out.to(ctx.dtype)
         grad_x = (g @ dequantize_weight(q, scale, ctx.dtype)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.bias_grad else None
@@ -112,7 +118,7 @@ class Fp8Linear(torch.nn.Module):
         return dequantize_weight(self.weight, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Fp8LinearFn.apply(x, self.weight, self.scale, self.bias, _compute_dtype(x))
+        return _Fp8LinearFn.apply(x, self.weight_bits, self.scale_bits, self.bias, _compute_dtype(x))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \

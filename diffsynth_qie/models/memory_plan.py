@@ -73,15 +73,18 @@ class PlanOptions:
     def validate(self, census: DiTCensus) -> None:
         if self.resolution % 16 or self.resolution <= 0:
             raise ValueError(f"--resolution {self.resolution} must be a positive multiple of 16")
-        if not 0 <= self.blocks_to_swap < max(census.num_layers, 1):
-            raise ValueError(f"--blocks_to_swap {self.blocks_to_swap} must be in 0..{census.num_layers - 1}")
+        if not 0 <= self.blocks_to_swap <= census.num_layers:
+            raise ValueError(f"--blocks_to_swap {self.blocks_to_swap} must be in 0..{census.num_layers}")
         if self.zero_stage not in (0, 2, 3):
             raise ValueError(f"--zero_stage {self.zero_stage}: use 0 (none), 2 or 3")
         if self.num_gpus < 1 or self.batch_size < 1 or self.ref_images < 0 or self.lora_rank < 0:
             raise ValueError("--num_gpus and --batch_size must be >= 1, --ref_images and --lora_rank >= 0")
-        if self.zero_stage == 3 and self.blocks_to_swap:
-            raise ValueError("--blocks_to_swap cannot be combined with --zero_stage 3 (ZeRO-3 owns the weights); "
-                             "use one or the other")
+        # the same combinations `qie train` refuses (training/swapping.py, module.check_fp8_base)
+        if self.zero_stage and self.blocks_to_swap:
+            raise ValueError(f"--blocks_to_swap cannot be combined with --zero_stage {self.zero_stage} (block swapping "
+                             "runs without DeepSpeed); use one or the other")
+        if self.zero_stage == 3 and self.fp8_base:
+            raise ValueError("--fp8_base cannot be combined with --zero_stage 3 (partitioned weights); use one or the other")
         if self.task == "edit" and self.zero_stage:
             raise ValueError("--zero_stage applies to training only; drop it with --task edit")
 
@@ -148,7 +151,9 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         swapped = o.blocks_to_swap * block
         plan.gpu["DiT weights" + (f" ({o.blocks_to_swap} blocks in host RAM)" if swapped else "")] = weights - swapped
         if swapped:
-            plan.gpu["block swap buffers"] = min(o.blocks_to_swap, 2) * block
+            # inference: the running block and the prefetched one; training also keeps the last block in for
+            # the backward pass (models/block_swap.py)
+            plan.gpu["block swap buffers"] = min(o.blocks_to_swap, 3 if o.task == "train" else 2) * block
             plan.host["swapped blocks (pinned)"] = swapped
     if o.task == "train":
         lw, rest = lora_bytes(c, o)
@@ -172,12 +177,14 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
 def candidates(c: DiTCensus, base: PlanOptions) -> list[PlanOptions]:
     """Option sets from the least to the most slowdown, never weaker than ``base``'s own choices:
     checkpointing < FP8 < swapping N blocks (N ascending) < ZeRO-3."""
-    stages = [base.zero_stage] if base.num_gpus == 1 or base.task == "edit" else sorted({max(base.zero_stage, 2), 3})
+    multi = base.num_gpus > 1 and base.task == "train"
+    stages = [s for s in (0, 2, 3) if s >= base.zero_stage] if multi else [base.zero_stage]
     ckpts = [True] if base.gradient_checkpointing or base.task == "edit" else [False, True]
-    fp8s = [True] if base.fp8_base else [False, True]
     out = []
     for stage in stages:
-        swaps = [0] if stage == 3 else range(base.blocks_to_swap, c.num_layers)
+        # only option sets `qie train` accepts: no swapping under DeepSpeed, no FP8 under ZeRO-3
+        swaps = range(base.blocks_to_swap, c.num_layers + 1) if stage == 0 else [base.blocks_to_swap] * (not base.blocks_to_swap)
+        fp8s = ([True] if base.fp8_base else [False, True]) if stage != 3 else [False] * (not base.fp8_base)
         for swap in swaps:
             for fp8 in fp8s:
                 for ckpt in ckpts:

@@ -140,6 +140,10 @@ def preset_census(preset_name: str, with_encoders: bool = True) -> DiTCensus:
 
 def _encoder_params() -> dict[str, int]:
     import torch
+
+    from ..utils.logging import library_warnings_once
+
+    library_warnings_once()  # the Qwen2.5-VL config's RoPE warnings are not news
     from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
     from diffsynth.models.qwen_image_vae import QwenImageVAE
 

@@ -156,7 +156,7 @@ def setup(config: RunConfig) -> _Run:
     from .module import QIETrainingModule, check_fp8_base
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
                         configure_deepspeed)
-    from .swapping import device_placement, install_block_swap
+    from .swapping import check_block_swap, device_placement, install_block_swap
     from .tracking import Tracker
     from .validation import Validator
 
@@ -180,10 +180,12 @@ def setup(config: RunConfig) -> _Run:
 
     set_seed(t.seed)  # the LoRA init, identical on every rank
     check_fp8_base(cfg, ds_config)
+    check_block_swap(cfg, ds_config)  # both before the (long) load
     module = QIETrainingModule(load_dit(preset, cfg, accelerator), cfg, preset.name)
-    if t.fp8_base:
-        module.quantize_frozen_base(accelerator.device)
-        module.to(accelerator.device)
+    if t.fp8_base:  # with swapping, the swapper places the resident blocks: swapped ones never touch the GPU
+        module.quantize_frozen_base("cpu" if t.blocks_to_swap else accelerator.device)
+        if not t.blocks_to_swap:
+            module.to(accelerator.device)
     if cfg.loss.loss == "lbm" and cfg.lbm is not None and cfg.lbm.lbm_pixel_loss != "none":
         from .lbm_pixel import build_pixel_critic
 

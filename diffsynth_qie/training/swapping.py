@@ -21,15 +21,21 @@ def load_device(config: RunConfig, default: str) -> str:
     return "cpu" if (config.train.blocks_to_swap or config.train.fp8_base) else default
 
 
+def check_block_swap(config: RunConfig, ds_config: Optional[dict]) -> None:
+    """Refuse ``--blocks_to_swap`` under DeepSpeed (called before the DiT is loaded, so it fails at once)."""
+    n = config.train.blocks_to_swap
+    if n and ds_config is not None:
+        raise ValueError(f"--blocks_to_swap {n} does not work under DeepSpeed (the engine places every weight "
+                         "itself); train with one process or DDP (accelerate launch without a DeepSpeed config), "
+                         "or pass --blocks_to_swap 0")
+
+
 def install_block_swap(module, config: RunConfig, accelerator, ds_config: Optional[dict]) -> Optional[BlockSwapper]:
     """Install block swapping on ``module.dit`` (before ``accelerator.prepare``); None when off."""
     n = config.train.blocks_to_swap
     if not n:
         return None
-    if ds_config is not None:
-        raise ValueError(f"--blocks_to_swap {n} does not work under DeepSpeed (the engine places every weight "
-                         "itself); train with one process or DDP (accelerate launch without a DeepSpeed config), "
-                         "or pass --blocks_to_swap 0")
+    check_block_swap(config, ds_config)
     swapper = BlockSwapper(module.dit, n, accelerator.device, "cpu").install()
     module._ddp_params_and_buffers_to_ignore = [f"dit.{name}" for name in swapper.offloaded_names()]
     return swapper
