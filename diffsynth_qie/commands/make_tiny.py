@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..models.tiny import ensure_tiny, is_complete, looks_like_tiny_dir
+    from ..utils.logging import library_warnings_once
 
+    library_warnings_once()  # building the text encoder config warns about its RoPE keys (harmless)
     if args.pretrained:
         return _run_pretrained(args)
     if args.out is None:
