@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .lora_state import LoraModule, LoraState, listing
+from .lora_state import LoraModule, LoraState, problems
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +65,11 @@ def match_lora(model: torch.nn.Module, state: LoraState) -> LoraState:
         elif params[name].shape != tensor.shape:
             mismatched.append(f"{name} ({tuple(tensor.shape)} vs {tuple(params[name].shape)})")
     if missing or not_linear or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} key(s) not found in the model: {listing(missing)}")
-        if not_linear:
-            parts.append(f"{len(not_linear)} module(s) without a 2-D weight: {listing(not_linear)}")
-        if mismatched:
-            parts.append(f"{len(mismatched)} shape mismatch(es): {listing(mismatched)}")
         raise ValueError(f"LoRA {state.source} does not match the model ({type(model).__name__}): "
-                         + "; ".join(parts) + ". Check that the LoRA was trained for this model/preset.")
+                         + problems(("key(s) not found in the model", missing),
+                                    ("module(s) without a 2-D weight", not_linear),
+                                    ("shape mismatch(es)", mismatched))
+                         + ". Check that the LoRA was trained for this model/preset.")
     return state
 
 

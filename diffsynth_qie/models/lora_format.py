@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .lora_state import FORMAT_NAME, LoraModule, LoraState, listing
+from .lora_state import FORMAT_NAME, LoraModule, LoraState, listing, problems
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +177,9 @@ def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapp
         raise ValueError(f"LoRA {source} has both a LoRA pair and a full weight for: {listing(both)}; "
                          "keep one of them per module")
     if incomplete or bad_shape or rank_zero:
-        parts = []
-        if incomplete:
-            parts.append(f"incomplete LoRA pairs: {listing(incomplete)}")
-        if bad_shape:
-            parts.append(f"not 2-D low-rank pairs of matching rank: {listing(bad_shape)}")
-        if rank_zero:
-            parts.append(f"rank-0 pairs (lora_A with no rows): {listing(rank_zero)}")
-        raise ValueError(f"LoRA {source} is malformed: " + "; ".join(parts))
+        raise ValueError(f"LoRA {source} is malformed: " + problems(
+            ("incomplete LoRA pairs", incomplete), ("not 2-D low-rank pairs of matching rank", bad_shape),
+            ("rank-0 pairs (lora_A with no rows)", rank_zero), counted=False))
     if not modules and not full:
         raise ValueError(f"LoRA {source} holds no LoRA tensors")
     return LoraState(modules=modules, full=full, format=_format_name(formats, metadata), metadata=metadata,

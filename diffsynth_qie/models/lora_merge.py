@@ -26,7 +26,7 @@ from ..utils.atomic import atomic_save, atomic_write_json, finished_files
 from .dit_files import DIT_STEM, DIT_SUBDIR, INDEX_NAME, DitFiles, resolve_dit
 from .lora_apply import _check_delta
 from .lora_format import load_lora_state
-from .lora_state import LoraModule, LoraState, listing
+from .lora_state import LoraModule, LoraState, problems
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,8 @@ def _matched(state: LoraState, dit: DitFiles) -> LoraState:
         elif shape != tuple(tensor.shape):
             mismatched.append(f"{name} ({tuple(tensor.shape)} vs {shape})")
     if missing or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} key(s) not in the DiT: {listing(missing)}")
-        if mismatched:
-            parts.append(f"{len(mismatched)} shape mismatch(es): {listing(mismatched)}")
-        raise ValueError(f"LoRA {state.source} does not match the DiT in {dit.folder}: " + "; ".join(parts)
+        raise ValueError(f"LoRA {state.source} does not match the DiT in {dit.folder}: "
+                         + problems(("key(s) not in the DiT", missing), ("shape mismatch(es)", mismatched))
                          + ". Check that the LoRA was trained for this model.")
     return state
 

@@ -23,6 +23,13 @@ def listing(names: Sequence[str]) -> str:
     return shown + (f", ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
 
 
+def problems(*groups: tuple[str, Sequence[str]], counted: bool = True) -> str:
+    """One error-message clause per non-empty group, "; "-joined: ``"3 key(s) not found: a, b, c"``
+    (``counted=False``: ``"key(s) not found: a, b, c"``)."""
+    return "; ".join(f"{len(names)} {label}: {listing(names)}" if counted else f"{label}: {listing(names)}"
+                     for label, names in groups if names)
+
+
 # --- data ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LoraModule:
@@ -87,12 +94,9 @@ class LoraState:
             else:
                 modules[lookup[key]] = mod
         if unknown or ambiguous:
-            parts = []
-            if unknown:
-                parts.append(f"{len(unknown)} kohya module(s) not found in the model: {listing(unknown)}")
-            if ambiguous:
-                parts.append(f"{len(ambiguous)} kohya module name(s) match several modules: {listing(ambiguous)}")
-            raise ValueError(f"LoRA {self.source} does not match the model: " + "; ".join(parts)
+            raise ValueError(f"LoRA {self.source} does not match the model: "
+                             + problems(("kohya module(s) not found in the model", unknown),
+                                        ("kohya module name(s) match several modules", ambiguous))
                              + ". Check that the LoRA was trained for this model.")
         return replace(self, modules=modules, underscore_names=False)
 
