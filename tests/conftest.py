@@ -12,6 +12,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MODELSCOPE_CACHE", "/nonexistent-modelscope-cache")
 
+import contextlib
 import importlib.util
 import socket
 from pathlib import Path
@@ -24,6 +25,21 @@ _spec = importlib.util.spec_from_file_location(
     "make_train_loss_curve", Path(__file__).parent / "assets" / "make_train_loss_curve.py")
 curve_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(curve_script)
+
+
+@contextlib.contextmanager
+def fresh_accelerate():
+    """Inside: no accelerate state from an earlier run in this process (each train() builds its own
+    Accelerator), and none left behind for the next test."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 def free_port() -> int:

@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("torchmetrics")
 
+from conftest import fresh_accelerate  # noqa: E402
 from diffsynth_qie.models import lpips as L  # noqa: E402
 from diffsynth_qie.models.bridge import bridge_interpolate, bridge_target  # noqa: E402
 from diffsynth_qie.training.lbm import LBMConfig  # noqa: E402
@@ -83,20 +84,13 @@ def test_pixel_term_equals_w_lpips_and_its_gradient_reaches_the_lora(dit, tiny_p
 
 
 def _train(cache_dir, tiny_model_dir, out, *extra):
-    from accelerate.state import AcceleratorState, GradientState
-
     from diffsynth_qie.cli import main
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
+    with fresh_accelerate():
         return main(["train", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--cache_dir", str(cache_dir),
                      "--output_dir", str(out), "--loss", "lbm", "--max_steps", "2", "--batch_size", "2",
                      "--lora_rank", "4", "--save_every", "0", "--no-gradient_checkpointing", "--device", "cpu",
                      *extra])
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from diffsynth_qie.models import image_metrics as M
+from conftest import fresh_accelerate
 from diffsynth_qie.models import lpips as L
 
 
@@ -163,7 +164,6 @@ def test_tracker_merges_validation_into_the_steps_line(tmp_path):
 
 
 def test_training_logs_validation_metrics_per_validation_step(cache_dir, tiny_model_dir, tmp_path):
-    from accelerate.state import AcceleratorState, GradientState
 
     from diffsynth_qie.training.config import LoRAConfig, LossConfig, RunConfig, TrainConfig
     from diffsynth_qie.training.loop import train
@@ -175,13 +175,8 @@ def test_training_logs_validation_metrics_per_validation_step(cache_dir, tiny_mo
                                       gradient_checkpointing=False, validate_every=1, num_validation=2,
                                       validation_steps=2, device="cpu", mixed_precision="no", seed=0),
                     lora=LoRAConfig(lora_rank=4), loss=LossConfig(loss="sft"))
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
+    with fresh_accelerate():
         train(cfg)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
     records = read_loss_log(out / "loss.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     for r in records:

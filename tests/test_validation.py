@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import fresh_accelerate
 from diffsynth_qie.models.sampling import Conditioning
 from diffsynth_qie.training.config import LoRAConfig, LossConfig, RunConfig, TrainConfig
 from diffsynth_qie.training.lbm import LBMConfig
@@ -256,7 +257,6 @@ def test_lbm_validation_is_the_editors_lbm_sampling(store, tiny_pipe, tmp_path):
 def test_train_lbm_renders_lbm_validation(cache_dir, store, tiny_model_dir, tmp_path):
     """`--loss lbm` (prodigy_sf, the trainer's eval()/train() around validation) writes main
     and sub strips for every held-out entry at each validation step."""
-    from accelerate.state import AcceleratorState, GradientState
 
     from diffsynth_qie.training.loop import train
 
@@ -265,13 +265,8 @@ def test_train_lbm_renders_lbm_validation(cache_dir, store, tiny_model_dir, tmp_
                                       gradient_checkpointing=False, validate_every=2, num_validation=2,
                                       validation_steps=2, device="cpu", mixed_precision="no", seed=0),
                     lora=LoRAConfig(lora_rank=4), loss=LossConfig(loss="lbm"), lbm=LBMConfig())
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
+    with fresh_accelerate():
         train(cfg)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
     files = [p.name for p in (tmp_path / "run" / "validation" / "step-2").iterdir()]
     streams: dict[str, set] = {}
     for name in files:
