@@ -15,7 +15,7 @@ weights directly on the target device instead of loading checkpoints:
 3. **fast random init** in place on that device: N(0, 0.02) for matrices and
    convolutions, 1 for norm scales, 0 for biases.
 
-The tiny sizes are the test model's (``diffsynth_qie.models.tiny``), built the same
+The tiny sizes are the test model's (``diffsynth_qie.tiny.build``), built the same
 way on the CPU.
 
 Optional speed-ups (each off by default; ``NOTES.md`` records predictions and
@@ -82,7 +82,7 @@ def build_dit(tiny: bool, device, dtype, seed: int = 0, num_layers: int = 60) ->
     ``num_layers`` < 60 builds a shorter real-width DiT (harness checks on small machines).
     """
     if tiny:
-        from diffsynth_qie.models.tiny import DIT_SIZES, TinyQwenImageDiT
+        from diffsynth_qie.tiny.build import DIT_SIZES, TinyQwenImageDiT
 
         return _build(lambda: TinyQwenImageDiT(**DIT_SIZES), device, dtype, seed)
     from diffsynth.models.qwen_image_dit import QwenImageDiT
@@ -97,11 +97,11 @@ def build_text_encoder(tiny: bool, device, dtype, seed: int = 1) -> torch.nn.Mod
     tokenizer cannot be downloaded on the GPU machine); every other size is the 7B's.
     """
     if tiny:
-        from diffsynth_qie.models.tiny import TinyQwenImageTextEncoder
+        from diffsynth_qie.tiny.build import TinyQwenImageTextEncoder
 
         return _build(TinyQwenImageTextEncoder, device, dtype, seed)
     from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
-    from diffsynth_qie.models.tiny import TOKEN_ID
+    from diffsynth_qie.tiny.build import TOKEN_ID
 
     model = _build(QwenImageTextEncoder, device, dtype, seed)
     ids = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
@@ -118,7 +118,7 @@ def build_vae(tiny: bool, device, dtype, seed: int = 2) -> torch.nn.Module:
     from diffsynth.models.qwen_image_vae import QwenImageVAE
 
     if tiny:
-        from diffsynth_qie.models.tiny import VAE_KWARGS
+        from diffsynth_qie.tiny.build import VAE_KWARGS
 
         return _build(lambda: QwenImageVAE(**VAE_KWARGS), device, dtype, seed)
     return _build(QwenImageVAE, device, dtype, seed)
@@ -131,7 +131,7 @@ def build_tokenizer_and_processor(tiny: bool):
     merge 2) decide how many vision tokens the text encoder sees; DiffSynth resizes
     the reference to ≈384² before encoding, i.e. ≈180 vision tokens.
     """
-    from diffsynth_qie.models.tiny import build_processor, build_tokenizer
+    from diffsynth_qie.tiny.build import build_processor, build_tokenizer
 
     tokenizer = build_tokenizer()
     if tiny:
@@ -245,14 +245,14 @@ def _blocks(dit: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_fp8_base(dit: torch.nn.Module) -> int:
-    """``--fp8_base``: the product's FP8 base weights (``diffsynth_qie.models.fp8.quantize_linears``).
+    """``--fp8_base``: the product's FP8 base weights (``diffsynth_qie.memory.fp8.quantize_linears``).
 
     Quantises every frozen linear of the transformer blocks (e4m3, a scale per output
     channel, compute in the activation dtype). Call after :func:`add_lora` (only PEFT's
     ``base_layer`` is quantised; the adapters stay in their dtype); calling it again after a
     new injection converts only what is new. Returns the number of FP8 layers in ``dit``.
     """
-    from diffsynth_qie.models.fp8 import fp8_layers, quantize_linears
+    from diffsynth_qie.memory.fp8 import fp8_layers, quantize_linears
 
     quantize_linears(dit)
     return len(fp8_layers(dit))

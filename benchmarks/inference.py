@@ -19,7 +19,7 @@ sampling, VAE decode to a PIL image): the median of ``--repeats`` calls after on
 warm-up call at 2 steps (kernels loaded, caches built).
 
 Substitutes, because nothing can be downloaded on the GPU machine: the tokenizer
-and processor are the tiny test model's byte-level BPE (``models/tiny.py``) with the
+and processor are the tiny test model's byte-level BPE (``tiny/build.py``) with the
 real processor's image-size limits, and the 7B text encoder's special-token ids are
 remapped to that tokenizer's. The prompt therefore tokenises into a different (but
 reported) number of tokens than with Qwen's tokenizer; every DiT and text-encoder

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from diffsynth_qie.data.sampling import BucketBatchSampler, SamplingConfig, padding_fraction
     from diffsynth_qie.models.loading import default_tiny_dir, load_pipeline
     from diffsynth_qie.models.presets import get_preset
-    from diffsynth_qie.models.tiny import ensure_tiny
+    from diffsynth_qie.tiny.build import ensure_tiny
     from diffsynth_qie.training import config as tc
     from diffsynth_qie.training.data import CacheDataset, SampleKey
     from diffsynth_qie.training.module import QIETrainingModule

@@ -11,7 +11,7 @@ Each rank reports its peak resident memory (``VmHWM``) before and after loading,
 difference, and (``--check``) whether every gathered parameter equals the file's.
 Both modes build the model through DiffSynth's ``load_model`` under ``deepspeed.zero.Init``
 exactly as its ``ModelPool`` does; ``stream`` hands it an empty state dict and then fills the
-partitions with ``diffsynth_qie.models.zero3_load.stream_into``.
+partitions with ``diffsynth_qie.memory.zero3_load.stream_into``.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def load(path: str, num_layers: int, mode: str, check: bool, reopen_mb: int = 25
     from diffsynth.models.qwen_image_dit import QwenImageDiT
     from transformers.integrations import HfDeepSpeedConfig
 
-    from diffsynth_qie.models.zero3_load import SafetensorsStream, stream_into
+    from diffsynth_qie.memory.zero3_load import SafetensorsStream, stream_into
 
     deepspeed.init_distributed(dist_backend="gloo")
     ds = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},  # noqa: F841 (kept alive)

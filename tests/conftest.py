@@ -70,7 +70,7 @@ def fake_lpips_home(tmp_path, monkeypatch):
     import torch
     import torchvision
 
-    from diffsynth_qie.models import lpips
+    from diffsynth_qie.metrics import lpips
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
     path = lpips.backbone_weights_path("alex")
@@ -83,7 +83,7 @@ def fake_lpips_home(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Path of a tiny Qwen-Image-Edit built once per session (real repo layout)."""
-    from diffsynth_qie.models.tiny import build_tiny
+    from diffsynth_qie.tiny.build import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("tiny-model") / "Qwen-Image-Edit-tiny", seed=0)
 

@@ -51,7 +51,7 @@ def test_written_files_follow_the_umask(tmp_path, umask, mask):
 
 def test_lora_and_checkpoint_files_follow_the_umask(tmp_path, umask):
     """The real LoRA writer, not only atomic_save itself."""
-    from diffsynth_qie.models.lora_io import save_lora
+    from diffsynth_qie.lora import save_lora
 
     umask(0o022)
     save_lora(tmp_path / "out.safetensors", {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 4),
@@ -60,7 +60,7 @@ def test_lora_and_checkpoint_files_follow_the_umask(tmp_path, umask):
 
 
 def test_tiny_model_dir_follows_the_umask(tmp_path, umask, monkeypatch):
-    from diffsynth_qie.models import tiny
+    from diffsynth_qie.tiny import build as tiny
 
     def build(out_dir, seed=0):  # the real build takes seconds; its files are written atomically too
         atomic_write_json(Path(out_dir) / "tiny_info.json", {"seed": seed})

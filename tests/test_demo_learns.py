@@ -25,13 +25,13 @@ MIN_GAIN_DB = 3.0
 @pytest.fixture(scope="module")
 def pretrained_dir(tmp_path_factory):
     """The pretrained tiny base, installed from the weights shipped with the package (seconds)."""
-    from diffsynth_qie.models import tiny_pretrained
+    from diffsynth_qie.tiny import pretrained as tiny_pretrained
     from diffsynth_qie.training.pretrain_tiny import recipe_fingerprint
 
     out = tmp_path_factory.mktemp("pretrained") / "base"
     if not tiny_pretrained.install_shipped(out, recipe_fingerprint()):
         pytest.fail("the shipped pretrained tiny base does not match its recipe here; rebuild it with "
-                    "`qie make-tiny --pretrained --retrain --write_shipped diffsynth_qie/models/assets/tiny_pretrained`")
+                    "`qie make-tiny --pretrained --retrain --write_shipped diffsynth_qie/tiny/assets/tiny_pretrained`")
     return out
 
 

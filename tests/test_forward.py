@@ -11,7 +11,7 @@ import torch
 
 from diffsynth_qie.models import forward as fwd
 from diffsynth_qie.models.forward import dit_forward
-from diffsynth_qie.models.tiny import TinyQwenImageDiT
+from diffsynth_qie.tiny.build import TinyQwenImageDiT
 
 TEXT_DIM = 32
 

@@ -306,7 +306,7 @@ def test_lbm_edit_returns_two_images_and_sub_stream_starts_at_white(pipe, editor
 
 # --- LoRA, devices ------------------------------------------------------------------
 def test_lora_switch_without_reload(pipe, img_a, tmp_path):
-    from diffsynth_qie.models.lora_io import save_lora
+    from diffsynth_qie.lora import save_lora
 
     g = torch.Generator().manual_seed(0)
     state = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 64, generator=g),

@@ -35,7 +35,7 @@ def run_script(script: str, tmp_path: Path, demo_data_dir: Path, *args: str, **e
 
 
 def check_common(out: Path, zero_cond_t: bool, loss: str) -> dict:
-    from diffsynth_qie.models.lora_io import load_lora_state
+    from diffsynth_qie.lora import load_lora_state
 
     state = load_lora_state(out / "lora.safetensors")
     assert state.modules, "the LoRA holds no modules"

@@ -15,10 +15,10 @@ import torch
 from diffsynth_qie.models import sampling as samplers
 from diffsynth_qie.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig
 from diffsynth_qie.models.bridge import bridge_interpolate, bridge_target
-from diffsynth_qie.training.lbm import (LBMConfig, draw_sigmas, lbm_loss,
+from diffsynth_qie.training.losses.lbm import (LBMConfig, draw_sigmas, lbm_loss,
                                         make_bridge_batch, stream_ends)
-from diffsynth_qie.training.loss_common import mask_weights, per_sample_mse
-from diffsynth_qie.training.loss_registry import get_loss
+from diffsynth_qie.training.losses.common import mask_weights, per_sample_mse
+from diffsynth_qie.training.losses.registry import get_loss
 from diffsynth_qie.training.optim import check_clipping
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -352,7 +352,7 @@ def test_qie_train_lbm_lora_loads_and_changes_lbm_edits(lbm_cache, tiny_model_di
     from diffsynth_qie.cli import main
     from diffsynth_qie.inference import EditRequest, Editor
     from diffsynth_qie.models.loading import load_pipeline
-    from diffsynth_qie.models.lora_io import load_lora_state
+    from diffsynth_qie.lora import load_lora_state
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.training.checkpoint import read_trainer_state
 

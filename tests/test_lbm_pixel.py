@@ -21,10 +21,10 @@ import torch
 pytest.importorskip("torchmetrics")
 
 from conftest import fresh_accelerate  # noqa: E402
-from diffsynth_qie.models import lpips as L  # noqa: E402
+from diffsynth_qie.metrics import lpips as L  # noqa: E402
 from diffsynth_qie.models.bridge import bridge_interpolate, bridge_target  # noqa: E402
-from diffsynth_qie.training.lbm import LBMConfig  # noqa: E402
-from diffsynth_qie.training.lbm_pixel import PixelCritic, predicted_targets  # noqa: E402
+from diffsynth_qie.training.losses.lbm import LBMConfig  # noqa: E402
+from diffsynth_qie.training.losses.lbm_pixel import PixelCritic, predicted_targets  # noqa: E402
 
 W = 10.0
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from diffsynth_qie.models.lightning import (is_lightning_lora, lightning_scheduler, lightning_steps,
                                             sampling_plan)
-from diffsynth_qie.models.lora_apply import apply_lora
-from diffsynth_qie.models.lora_format import load_lora_state
+from diffsynth_qie.lora.apply import apply_lora
+from diffsynth_qie.lora.formats import load_lora_state
 from diffsynth_qie.models.sampling import flow_match_scheduler, sample_flow_match
 
 # The scheduler configuration of ModelTC/Qwen-Image-Lightning's generate_with_diffusers.py
@@ -157,8 +157,8 @@ def test_edit_command_stacks_user_and_lightning_lora(tiny_model_dir, tiny_pipe, 
 
     from diffsynth_qie.cli import main
     from diffsynth_qie.inference import EditRequest, Editor
-    from diffsynth_qie.models.lora_export import save_lora
-    from diffsynth_qie.models.lora_state import LoraModule, LoraState
+    from diffsynth_qie.lora.export import save_lora
+    from diffsynth_qie.lora.state import LoraModule, LoraState
 
     dit_state = load_file(str(tiny_model_dir / "transformer/diffusion_pytorch_model.safetensors"))
     lightning = tmp_path / "Qwen-Image-Edit-2511-Lightning-4steps-V1.0-bf16.safetensors"

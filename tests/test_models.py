@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diffsynth_qie.cache.fingerprint import weights_fingerprint
-from diffsynth_qie.models import tiny
+from diffsynth_qie.tiny import build as tiny
 from diffsynth_qie.models.loading import load_pipeline, resolve_model_configs
 from diffsynth_qie.models.presets import PRESETS
 

@@ -1,5 +1,5 @@
 """Layout rules beyond tests/test_architecture.py (layers, cycles, module size): no duplicated helpers, and
-the LoRA modules' public names stay importable from ``models.lora_io``."""
+the LoRA modules' public names are importable from the ``lora`` package."""
 from __future__ import annotations
 
 import ast
@@ -24,11 +24,11 @@ def test_shared_helpers_are_defined_once():
     assert defined == {"side_by_side": 1, "cli_help": 1}
 
 
-def test_lora_public_names_still_importable_from_lora_io():
-    from diffsynth_qie.models import lora_io
+def test_lora_public_names_importable_from_the_lora_package():
+    from diffsynth_qie import lora as lora_io
 
     for name in lora_io.__all__:
         assert getattr(lora_io, name) is not None
-    from diffsynth_qie.models.lora_export import save_lora
-    from diffsynth_qie.models.lora_manager import LoraManager
+    from diffsynth_qie.lora.export import save_lora
+    from diffsynth_qie.lora.manager import LoraManager
     assert lora_io.save_lora is save_lora and lora_io.LoraManager is LoraManager

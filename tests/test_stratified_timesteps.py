@@ -102,7 +102,7 @@ def test_each_stratified_draw_is_marginally_uniform():
 
 def test_training_draws_one_sigma_per_stratum_each_step(cache_dir, tiny_model_dir, tmp_path, monkeypatch):
     """The real loop (batch 2 × 2 micro-batches): each optimizer step's 4 σ's fall one per quarter."""
-    from diffsynth_qie.training import losses
+    from diffsynth_qie.training.losses import sft as losses
     from diffsynth_qie.training.loop import Hooks, train
 
     seen: list[int] = []

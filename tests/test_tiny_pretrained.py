@@ -16,7 +16,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def pretrained_dir(tmp_path_factory):
-    from diffsynth_qie.models import tiny_pretrained
+    from diffsynth_qie.tiny import pretrained as tiny_pretrained
     from diffsynth_qie.training.pretrain_tiny import recipe_fingerprint
 
     out = tmp_path_factory.mktemp("pretrained") / "base"
@@ -25,7 +25,7 @@ def pretrained_dir(tmp_path_factory):
 
 
 def test_shipped_weights_match_the_recipe_fingerprint():
-    from diffsynth_qie.models import tiny_pretrained
+    from diffsynth_qie.tiny import pretrained as tiny_pretrained
     from diffsynth_qie.training import pretrain_tiny
 
     record = tiny_pretrained.shipped_info()
@@ -45,7 +45,7 @@ def test_fingerprint_follows_the_recipe(monkeypatch):
 
 
 def test_install_declines_other_recipes(tmp_path):
-    from diffsynth_qie.models import tiny_pretrained
+    from diffsynth_qie.tiny import pretrained as tiny_pretrained
 
     assert not tiny_pretrained.install_shipped(tmp_path / "base", "0" * 16)
     assert not (tmp_path / "base").exists()
@@ -58,8 +58,8 @@ def test_loaded_by_diffsynths_loader_and_reproduces_images(pretrained_dir):
     from diffsynth_qie.inference.evaluate import psnr
     from diffsynth_qie.models.encoding import decode_latents, encode_image
     from diffsynth_qie.models.loading import load_pipeline
-    from diffsynth_qie.models.tiny_pretrained import is_pretrained
-    from diffsynth_qie.models.tiny_vae import TinyConvQwenImageVAE
+    from diffsynth_qie.tiny.pretrained import is_pretrained
+    from diffsynth_qie.tiny.vae import TinyConvQwenImageVAE
     from diffsynth_qie.training.pretrain_tiny import recipe_fingerprint
 
     assert is_pretrained(pretrained_dir, recipe_fingerprint())
@@ -83,8 +83,8 @@ def test_loaded_by_diffsynths_loader_and_reproduces_images(pretrained_dir):
 def test_rebuild_reproduces_the_shipped_weights(tmp_path):
     from safetensors.torch import load_file
 
-    from diffsynth_qie.models import tiny_pretrained
-    from diffsynth_qie.models.tiny import DIT_FILE, VAE_FILE
+    from diffsynth_qie.tiny import pretrained as tiny_pretrained
+    from diffsynth_qie.tiny.build import DIT_FILE, VAE_FILE
     from diffsynth_qie.training.pretrain_tiny import pretrain_tiny
 
     torch.set_num_threads(1)

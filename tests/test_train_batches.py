@@ -282,7 +282,7 @@ def test_mask_loss_weights_follow_the_per_sample_formula(demo_cache, tiny_model_
     """Through flow_match_sft_loss with a real cached mask: L(i, o) = (i·A·L10 + o·(1-A)·L01) / (i·A + o·(1-A)),
     A = mean mask (per-sample normalisation: scale-free, ratio i/o); a sample without a mask is unweighted."""
     from diffsynth_qie.training.data import CacheDataset, SampleKey, collate
-    from diffsynth_qie.training.losses import flow_match_sft_loss
+    from diffsynth_qie.training.losses.sft import flow_match_sft_loss
 
     store = _store(demo_cache)
     ds = CacheDataset(store)

@@ -59,7 +59,7 @@ loop.train(cfg)
 def test_schedule_free_average_reaches_the_module_under_zero3(cache_dir, tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from diffsynth_qie.models.lora_io import load_lora_state, peft_state_dict
+    from diffsynth_qie.lora import load_lora_state, peft_state_dict
     from diffsynth_qie.training.module import canonical_param_name
 
     ds = json.loads((ROOT / "deepspeed_configs" / "zero3.json").read_text())

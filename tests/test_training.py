@@ -198,7 +198,7 @@ def test_timesteps_are_per_sample_from_the_qwen_schedule():
 
 
 def test_mask_weights_keep_the_loss_scale_and_ratio():
-    from diffsynth_qie.training.loss_common import mask_weights, per_sample_mse
+    from diffsynth_qie.training.losses.common import mask_weights, per_sample_mse
 
     pred = torch.zeros(16, 8, 8)
     target = torch.full((16, 8, 8), 2.0)  # uniform squared error 4
@@ -406,7 +406,7 @@ def test_reference_loss_curve_matches_pinned_values(reference_run):
 def test_training_lowers_the_loss_and_the_lora_changes_the_output(reference_run, store, tiny_model_dir):
     from diffsynth_qie.models.forward import dit_forward
     from diffsynth_qie.models.loading import load_pipeline
-    from diffsynth_qie.models.lora_io import apply_lora, load_lora_state
+    from diffsynth_qie.lora import apply_lora, load_lora_state
 
     cfg, result = reference_run
     assert result.lora_path.is_file() and result.steps == cfg.train.max_steps
@@ -435,7 +435,7 @@ def test_training_lowers_the_loss_and_the_lora_changes_the_output(reference_run,
 def test_saved_lora_reproduces_the_trained_module(reference_run, tiny_model_dir, store):
     """Checkpoint LoRA (alpha != rank) merged into a plain DiT == the PEFT module it came from."""
     from diffsynth_qie.models.forward import dit_forward
-    from diffsynth_qie.models.lora_io import apply_lora, load_lora_state
+    from diffsynth_qie.lora import apply_lora, load_lora_state
     from diffsynth_qie.training.checkpoint import LORA_NAME, TRAINABLE_NAME, list_checkpoints
     from diffsynth_qie.training.module import QIETrainingModule
 
@@ -504,7 +504,7 @@ def test_prodigy_schedule_free_saves_the_average_and_validation_renders(cache_di
     from safetensors.torch import load_file
 
     from diffsynth_qie.cache.store import CacheStore
-    from diffsynth_qie.models.lora_io import load_lora_state, peft_state_dict
+    from diffsynth_qie.lora import load_lora_state, peft_state_dict
     from diffsynth_qie.training.checkpoint import LORA_NAME, STATE_DIR, TRAINABLE_NAME, read_trainer_state
     from diffsynth_qie.training.loop import train
     from diffsynth_qie.training.module import QIETrainingModule, canonical_param_name
@@ -555,7 +555,7 @@ def test_prodigy_schedule_free_saves_the_average_and_validation_renders(cache_di
 
 def test_lora_checkpoint_initialises_the_run(reference_run, cache_dir, tiny_model_dir, tmp_path, store):
     from diffsynth_qie.models.forward import dit_forward
-    from diffsynth_qie.models.lora_io import apply_lora, load_lora_state
+    from diffsynth_qie.lora import apply_lora, load_lora_state
     from diffsynth_qie.training.module import QIETrainingModule
 
     _, ref = reference_run

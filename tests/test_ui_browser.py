@@ -54,7 +54,7 @@ def _write_lora(path: Path, dit_file: Path) -> None:
     import torch
     from safetensors import safe_open
 
-    from diffsynth_qie.models.lora_io import save_lora
+    from diffsynth_qie.lora import save_lora
 
     g = torch.Generator().manual_seed(0)
     sd = {}

@@ -47,7 +47,7 @@ def _write_lora(path: Path, dit_file: Path, seed: int, rank: int = 4, targets=("
     """A real LoRA on the tiny DiT's module names (shapes read from its weights' header)."""
     from safetensors import safe_open
 
-    from diffsynth_qie.models.lora_io import save_lora
+    from diffsynth_qie.lora import save_lora
 
     g = torch.Generator().manual_seed(seed)
     sd = {}

@@ -20,9 +20,9 @@ import pytest
 import torch
 from PIL import Image
 
-from diffsynth_qie.models import image_metrics as M
+from diffsynth_qie.metrics import image as M
 from conftest import fresh_accelerate
-from diffsynth_qie.models import lpips as L
+from diffsynth_qie.metrics import lpips as L
 
 
 def random_images(n: int, size=(48, 40), seed=0) -> list[Image.Image]:

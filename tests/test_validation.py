@@ -23,7 +23,7 @@ from PIL import Image
 from conftest import fresh_accelerate
 from diffsynth_qie.models.sampling import Conditioning
 from diffsynth_qie.training.config import LoRAConfig, LossConfig, RunConfig, TrainConfig
-from diffsynth_qie.training.lbm import LBMConfig
+from diffsynth_qie.training.losses.lbm import LBMConfig
 from diffsynth_qie.training.validation import Validator, entry_seed, output_name, side_by_side
 
 CACHE_MAX_PIXELS = 64 * 64

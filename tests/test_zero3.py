@@ -55,7 +55,7 @@ def launch(config: Path, args: list[str], timeout: int = 600) -> subprocess.Comp
 def test_zero3_trains_saves_a_loadable_lora_and_resumes(cache_dir, tiny_model_dir, tmp_path):
     from diffsynth_qie.models.forward import dit_forward
     from diffsynth_qie.models.loading import load_pipeline
-    from diffsynth_qie.models.lora_io import apply_lora, load_lora_state
+    from diffsynth_qie.lora import apply_lora, load_lora_state
     from diffsynth_qie.training.checkpoint import STATE_DIR, TRAINABLE_NAME, list_checkpoints
     from diffsynth_qie.training.tracking import read_loss_log
 
@@ -65,7 +65,7 @@ def test_zero3_trains_saves_a_loadable_lora_and_resumes(cache_dir, tiny_model_di
               str(tiny_model_dir), "--batch_size", "2", "--lora_rank", "4", "--lora_alpha", "8",
               "--learning_rate", "1e-2", "--save_every", "1", "--keep_last", "2", "--no-gradient_checkpointing"]
     proc = launch(config, [*common, "--max_steps", "2"])
-    assert "streamed the DiT's weights into its ZeRO-3 partitions" in proc.stdout + proc.stderr  # models/zero3_load.py
+    assert "streamed the DiT's weights into its ZeRO-3 partitions" in proc.stdout + proc.stderr  # memory/zero3_load.py
     ckpts = list_checkpoints(out)
     assert [p.name for p in ckpts] == ["checkpoint-1", "checkpoint-2"]
     assert (ckpts[-1] / STATE_DIR / "pytorch_model").is_dir()  # DeepSpeed engine checkpoint (frozen weights excluded)

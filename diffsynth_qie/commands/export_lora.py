@@ -1,7 +1,7 @@
 """`qie export-lora`: convert a LoRA (any format we read) to ComfyUI or diffusers key names.
 
 The key names and alpha handling of each target are documented, with the sources
-they were checked against, in ``diffsynth_qie/models/lora_export.py``.
+they were checked against, in ``diffsynth_qie/lora/export.py``.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models.lora_export import export_lora
+    from ..lora.export import export_lora
 
     if args.drop_full_weights and args.fmt != "diffusers":
         raise ValueError("--drop_full_weights only applies to --format diffusers "

@@ -1,7 +1,7 @@
 """`qie extract-lora`: the low-rank difference between a fine-tuned DiT and its base, as a LoRA.
 
 Per-module SVD of ``W_tuned - W_base`` truncated to ``--rank`` or to the rank that keeps
-``--energy`` of the difference's squared singular values (see ``models/lora_extract.py``).
+``--energy`` of the difference's squared singular values (see ``lora/extract.py``).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models.lora_export import save_lora
-    from ..models.lora_extract import extract_lora, extraction_metadata
+    from ..lora.export import save_lora
+    from ..lora.extract import extract_lora, extraction_metadata
 
     if not str(args.out).endswith(".safetensors"):
         raise ValueError(f"--out {args.out} must end in .safetensors")

@@ -1,4 +1,4 @@
-"""`qie make-tiny`: build the tiny Qwen-Image-Edit on disk (see ``models/tiny.py``).
+"""`qie make-tiny`: build the tiny Qwen-Image-Edit on disk (see ``tiny/build.py``).
 
 The result has the real repositories' layout, so every other command takes it via
 ``--model tiny --model_dir DIR``. Idempotent: an existing complete build from the
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models.tiny import ensure_tiny, is_complete, looks_like_tiny_dir
+    from ..tiny.build import ensure_tiny, is_complete, looks_like_tiny_dir
     from ..utils.logging import library_warnings_once
 
     library_warnings_once()  # building the text encoder config warns about its RoPE keys (harmless)
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_pretrained(args: argparse.Namespace) -> int:
-    from ..models import tiny_pretrained
-    from ..models.tiny import looks_like_tiny_dir
+    from ..tiny import pretrained as tiny_pretrained
+    from ..tiny.build import looks_like_tiny_dir
     from ..training.pretrain_tiny import ensure_pretrained_tiny
 
     out = Path(args.out) if args.out else tiny_pretrained.default_dir()

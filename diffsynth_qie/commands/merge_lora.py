@@ -1,4 +1,4 @@
-"""`qie merge-lora`: merge LoRA(s) into the DiT and write it as a base model (see ``models/lora_merge.py``).
+"""`qie merge-lora`: merge LoRA(s) into the DiT and write it as a base model (see ``lora/merge.py``).
 
 The output keeps the input's shard files, key names and index, so DiffSynth, diffusers
 and ComfyUI load it as a base model; shards are processed one at a time.
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models.lora_merge import merge_loras, parse_lora_spec
+    from ..lora.merge import merge_loras, parse_lora_spec
 
     report = merge_loras(args.base, [parse_lora_spec(s) for s in args.lora], args.out, dtype=args.dtype,
                          link_components=args.link_components)

@@ -40,10 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..models.memory_plan import PlanOptions, describe, format_plan, predict, recommend
+    from ..memory.plan import PlanOptions, describe, format_plan, predict, recommend
 
     if args.calibrate:
-        from ..models.memory_probe import calibration_table
+        from ..memory.probe import calibration_table
         log.info("tiny model, one forward + backward on the CPU (fp32), LoRA rank 4:\n%s", calibration_table())
         return 0
     census = _census(args)
@@ -69,7 +69,7 @@ def run(args) -> int:
 
 
 def _census(args):
-    from ..models.model_census import census_from_files, dit_files, preset_census
+    from ..memory.census import census_from_files, dit_files, preset_census
     from ..models.presets import get_preset
 
     if args.model_dir is None:

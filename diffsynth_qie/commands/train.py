@@ -32,8 +32,9 @@ GROUPS = (
 
 
 def _dataclass(cls_name: str):
-    """A config dataclass by name: training/config.py, or LBMConfig from training/lbm.py (torch-free)."""
-    from ..training import config as tc, lbm
+    """A config dataclass by name: training/config.py, or LBMConfig from training/losses/lbm.py (torch-free)."""
+    from ..training import config as tc
+    from ..training.losses import lbm
 
     return getattr(tc, cls_name, None) or getattr(lbm, cls_name)
 

@@ -227,7 +227,7 @@ class Editor:
 
         dtype ``None``/"auto": bf16 when any component runs on a GPU, fp32 on CPU.
         With a ``device_map``, ``cpu_offload``, ``fp8_base`` or ``blocks_to_swap`` the weights are loaded on the
-        CPU first. ``fp8_base``: the DiT's block linears are stored as FP8 (``models/fp8.py``), quantised
+        CPU first. ``fp8_base``: the DiT's block linears are stored as FP8 (``memory/fp8.py``), quantised
         from a host copy straight onto the DiT's device; LoRAs are then applied unmerged.
         """
         from ..models.loading import default_device, load_pipeline
@@ -244,7 +244,7 @@ class Editor:
         pipe = load_pipeline(model, model_dir=model_dir, device=load_device, torch_dtype=dtype,
                              zero_cond_t=zero_cond_t)
         if fp8_base:
-            from ..models.fp8 import quantize_linears
+            from ..memory.fp8 import quantize_linears
 
             # with swapping, the swapper places the resident blocks: the swapped ones never touch the GPU
             quantize_linears(pipe.dit.requires_grad_(False),
@@ -254,13 +254,13 @@ class Editor:
                    blocks_to_swap=blocks_to_swap)
 
     def _swap_blocks(self, blocks_to_swap: int):
-        """``blocks_to_swap`` > 0: stream the DiT's last blocks from the CPU (``models/block_swap.py``)."""
+        """``blocks_to_swap`` > 0: stream the DiT's last blocks from the CPU (``memory/block_swap.py``)."""
         if not blocks_to_swap:
             return None
         if self.cpu_offload or getattr(self.pipe, "vram_management_enabled", False):
             raise ValueError(f"blocks_to_swap={blocks_to_swap} cannot be combined with cpu_offload or DiffSynth's "
                              "VRAM management (both move the whole DiT); use one of them")
-        from ..models.block_swap import BlockSwapper
+        from ..memory.block_swap import BlockSwapper
 
         self.pipe.dit.requires_grad_(False)  # inference: every weight is frozen, so every block weight swaps
         return BlockSwapper(self.pipe.dit, blocks_to_swap, self.devices["dit"], self.offload_device).install()
@@ -275,13 +275,13 @@ class Editor:
         touched weight). Either way, switching restores the base weights bit-exactly,
         without reloading the model. Returns the load reports.
         """
-        from ..models.fp8 import fp8_layers
+        from ..memory.fp8 import fp8_layers
 
         if loras and self.lora_merge and fp8_layers(self.pipe.dit):  # would add an unscaled delta to FP8 bits
             raise ValueError("LoRAs cannot be merged into FP8 base weights: drop --lora_merge (LoRAs then run as "
                              "unmerged branches beside the FP8 weights) or load the model without --fp8_base")
         if self._loras is None:
-            from ..models.lora_manager import LoraManager
+            from ..lora.manager import LoraManager
 
             self._loras = LoraManager(self.pipe.dit, merge=self.lora_merge)
         return self._loras.set_loras([(str(p), float(s)) for p, s in loras])

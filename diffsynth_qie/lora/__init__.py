@@ -7,10 +7,11 @@ ignored. Here every format is normalised to one canonical form, every key is eit
 used or reported, and a LoRA that does not fit the model raises ``ValueError``.
 
 
-The work is split by job: ``lora_state`` (the in-memory form), ``lora_format``
-(reading every format), ``lora_apply`` (checking and merging), ``lora_branch``
-(unmerged adapter branches), ``lora_manager`` (switching on a loaded model) and ``lora_export`` (writing). This module gathers their
-public names.
+The work is split by job: ``state`` (the in-memory form), ``formats`` (reading every
+format), ``apply`` (checking and merging), ``branch`` (unmerged adapter branches),
+``manager`` (switching on a loaded model), ``export`` (writing), ``merge`` (into the DiT
+files, shard by shard) and ``extract`` (SVD of a fine-tune). This package gathers their
+public names, imported on first access so that importing one submodule stays cheap.
 
 Canonical format (what :func:`save_lora` writes, "diffsynth_qie")
 ------------------------------------------------------------------
@@ -49,17 +50,22 @@ DiffSynth's convention, as read in diffsynth 2.1.12
 """
 from __future__ import annotations
 
-from .lora_apply import MAX_DELTA_RATIO, LoadReport, apply_lora, match_lora, peft_state_dict
-from .lora_export import (EXPORT_FORMATS, ExportFormat, comfyui_state_dict, diffusers_state_dict, export_lora,
-                          save_lora)
-from .lora_format import (ADAPTER_METADATA_KEY, MAX_ABS_VALUE, adapter_config, check_tensors, load_lora_state,
-                          parse_lora_state_dict)
-from .lora_manager import LoraManager
-from .lora_state import FORMAT_NAME, FORMAT_VERSION, LoraModule, LoraState
+import importlib
 
-__all__ = [
-    "ADAPTER_METADATA_KEY", "EXPORT_FORMATS", "FORMAT_NAME", "FORMAT_VERSION", "MAX_ABS_VALUE", "MAX_DELTA_RATIO",
-    "ExportFormat", "LoadReport", "LoraManager", "LoraModule", "LoraState", "adapter_config", "apply_lora",
-    "check_tensors", "comfyui_state_dict", "diffusers_state_dict", "export_lora", "load_lora_state", "match_lora",
-    "parse_lora_state_dict", "peft_state_dict", "save_lora",
-]
+_LAZY = {
+    **dict.fromkeys(["MAX_DELTA_RATIO", "LoadReport", "apply_lora", "match_lora", "peft_state_dict"], "apply"),
+    **dict.fromkeys(["EXPORT_FORMATS", "ExportFormat", "comfyui_state_dict", "diffusers_state_dict", "export_lora",
+                     "save_lora"], "export"),
+    **dict.fromkeys(["ADAPTER_METADATA_KEY", "MAX_ABS_VALUE", "adapter_config", "check_tensors", "load_lora_state",
+                     "parse_lora_state_dict"], "formats"),
+    "LoraManager": "manager",
+    **dict.fromkeys(["FORMAT_NAME", "FORMAT_VERSION", "LoraModule", "LoraState"], "state"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .lora_state import LoraModule, LoraState, problems
+from .state import LoraModule, LoraState, problems
 
 log = logging.getLogger(__name__)
 

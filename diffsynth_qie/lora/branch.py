@@ -6,7 +6,7 @@ so the module class, its parameters and its ``state_dict`` are unchanged; ``A`` 
 are non-persistent buffers of the module, so they follow it when the model is moved
 (``Editor``'s ``cpu_offload``, ``.to(device)``) and never appear in a saved state dict.
 
-Cost compared with merging (``lora_apply.merge_matched``):
+Cost compared with merging (``apply.merge_matched``):
 
 - memory: the LoRA's own tensors (``rank * (in + out)`` values per module) instead of
   a backup of every touched weight (``in * out`` values per module);
@@ -27,7 +27,7 @@ from typing import Iterable
 
 import torch
 
-from .lora_state import LoraModule
+from .state import LoraModule
 
 _PREFIX = "qie_lora"
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

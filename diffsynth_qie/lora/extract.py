@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dit_files import resolve_dit
-from .lora_state import LoraModule, LoraState, listing
+from ..models.dit_files import resolve_dit
+from .state import LoraModule, LoraState, listing
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .lora_state import FORMAT_NAME, LoraModule, LoraState, listing, problems
+from .state import FORMAT_NAME, LoraModule, LoraState, listing, problems
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from typing import Sequence
 
 import torch
 
-from .lora_apply import LoadReport, match_lora, merge_matched
-from .lora_branch import Adapter, attach, branch_tensors, detach_all
-from .lora_format import load_lora_state
-from .lora_state import LoraModule, LoraState
+from .apply import LoadReport, match_lora, merge_matched
+from .branch import Adapter, attach, branch_tensors, detach_all
+from .formats import load_lora_state
+from .state import LoraModule, LoraState
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class LoraManager:
     Two modes:
 
     - unmerged (default): each LoRA module becomes an adapter branch on its linear
-      (``models/lora_branch.py``); no weight is written and nothing is backed up, so a
+      (``lora/branch.py``); no weight is written and nothing is backed up, so a
       LoRA costs its own size, a scale change only changes the branch's factor, and
       removing it leaves the very same weight tensors. Full-weight entries of a file
       can only be merged: exactly those parameters are backed up, as below.

@@ -23,10 +23,10 @@ from typing import Sequence
 import torch
 
 from ..utils.atomic import atomic_save, atomic_write_json, finished_files
-from .dit_files import DIT_STEM, DIT_SUBDIR, INDEX_NAME, DitFiles, resolve_dit
-from .lora_apply import _check_delta
-from .lora_format import load_lora_state
-from .lora_state import LoraModule, LoraState, problems
+from ..models.dit_files import DIT_STEM, DIT_SUBDIR, INDEX_NAME, DitFiles, resolve_dit
+from .apply import _check_delta
+from .formats import load_lora_state
+from .state import LoraModule, LoraState, problems
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The in-memory form of a LoRA: per-module low-rank pairs, full weights, metadata.
 
-Every file format (``lora_format``) is read into a :class:`LoraState` with canonical
-module names; applying (``lora_apply``), switching (``lora_manager``) and writing
-(``lora_export``) work on it. The format overview is in ``models/lora_io.py``.
+Every file format (``formats``) is read into a :class:`LoraState` with canonical
+module names; applying (``apply``), switching (``manager``) and writing
+(``export``) work on it. The format overview is in ``lora/__init__.py``.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ swapped blocks are on the device at once: the one running, the one prefetched, a
 training the last one kept for the backward pass.
 
 Only weights change place, never values: losses, gradients and edits are bit-identical
-with and without swapping (tests/test_block_swap.py, on CPU with two host tensor sets).
+with and without swapping (tests/memory/test_block_swap.py, on CPU with two host tensor sets).
 Modify the DiT's weights (merging a LoRA) only between forward passes, when every swapped
 block is out: the masters are what the next swap-in copies.
 """

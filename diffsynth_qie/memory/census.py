@@ -123,12 +123,12 @@ def preset_census(preset_name: str, with_encoders: bool = True) -> DiTCensus:
     """The census of a preset's DiT, built on the ``meta`` device (the tiny model at its real sizes)."""
     import torch
 
-    from .presets import get_preset
+    from ..models.presets import get_preset
 
     preset = get_preset(preset_name)
     with torch.device("meta"):
         if preset.is_tiny:
-            from .tiny import DIT_SIZES, TinyQwenImageDiT
+            from ..tiny.build import DIT_SIZES, TinyQwenImageDiT
             dit = TinyQwenImageDiT(**DIT_SIZES)
             extra = {}
         else:

@@ -60,7 +60,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     """``x @ (q·s)ᵀ + b`` that saves the FP8 weight (not a dequantised copy) for backward.
 
     It saves the stored parameters themselves (``weight_bits``, ``scale_bits``), not float8 views of them:
-    block swapping (``models/block_swap.py``) frees a swapped-out block by re-pointing each parameter's
+    block swapping (``memory/block_swap.py``) frees a swapped-out block by re-pointing each parameter's
     ``.data``, which a saved view would keep alive until backward."""
 
     @staticmethod

@@ -1,6 +1,6 @@
 """Predicted peak GPU memory and host RAM of a training step or an edit: the maths of ``qie plan``.
 
-Pure functions of a :class:`~.model_census.DiTCensus` (counts taken from the real modules on the
+Pure functions of a :class:`~.census.DiTCensus` (counts taken from the real modules on the
 ``meta`` device) and :class:`PlanOptions`. Every term, in bytes:
 
 - DiT weights: ``params * b`` (``b`` = 2 for bf16). ``fp8_base`` stores each linear weight in one
@@ -28,14 +28,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from .model_census import DiTCensus
+from .census import DiTCensus
 
 GiB = 1024 ** 3
 
 # Activation constants, in elements per token and per unit of model width, fitted by
 # least squares on peak memory measured during one forward + backward of the tiny DiT
 # (DiffSynth's QwenImageTransformerBlock at dim 64, fp32, CPU, LoRA rank 4 on the default
-# targets; `models/memory_probe.py`, `qie plan --calibrate`) at 2, 4 and 6 blocks with and
+# targets; `memory/probe.py`, `qie plan --calibrate`) at 2, 4 and 6 blocks with and
 # without checkpointing (the LoRA gradients, allocated while activations are freed, are inside
 # the measured peak; the plan lists them again under LoRA, which errs on the safe side). The blocks are the real model's code, so the element counts per token
 # and width hold; attention keeps no S x S matrix (measured: memory is linear in tokens).
@@ -152,7 +152,7 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         plan.gpu["DiT weights" + (f" ({o.blocks_to_swap} blocks in host RAM)" if swapped else "")] = weights - swapped
         if swapped:
             # inference: the running block and the prefetched one; training also keeps the last block in for
-            # the backward pass (models/block_swap.py)
+            # the backward pass (memory/block_swap.py)
             plan.gpu["block swap buffers"] = min(o.blocks_to_swap, 3 if o.task == "train" else 2) * block
             plan.host["swapped blocks (pinned)"] = swapped
     if o.task == "train":

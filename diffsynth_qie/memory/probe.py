@@ -1,6 +1,6 @@
 """Measured memory of one tiny training step on the CPU: what ``qie plan`` is calibrated against.
 
-A tiny ``QwenImageDiT`` (DiffSynth's own blocks, ``models/tiny.py``) with a PEFT LoRA runs one
+A tiny ``QwenImageDiT`` (DiffSynth's own blocks, ``tiny/build.py``) with a PEFT LoRA runs one
 forward + backward of ``dit_forward`` under ``torch.profiler`` with ``profile_memory=True``; the
 peak of the running sum of every allocation and free during the step is what the step needs on
 top of the weights (activations kept for backward, transients, the LoRA gradients). The same
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward import dit_forward
-from .presets import DEFAULT_LORA_TARGETS
-from .tiny import DIT_SIZES, TinyQwenImageDiT
+from ..models.forward import dit_forward
+from ..models.presets import DEFAULT_LORA_TARGETS
+from ..tiny.build import DIT_SIZES, TinyQwenImageDiT
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def measure_step_peak(case: ProbeCase, dit=None) -> int:
 
 
 def tiny_census(num_layers: int, targets=DEFAULT_LORA_TARGETS):
-    from .model_census import census_from_module
+    from .census import census_from_module
 
     with torch.device("meta"):
         dit = TinyQwenImageDiT(**{**DIT_SIZES, "num_layers": num_layers})
@@ -89,7 +89,7 @@ def tiny_census(num_layers: int, targets=DEFAULT_LORA_TARGETS):
 
 def predicted_step_bytes(case: ProbeCase) -> int:
     """The planner's prediction of what :func:`measure_step_peak` measures (the activation term)."""
-    from .memory_plan import PlanOptions, activation_bytes
+    from .plan import PlanOptions, activation_bytes
 
     census = tiny_census(case.num_layers)
     opts = PlanOptions(resolution=case.resolution, ref_images=case.ref_images, prompt_tokens=case.prompt_tokens,

@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Sequence
 
-from . import loading
+from ..models import loading
 
 log = logging.getLogger(__name__)
 

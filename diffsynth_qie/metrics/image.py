@@ -8,7 +8,7 @@
   well a masked edit preserves everything outside its mask.
 - :func:`to_pixels` turns PIL images into such a batch.
 
-LPIPS needs pretrained network weights and lives in ``models/lpips.py``.
+LPIPS needs pretrained network weights and lives in ``metrics/lpips.py``.
 """
 from __future__ import annotations
 

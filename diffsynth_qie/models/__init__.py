@@ -1,7 +1,8 @@
-"""Models: presets (which weights, which flags), the tiny model, pipeline loading.
+"""Models: presets (which weights, which flags), pipeline loading, the batched DiT forward,
+encoding, and the samplers' pure math.
 
-Importing this package stays cheap (no torch/diffsynth): ``load_pipeline``,
-``build_tiny`` and friends are imported on first access.
+Importing this package stays cheap (no torch/diffsynth): ``load_pipeline`` is imported on
+first access.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from .presets import PRESETS, Preset, get_preset
 
 _LAZY = {
     "load_pipeline": "loading", "resolve_model_configs": "loading",
-    "build_tiny": "tiny", "ensure_tiny": "tiny", "register_tiny_model_configs": "tiny",
 }
 
 __all__ = ["PRESETS", "Preset", "get_preset", *_LAZY]

@@ -302,6 +302,14 @@ def default_dtype(device: str):
     return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
 
 
+def provider_of(preset: Preset):
+    """The function that prepares a locally built preset's files (see ``Preset.provider``)."""
+    import importlib
+
+    module, _, function = preset.provider.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | None = None,
                   components: Sequence[str] = MODEL_COMPONENTS, device: str | None = None,
                   torch_dtype=None, zero_cond_t: bool | None = None,
@@ -319,11 +327,8 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
     """
     preset = get_preset(preset_or_name, zero_cond_t=zero_cond_t)
     library_warnings_once()
-    if preset.is_tiny:
-        from .tiny import ensure_tiny, register_tiny_model_configs
-
-        register_tiny_model_configs()
-        model_dir = model_dir if model_dir is not None else ensure_tiny(default_tiny_dir())
+    if preset.provider:
+        model_dir = provider_of(preset)(model_dir)
     resolved = resolve_model_configs(preset, model_dir=model_dir, components=components)
     from diffsynth.pipelines.qwen_image import QwenImagePipeline
 

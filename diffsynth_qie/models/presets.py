@@ -69,6 +69,10 @@ class Preset:
     multi_image_prompt: bool = False
     lora_target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
     is_tiny: bool = False
+    # "module:function" that registers a locally built model's MODEL_CONFIGS and returns its
+    # directory (``fn(model_dir or None) -> Path``). Named by dotted path, as DiffSynth's
+    # MODEL_CONFIGS name their classes, so that ``models/`` never imports the builders above it.
+    provider: str = ""
 
     def source(self, component: str) -> Source:
         if component not in COMPONENTS:
@@ -97,7 +101,7 @@ PRESETS: dict[str, Preset] = {
                   multi_image_prompt=True),
     "2511": _real("2511", "Qwen/Qwen-Image-Edit-2511", "Qwen-Image-Edit-2511 (multi-image, zero_cond_t)",
                   zero_cond_t=True, multi_image_prompt=True, lora_target_modules=LORA_TARGETS_2511),
-    # The tiny model (models/tiny.py) in the same layout; a local directory only.
+    # The tiny model (tiny/build.py) in the same layout; a local directory only.
     # It behaves like 2509 (multi-image template) so tests cover that path; tests
     # turn zero_cond_t on explicitly.
     "tiny": Preset(
@@ -108,7 +112,7 @@ PRESETS: dict[str, Preset] = {
         vae=Source("", "vae/diffusion_pytorch_model.safetensors"),
         tokenizer=Source("", "tokenizer/"),
         processor=Source("", "processor/"),
-        multi_image_prompt=True, is_tiny=True,
+        multi_image_prompt=True, is_tiny=True, provider="diffsynth_qie.tiny.build:prepare_tiny",
     ),
 }
 

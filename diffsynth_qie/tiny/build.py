@@ -41,7 +41,7 @@ from diffsynth.models.qwen_image_dit import QwenEmbedRope, QwenImageDiT, QwenIma
 from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
 
 from ..utils.atomic import default_mode
-from .tiny_text import (PROCESSOR_PIXELS, SPECIAL_TOKENS, TEXT_SIZES, TOKEN_ID, VISION_SIZES,  # noqa: F401
+from .text import (PROCESSOR_PIXELS, SPECIAL_TOKENS, TEXT_SIZES, TOKEN_ID, VISION_SIZES,  # noqa: F401
                         build_processor, build_tokenizer)
 
 log = logging.getLogger(__name__)
@@ -325,6 +325,15 @@ def tiny_model_configs() -> tuple[dict, ...]:
     )
 
 
+def prepare_tiny(model_dir: str | os.PathLike | None) -> Path:
+    """The tiny preset's provider: register its MODEL_CONFIGS; build the default model when no
+    directory is given (an explicit directory is used as it is, and checked by the loader)."""
+    from ..models.loading import default_tiny_dir
+
+    register_tiny_model_configs()
+    return Path(model_dir) if model_dir is not None else ensure_tiny(default_tiny_dir())
+
+
 def register_tiny_model_configs() -> None:
     """Append the tiny models to ``diffsynth.configs.MODEL_CONFIGS`` (idempotent).
 
@@ -334,9 +343,9 @@ def register_tiny_model_configs() -> None:
     """
     from diffsynth.configs import MODEL_CONFIGS, VRAM_MANAGEMENT_MODULE_MAPS
 
-    from .tiny_vae import register_tiny_vae_config
+    from .vae import register_tiny_vae_config
 
-    register_tiny_vae_config()  # the pretrained base's conv VAE (models/tiny_vae.py)
+    register_tiny_vae_config()  # the pretrained base's conv VAE (tiny/vae.py)
     known = {(c["model_hash"], c["model_class"]) for c in MODEL_CONFIGS}
     for entry in tiny_model_configs():
         if (entry["model_hash"], entry["model_class"]) not in known:

@@ -3,7 +3,7 @@
 The recipe that trains it is ``training/pretrain_tiny.py`` (training code sits
 above models/, so this module only stores, checks and installs results).
 
-- A built directory is the tiny model's repo layout (``models/tiny.py``) whose
+- A built directory is the tiny model's repo layout (``tiny/build.py``) whose
   ``tiny_model.json`` carries a ``pretrained`` record with the recipe fingerprint.
 - The package ships the trained DiT and VAE (``assets/tiny_pretrained/``, about
   2 MB) with the fingerprint they were built from and the sha256 of the text encoder
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .tiny import DIT_FILE, DIT_SIZES, INFO_FILE, TEXT_ENCODER_FILE, TEXT_SIZES, VAE_FILE, build_tiny, is_complete
+from .build import DIT_FILE, DIT_SIZES, INFO_FILE, TEXT_ENCODER_FILE, TEXT_SIZES, VAE_FILE, build_tiny, is_complete
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,14 @@ _SHIPPED_FILES = {"dit": (DIT_FILE, "transformer.safetensors"), "vae": (VAE_FILE
 
 
 def default_dir() -> Path:
-    from .loading import qie_home
+    from ..models.loading import qie_home
 
     return qie_home() / "models" / "Qwen-Image-Edit-tiny-pretrained"
 
 
 def fingerprint(recipe: dict) -> str:
     """sha256 (16 hex digits) of the recipe together with the model sizes it trains."""
-    from .tiny_vae import WIDTHS, Z_DIM
+    from .vae import WIDTHS, Z_DIM
 
     blob = {"recipe": recipe, "dit": {k: list(v) if isinstance(v, tuple) else v for k, v in DIT_SIZES.items()},
             "text": TEXT_SIZES, "vae": {"widths": list(WIDTHS), "z_dim": Z_DIM}}
@@ -57,7 +57,7 @@ def sha256_file(path: Path) -> str:
 
 
 def register() -> None:
-    from .tiny import register_tiny_model_configs
+    from .build import register_tiny_model_configs
 
     register_tiny_model_configs()
 

@@ -3,7 +3,7 @@
 Layout of ``<output_dir>``::
 
     checkpoint-<step>/
-        lora.safetensors      canonical LoRA (models/lora_io.py): loads in `qie edit --lora`
+        lora.safetensors      canonical LoRA (lora/__init__.py): loads in `qie edit --lora`
                               and DiffSynth's pipe.load_lora. For a schedule-free optimizer
                               it holds the average x (see optim.schedule_free_eval).
         trainable.safetensors the raw trainable tensors (training point y, PEFT names);
@@ -237,7 +237,7 @@ def gather_trainable(module, accelerator) -> Optional[dict[str, torch.Tensor]]:
 def save_lora_file(path: str | os.PathLike, module, state: dict[str, torch.Tensor],
                    extra_metadata: Optional[dict] = None) -> Path:
     """Write ``state`` (from :func:`gather_trainable`) as a canonical LoRA file, atomically."""
-    from ..models.lora_io import save_lora
+    from ..lora import save_lora
 
     return save_lora(path, module.export_lora_state_dict(state), metadata={**module.lora_metadata(),
                                                                           **(extra_metadata or {})})

@@ -8,7 +8,7 @@ nothing is ever read back from the cache except tensors (``zero_cond_t``,
 checkpointing and dropout are training-time decisions).
 
 :attr:`LossConfig.loss` picks the loss function from the registry in
-``loss_registry.py``; :attr:`RunConfig.lbm` holds the LBM loss's :class:`~.lbm.LBMConfig`
+``losses/registry.py``; :attr:`RunConfig.lbm` holds the LBM loss's :class:`~.losses.lbm.LBMConfig`
 (``lbm.py`` imports no torch at import time, so the flags stay cheap to build).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 
 from ..data.sampling import SamplingConfig
 from ..utils.config_cli import cli_help as _help
-from .lbm import LBMConfig
+from .losses.lbm import LBMConfig
 
 OptimizerName = Literal["adamw", "prodigy_sf"]
 ScheduleName = Literal["constant", "cosine"]

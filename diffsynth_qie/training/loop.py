@@ -115,7 +115,7 @@ def device_name(accelerator) -> str:
 
 
 def load_dit(preset, config: RunConfig, accelerator):
-    from ..models.zero3_load import load_dit_pipeline  # under ZeRO-3 no rank holds the whole state dict
+    from ..memory.zero3_load import load_dit_pipeline  # under ZeRO-3 no rank holds the whole state dict
     from .swapping import load_device
 
     # --fp8_base / --blocks_to_swap: load on the host (FP8 quantises each layer onto the device, so the
@@ -187,7 +187,7 @@ def setup(config: RunConfig) -> _Run:
         if not t.blocks_to_swap:
             module.to(accelerator.device)
     if cfg.loss.loss == "lbm" and cfg.lbm is not None and cfg.lbm.lbm_pixel_loss != "none":
-        from .lbm_pixel import build_pixel_critic
+        from .losses.lbm_pixel import build_pixel_critic
 
         module.pixel_critic = build_pixel_critic(cfg.lbm, preset, t.model_dir, accelerator.device,
                                                  weight_dtype(accelerator), ds_config)

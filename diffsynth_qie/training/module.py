@@ -5,12 +5,12 @@ Extends DiffSynth's ``DiffusionTrainingModule`` (its PEFT injection
 ``transfer_data_to_device``). What we do differently from DiffSynth's Qwen-Image
 training module: it holds *only* the DiT (phase 2 never loads the encoders), its
 ``forward`` takes a real batch and returns ``(loss, metrics)`` from the configured
-loss (``loss_registry.LOSSES``), and ``zero_cond_t`` comes from the run's config (resolved
+loss (``losses.registry.LOSSES``), and ``zero_cond_t`` comes from the run's config (resolved
 from the preset), never from cached inputs.
 
 LoRA targets are PEFT name suffixes (``to_q`` matches every ``...attn.to_q``); a
 target that matches no module is an error, not a silent no-op. The exported LoRA is
-``models/lora_io.py``'s canonical format, which DiffSynth's ``pipe.load_lora`` and our
+``lora/__init__.py``'s canonical format, which DiffSynth's ``pipe.load_lora`` and our
 loader both read.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from diffsynth.diffusion.training_module import DiffusionTrainingModule
 
 from .config import RunConfig
 from .data import TENSOR_KEYS
-from .loss_registry import get_loss
+from .losses.registry import get_loss
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +112,12 @@ class QIETrainingModule(DiffusionTrainingModule):
                 params[n].requires_grad_(True)
 
     def quantize_frozen_base(self, device: Optional[torch.device | str] = None):
-        """``--fp8_base``: store the frozen block linears as FP8 (``models/fp8.py``), made on ``device``.
+        """``--fp8_base``: store the frozen block linears as FP8 (``memory/fp8.py``), made on ``device``.
 
         Called after the LoRA is injected: only PEFT's ``base_layer`` is quantised; adapters and
         ``--full_finetune_modules`` (trainable) stay in full precision. Returns the report.
         """
-        from ..models.fp8 import quantize_linears
+        from ..memory.fp8 import quantize_linears
 
         return quantize_linears(self.dit, skip=self.config.lora.full_finetune_modules or (), device=device)
 
@@ -170,7 +170,7 @@ class QIETrainingModule(DiffusionTrainingModule):
         """Start from an existing LoRA (any format ``lora_io`` reads): its delta becomes the
         initial value of this run's LoRA. Keys the run cannot hold, or a rank mismatch, are
         errors; modules this run adapts but the file lacks keep their fresh init (logged)."""
-        from ..models.lora_io import load_lora_state, peft_state_dict
+        from ..lora import load_lora_state, peft_state_dict
 
         lo = self.config.lora
         state = load_lora_state(path).resolve(n for n, _ in self.dit.named_modules())

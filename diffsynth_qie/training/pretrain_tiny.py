@@ -1,10 +1,10 @@
 """The pretrained tiny base: a tiny Qwen-Image-Edit that can draw flat shapes.
 
 A random tiny model decodes noise, so a LoRA trained on it shows nothing. This
-recipe turns the instant tiny model (``models/tiny.py``) into a base a LoRA can
+recipe turns the instant tiny model (``tiny/build.py``) into a base a LoRA can
 visibly teach, in a few minutes of one CPU thread:
 
-1. the VAE becomes :class:`~diffsynth_qie.models.tiny_vae.TinyConvQwenImageVAE`,
+1. the VAE becomes :class:`~diffsynth_qie.tiny.vae.TinyConvQwenImageVAE`,
    trained as an autoencoder on procedurally generated shape images
    (``data/demo.random_shapes_image``);
 2. the DiT is fully fine-tuned with our flow-matching loss
@@ -18,7 +18,7 @@ visibly teach, in a few minutes of one CPU thread:
    learns later is asked for in words).
 
 Everything is deterministic from ``seed``. The result is written in the real repo
-layout by :func:`pretrain_tiny`; ``models/tiny_pretrained.py`` installs it (from
+layout by :func:`pretrain_tiny`; ``tiny/pretrained.py`` installs it (from
 the weights shipped with the package when their recipe fingerprint matches) and
 DiffSynth's own loader reads it.
 """
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from ..models import tiny_pretrained
-from ..models.tiny import DIT_FILE, VAE_FILE, build_tiny
+from ..tiny import pretrained as tiny_pretrained
+from ..tiny.build import DIT_FILE, VAE_FILE, build_tiny
 from .config import RunConfig
-from .losses import flow_match_sft_loss
+from .losses.sft import flow_match_sft_loss
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ RECIPE = dict(
 
 
 def recipe_fingerprint(seed: int = 0) -> str:
-    """Fingerprint of the recipe, the model sizes and the seed (see ``models/tiny_pretrained.py``)."""
+    """Fingerprint of the recipe, the model sizes and the seed (see ``tiny/pretrained.py``)."""
     return tiny_pretrained.fingerprint({"recipe": RECIPE, "seed": seed})
 
 
@@ -139,7 +139,7 @@ def pretrain_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     from ..models.loading import load_pipeline
-    from ..models.tiny_vae import TinyConvQwenImageVAE
+    from ..tiny.vae import TinyConvQwenImageVAE
     from ..utils.atomic import atomic_path
 
     out_dir = Path(out_dir)

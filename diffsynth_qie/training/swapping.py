@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..models.block_swap import BlockSwapper
+from ..memory.block_swap import BlockSwapper
 from .config import RunConfig
 
 

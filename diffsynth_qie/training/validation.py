@@ -139,7 +139,7 @@ def flow_match_jobs(entries: Sequence[CacheEntry], names: Sequence[str], dtype: 
 
 def lbm_jobs(entries: Sequence[CacheEntry], names: Sequence[str], sub_target: str = "target") -> list[_Job]:
     """The main (if the row has a source) and sub job of every entry, with the loss's bridge ends."""
-    from .lbm import stream_ends
+    from .losses.lbm import stream_ends
 
     jobs = []
     for k, (e, name) in enumerate(zip(entries, names)):
@@ -217,7 +217,7 @@ class Validator:
 
     def _objective(self, wrapped_module):
         """(is LBM, LBMConfig) of the loss the module trains (its resolved ``RunConfig``)."""
-        from .lbm import lbm_config_of
+        from .losses.lbm import lbm_config_of
 
         config = getattr(self.accelerator.unwrap_model(wrapped_module), "config", None)
         loss = getattr(getattr(config, "loss", None), "loss", "sft")
@@ -280,7 +280,7 @@ class Validator:
 
     def _lpips_model(self):
         if self._lpips is None:
-            from ..models.lpips import load_lpips
+            from ..metrics.lpips import load_lpips
 
             self._lpips = load_lpips() or False
         return self._lpips or None

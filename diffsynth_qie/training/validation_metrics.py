@@ -2,8 +2,8 @@
 
 For each rendered output (a decoded image) and the target it is judged against:
 
-- ``val_psnr`` and ``val_ssim`` against the target (``models/image_metrics.py``);
-- ``val_lpips`` when the LPIPS network can be loaded offline (``models/lpips.py``;
+- ``val_psnr`` and ``val_ssim`` against the target (``metrics/image.py``);
+- ``val_lpips`` when the LPIPS network can be loaded offline (``metrics/lpips.py``;
   otherwise it is skipped with one logged line, never downloaded);
 - ``val_psnr_preserve`` for entries with an edit mask: PSNR over the pixels outside
   the mask (weights ``1 - mask``), i.e. how well the edit leaves the rest alone.
@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import torch
 from PIL import Image
 
-from ..models.image_metrics import mask_to_pixels, masked_psnr, psnr, ssim, to_pixels
-from ..models.lpips import lpips_distance
+from ..metrics.image import mask_to_pixels, masked_psnr, psnr, ssim, to_pixels
+from ..metrics.lpips import lpips_distance
 
 PREFIX = "val_"
 

@@ -230,7 +230,7 @@ class UIHandlers:
 
         preset = get_preset(self.config.model)
         if preset.is_tiny and self.config.model_dir:
-            from ..models.tiny import ensure_tiny
+            from ..tiny.build import ensure_tiny
 
             ensure_tiny(self.config.model_dir)
         return Editor.from_preset(model=self.config.model, model_dir=self.config.model_dir,

@@ -69,7 +69,7 @@ def main() -> int:
 
     from diffsynth_qie.data.demo import make_demo_data
     from diffsynth_qie.models.loading import load_pipeline
-    from diffsynth_qie.models.tiny import build_tiny
+    from diffsynth_qie.tiny.build import build_tiny
     from diffsynth_qie.training.loop import train
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,4 +1,4 @@
-"""Unmerged LoRAs (models/lora_branch.py, LoraManager's default mode) on the tiny DiT.
+"""Unmerged LoRAs (lora/branch.py, LoraManager's default mode) on the tiny DiT.
 
 Parity: the unmerged DiT output equals the merged one within 1e-5 relative error in fp32
 (the two differ only by where the rounding happens: ``(W + sBA) x`` vs ``Wx + sB(Ax)``).
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from diffsynth_qie.models.forward import dit_forward
-from diffsynth_qie.models.lora_branch import lora_host_bytes, matches_target
-from diffsynth_qie.models.lora_io import LoraManager, save_lora
+from diffsynth_qie.lora.branch import lora_host_bytes, matches_target
+from diffsynth_qie.lora import LoraManager, save_lora
 from diffsynth_qie.models.presets import LORA_TARGETS_2511
 
 RANK = 4

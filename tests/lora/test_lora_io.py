@@ -1,4 +1,4 @@
-"""LoRA I/O (models/lora_io.py) on the real tiny DiT: every format in, two formats out.
+"""LoRA I/O (lora/__init__.py) on the real tiny DiT: every format in, two formats out.
 
 Deltas are compared with an independent ``alpha / rank * B @ A`` and, for our canonical
 format, with DiffSynth's own ``pipe.load_lora``. The ComfyUI export is checked with a
@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from diffsynth_qie.models.lora_io import (
+from diffsynth_qie.lora import (
     LoraManager,
     apply_lora,
     export_lora,

@@ -16,12 +16,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from diffsynth_qie.cli import main
-from diffsynth_qie.models.lora_apply import apply_lora
-from diffsynth_qie.models.lora_export import save_lora
-from diffsynth_qie.models.lora_extract import extract_lora
-from diffsynth_qie.models.lora_format import load_lora_state
-from diffsynth_qie.models.lora_merge import merge_loras, parse_lora_spec
-from diffsynth_qie.models.lora_state import LoraModule, LoraState
+from diffsynth_qie.lora.apply import apply_lora
+from diffsynth_qie.lora.export import save_lora
+from diffsynth_qie.lora.extract import extract_lora
+from diffsynth_qie.lora.formats import load_lora_state
+from diffsynth_qie.lora.merge import merge_loras, parse_lora_spec
+from diffsynth_qie.lora.state import LoraModule, LoraState
 
 RANK, ALPHA = 4, 2.0
 

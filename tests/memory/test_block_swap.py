@@ -1,4 +1,4 @@
-"""Block swapping (``models/block_swap.py``): same numbers, expected swap order, clear errors.
+"""Block swapping (``memory/block_swap.py``): same numbers, expected swap order, clear errors.
 
 On the CPU the swapper moves between two host tensor sets. ``PoisonTransport`` makes an
 evicted weight NaN, so a block that runs (forward, recompute or backward) while it is
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffsynth_qie.models.block_swap import BlockSwapper, HostTransport
+from diffsynth_qie.memory.block_swap import BlockSwapper, HostTransport
 
 
 class PoisonTransport(HostTransport):
@@ -107,7 +107,7 @@ def _loss_and_grads(dit, inputs, checkpointing):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_loss_and_gradients_identical_and_swap_order(tiny_model_dir, checkpointing):
     """Four blocks, three swapped, a trainable tensor inside a swapped block and one outside."""
-    from diffsynth_qie.models.tiny import TinyQwenImageDiT
+    from diffsynth_qie.tiny.build import TinyQwenImageDiT
 
     torch.manual_seed(0)
     dit = TinyQwenImageDiT(num_layers=4).float()
@@ -139,7 +139,7 @@ def test_loss_and_gradients_identical_and_swap_order(tiny_model_dir, checkpointi
 
 def test_no_grad_forward_swaps_each_block_out_after_it_runs(tiny_model_dir):
     from diffsynth_qie.models.forward import dit_forward
-    from diffsynth_qie.models.tiny import TinyQwenImageDiT
+    from diffsynth_qie.tiny.build import TinyQwenImageDiT
 
     torch.manual_seed(1)
     dit = TinyQwenImageDiT(num_layers=4).float().requires_grad_(False)

@@ -1,4 +1,4 @@
-"""``--fp8_base``: float8 e4m3 block weights with per-output-channel scales (models/fp8.py)."""
+"""``--fp8_base``: float8 e4m3 block weights with per-output-channel scales (memory/fp8.py)."""
 from __future__ import annotations
 
 import copy
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffsynth_qie.models.fp8 import FP8_DTYPE, Fp8Linear, fp8_layers, quantize_linears
+from diffsynth_qie.memory.fp8 import FP8_DTYPE, Fp8Linear, fp8_layers, quantize_linears
 
-PINNED = json.loads((Path(__file__).parent / "assets" / "train_loss_curve.json").read_text())
+PINNED = json.loads((Path(__file__).parents[1] / "assets" / "train_loss_curve.json").read_text())
 
 
 def fresh_dit(model_dir):
@@ -210,7 +210,7 @@ def test_edit_latents_with_fp8_base_stay_close(tiny_model_dir, tmp_path):
     from PIL import Image
 
     from diffsynth_qie.inference import EditRequest, Editor
-    from diffsynth_qie.models.lora_io import save_lora
+    from diffsynth_qie.lora import save_lora
 
     image = Image.fromarray((torch.rand(48, 64, 3, generator=torch.Generator().manual_seed(0)) * 255)
                             .to(torch.uint8).numpy())

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffsynth_qie.models.memory_plan import GiB, PlanOptions, activation_bytes, candidates, predict, recommend
-from diffsynth_qie.models.memory_probe import (ProbeCase, measure_step_peak, predicted_step_bytes, tiny_census,
+from diffsynth_qie.memory.plan import GiB, PlanOptions, activation_bytes, candidates, predict, recommend
+from diffsynth_qie.memory.probe import (ProbeCase, measure_step_peak, predicted_step_bytes, tiny_census,
                                                tiny_lora_dit)
-from diffsynth_qie.models.model_census import census_from_files, census_from_module, preset_census
+from diffsynth_qie.memory.census import census_from_files, census_from_module, preset_census
 from diffsynth_qie.models.presets import LORA_TARGETS_2511
 
 # Activation constants were fitted at 2/4/6 blocks, batch 1, 128 px, one reference, 40 prompt
@@ -38,7 +38,7 @@ def test_real_dit_counts_from_meta(real):
 
 
 def test_census_from_safetensors_header_matches_module(tiny_model_dir):
-    from diffsynth_qie.models.tiny import DIT_FILE, DIT_SIZES, TinyQwenImageDiT
+    from diffsynth_qie.tiny.build import DIT_FILE, DIT_SIZES, TinyQwenImageDiT
 
     with torch.device("meta"):
         module = census_from_module(TinyQwenImageDiT(**DIT_SIZES), LORA_TARGETS_2511)

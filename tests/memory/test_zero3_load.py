@@ -1,4 +1,4 @@
-"""Streaming the DiT's weights from the safetensors memory map (models/zero3_load.py).
+"""Streaming the DiT's weights from the safetensors memory map (memory/zero3_load.py).
 
 Under ZeRO-3 the same ``stream_into`` gathers one partitioned parameter at a time (covered end to
 end by tests/test_zero3.py, whose training run loads its DiT through it); here, in a normal process,
@@ -27,7 +27,7 @@ def _scramble(model):
 
 
 def _reader(paths, **kwargs):
-    from diffsynth_qie.models.zero3_load import DIT_MODEL_NAME, SafetensorsStream, _converter_for
+    from diffsynth_qie.memory.zero3_load import DIT_MODEL_NAME, SafetensorsStream, _converter_for
 
     return SafetensorsStream(paths, _converter_for(paths, DIT_MODEL_NAME), **kwargs)
 
@@ -65,7 +65,7 @@ class CountingStream:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_streamed_load_equals_diffsynths_load(tiny_model_dir, dtype):
-    from diffsynth_qie.models.zero3_load import stream_into
+    from diffsynth_qie.memory.zero3_load import stream_into
 
     reference, paths = _dit(tiny_model_dir, dtype)
     model, _ = _dit(tiny_model_dir, dtype)
@@ -80,7 +80,7 @@ def test_streamed_load_equals_diffsynths_load(tiny_model_dir, dtype):
 
 
 def test_stream_holds_one_tensor_at_a_time_and_releases_the_map(tiny_model_dir):
-    from diffsynth_qie.models.zero3_load import SafetensorsStream, stream_into
+    from diffsynth_qie.memory.zero3_load import SafetensorsStream, stream_into
 
     reference, paths = _dit(tiny_model_dir, torch.float32)
     model, _ = _dit(tiny_model_dir, torch.float32)
@@ -107,7 +107,7 @@ def test_stream_holds_one_tensor_at_a_time_and_releases_the_map(tiny_model_dir):
 def test_mismatched_weights_are_refused_by_name(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from diffsynth_qie.models.zero3_load import SafetensorsStream, stream_into
+    from diffsynth_qie.memory.zero3_load import SafetensorsStream, stream_into
 
     model, paths = _dit(tiny_model_dir, torch.float32)
     state = load_file(paths[0])
@@ -126,7 +126,7 @@ def test_mismatched_weights_are_refused_by_name(tiny_model_dir, tmp_path):
 
 
 def test_without_zero3_the_loader_is_diffsynths(tiny_model_dir):
-    from diffsynth_qie.models.zero3_load import load_dit_pipeline, zero3_enabled
+    from diffsynth_qie.memory.zero3_load import load_dit_pipeline, zero3_enabled
 
     assert not zero3_enabled()
     reference, _ = _dit(tiny_model_dir, torch.float32)

@@ -25,7 +25,7 @@ Per sample, in this order from the loss's generator: a uniform draw u for the st
 used. The whole batch is one ``dit_forward`` call.
 
 This module imports no torch at import time (``qie --help`` builds the flags from
-:class:`LBMConfig`); ``loss_registry.py`` lists :func:`lbm_loss` in ``LOSSES`` as ``"lbm"``.
+:class:`LBMConfig`); ``registry.py`` lists :func:`lbm_loss` in ``LOSSES`` as ``"lbm"``.
 With ``--loss lbm`` the optimizer defaults to ProdigyPlusScheduleFree (lr 1.0, no
 weight decay, no clipping: ``RunConfig.resolved``), and training refuses clipping
 with it (``optim.check_clipping``).
@@ -206,8 +206,8 @@ def make_bridge_batch(batch: dict, config: LBMConfig, generator: Optional["torch
     """Draw per sample: stream (u < p_sub -> sub), σ, ε; build x_σ and v*."""
     import torch
 
-    from ..models.bridge import bridge_interpolate, bridge_target
-    from .loss_common import sample_noise
+    from ...models.bridge import bridge_interpolate, bridge_target
+    from .common import sample_noise
 
     ends, sigmas, noise, noisy, velocity = [], [], [], [], []
     for b in range(len(batch["target_latents"])):
@@ -234,8 +234,8 @@ def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = 
     """
     import torch
 
-    from ..models.forward import dit_forward
-    from .loss_common import mask_weights, per_sample_mse
+    from ...models.forward import dit_forward
+    from .common import mask_weights, per_sample_mse
 
     lbm = lbm_config_of(config)
     bridge = make_bridge_batch(batch, lbm, generator)

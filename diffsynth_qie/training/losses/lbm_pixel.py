@@ -11,7 +11,7 @@ target latents (without gradient). Each sample's loss becomes
 
 The VAE is loaded only when the flag is given, alone (``components=("vae",)``), on
 each process, outside the wrapped training module (it is frozen and not saved);
-LPIPS needs its backbone weights in the torch hub cache (``models/lpips.py``; a
+LPIPS needs its backbone weights in the torch hub cache (``metrics/lpips.py``; a
 clear error names the file otherwise). Not with DeepSpeed ZeRO-3 (the decoder must
 be whole on every rank): use DDP or ZeRO-2 (the LBM launcher uses DDP).
 The crop offsets are drawn from the loss's generator after the bridge draws, so
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..models.lpips import lpips_distance
+from ...metrics.lpips import lpips_distance
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ def predicted_targets(noisy: Sequence[Tensor], velocity: Sequence[Tensor], sigma
 def build_pixel_critic(lbm, preset, model_dir: Optional[str], device, dtype: torch.dtype,
                        ds_config: Optional[dict] = None) -> PixelCritic:
     """Load the VAE alone and LPIPS for ``--lbm_pixel_loss lpips`` (``ValueError`` when they cannot be)."""
-    from ..models.loading import load_pipeline
-    from ..models.lpips import require_lpips
+    from ...models.loading import load_pipeline
+    from ...metrics.lpips import require_lpips
 
     if (ds_config or {}).get("zero_optimization", {}).get("stage") == 3:
         raise ValueError("--lbm_pixel_loss lpips does not run under DeepSpeed ZeRO-3 (the VAE decoder must be whole "

@@ -1,7 +1,7 @@
 """The loss registry: ``--loss NAME`` -> loss function (see ``losses.py`` for the signature).
 
 Its own module so that the losses never import each other: ``losses.py`` (``"sft"``) and
-``lbm.py`` (``"lbm"``) both build on ``loss_common.py``, and only this module knows both.
+``lbm.py`` (``"lbm"``) both build on ``common.py``, and only this module knows both.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from .lbm import lbm_loss
-from .losses import flow_match_sft_loss
+from .sft import flow_match_sft_loss
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, "float | torch.Tensor"]]]
 

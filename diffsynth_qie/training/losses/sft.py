@@ -1,4 +1,4 @@
-"""The flow-matching SFT loss, built from the pure helpers of ``loss_common.py``.
+"""The flow-matching SFT loss, built from the pure helpers of ``common.py``.
 
 A loss function has the signature ``loss_fn(dit, batch, config, generator=None) ->
 (loss, metrics)``: ``dit`` is the (LoRA-injected) DiT, ``batch`` the collated dict from
@@ -7,7 +7,7 @@ A loss function has the signature ``loss_fn(dit, batch, config, generator=None) 
 ``torch.Generator`` for every random draw (None = torch's global RNG). ``loss`` is a
 0-dim tensor to backpropagate; ``metrics`` maps names to floats or detached 0-dim
 tensors for logging (tensors avoid a device sync per micro-batch). Losses are
-registered by name in ``loss_registry.py`` (``"sft"`` here, ``"lbm"`` in ``lbm.py``).
+registered by name in ``registry.py`` (``"sft"`` here, ``"lbm"`` in ``lbm.py``).
 
 Flow-matching SFT, DiffSynth's convention (``diffusion/flow_match.py``): σ = 1 is
 noise, σ = 0 is data; ``x_σ = (1-σ)·x0 + σ·ε``; the DiT predicts the velocity and the
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from ..models.forward import dit_forward
-from .config import RunConfig
-from .loss_common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
-from .timesteps import Strata, draw_timesteps
+from ...models.forward import dit_forward
+from ..config import RunConfig
+from .common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
+from ..timesteps import Strata, draw_timesteps
 
 Tensor = torch.Tensor
 
