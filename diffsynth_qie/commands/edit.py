@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--fp8_base", action="store_true",
                    help="store the DiT's block weights as float8 e4m3 with per-channel scales (about half "
                         "the DiT memory of bf16; compute stays in --dtype)")
+    d.add_argument("--no_preflight", action="store_true",
+                   help="skip the preflight: before a real preset loads, one edit with these devices/options runs "
+                        "on a fake CUDA device (full width, 2 DiT blocks, no memory; seconds)")
 
 
 def lora_pairs(paths: list[str], scales: list[float]) -> list[tuple[str, float]]:
@@ -140,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
     from ..inference import EditRequest, Editor
     from ..utils.atomic import atomic_path
 
+    if args.model != "tiny" and not args.no_preflight:
+        from ..inference.verify import preflight
+
+        preflight(args.model, images=len(images), fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap,
+                  lora_rank=32 if loras else 0, lbm_steps=args.lbm_steps, cfg=args.cfg)
     editor = Editor.from_preset(args.model, model_dir=args.model_dir, device=args.device, torch_dtype=args.dtype,
                                 device_map=args.device_map, cpu_offload=args.cpu_offload,
                                 zero_cond_t=args.zero_cond_t, lora_merge=args.lora_merge,

@@ -1,8 +1,10 @@
 """`qie plan`: predicted peak GPU memory and host RAM, and the cheapest options that fit a GPU.
 
 Counts come from the real model classes built on the ``meta`` device (or a ``--model_dir``
-checkpoint's safetensors headers); activations from constants measured on the tiny model
-(``--calibrate`` prints the prediction beside a fresh measurement).
+checkpoint's safetensors headers); activations from constants fitted on full-size steps on a fake CUDA
+device (``benchmarks/fit_plan.py``). ``--verify`` runs the configuration itself there — our training step
+or ``Editor.edit`` on the real full-size model, no memory, no arithmetic — and prints its peak of live device
+bytes per phase beside the prediction (``memory/fake_device.py``, ``docs/MEMORY.md``).
 """
 from __future__ import annotations
 
@@ -37,6 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also print the cheapest options (least slowdown) predicted to fit this many GiB")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure tiny training steps on the CPU and print them beside the predictions")
+    v = parser.add_argument_group("verify on a fake CUDA device (no GPU needed)")
+    v.add_argument("--verify", action="store_true",
+                   help="run the configuration with the real full-size model on a fake CUDA device (a training "
+                        "step, or an edit with --task edit) and print its peak device memory beside the "
+                        "prediction; fails naming the operator and line on a device/dtype mismatch or host sync")
+    v.add_argument("--mixed", action="store_true",
+                   help="--verify: every other sample of the batch is 4:3 with a prompt 30%% shorter")
+    v.add_argument("--loss", default="sft", choices=("sft", "lbm"), help="--verify: the training loss")
+    v.add_argument("--verify_blocks", type=int, default=None, metavar="N",
+                   help="--verify: build only N DiT blocks (default: all; the peak then covers N blocks)")
+    v.add_argument("--edit_steps", type=int, default=2, help="--verify --task edit: denoising steps to run")
 
 
 def run(args) -> int:
@@ -55,7 +68,12 @@ def run(args) -> int:
     log.info("DiT: %.3f B parameters, %d blocks of %.3f B, width %d; LoRA rank %d: %.1f M parameters",
              census.params / 1e9, census.num_layers, census.block_params / 1e9, census.dim,
              base.lora_rank, census.lora_params(base.lora_rank) / 1e6)
-    log.info("%s (%d tokens per sample):\n%s", describe(base), base.tokens, format_plan(predict(census, base)))
+    plan = predict(census, base)
+    log.info("%s (%d tokens per sample):\n%s", describe(base), base.tokens, format_plan(plan))
+    if args.verify:
+        from .plan_verify import verify_and_compare
+
+        verify_and_compare(args, base, plan)
     if args.gpu_memory_gb is None:
         return 0
     fit = recommend(census, base, args.gpu_memory_gb)

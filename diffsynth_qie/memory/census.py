@@ -127,15 +127,21 @@ def preset_census(preset_name: str, with_encoders: bool = True) -> DiTCensus:
 
     preset = get_preset(preset_name)
     with torch.device("meta"):
-        if preset.is_tiny:
-            from ..tiny.build import DIT_SIZES, TinyQwenImageDiT
-            dit = TinyQwenImageDiT(**DIT_SIZES)
-            extra = {}
-        else:
-            from diffsynth.models.qwen_image_dit import QwenImageDiT
-            dit = QwenImageDiT()
-            extra = _encoder_params() if with_encoders else {}
+        dit = build_dit(preset)
+        extra = _encoder_params() if with_encoders and not preset.is_tiny else {}
     return census_from_module(dit, preset.lora_target_modules, **extra)
+
+
+def build_dit(preset, num_layers: int | None = None):
+    """The preset's DiT class at its real sizes (DiffSynth registers every Qwen-Image-Edit DiT with
+    default arguments), built on the current default device and dtype. ``num_layers`` overrides the
+    depth (a shallower copy of the same blocks)."""
+    depth = {} if num_layers is None else {"num_layers": num_layers}
+    if preset.is_tiny:
+        from ..tiny.build import DIT_SIZES, TinyQwenImageDiT
+        return TinyQwenImageDiT(**{**DIT_SIZES, **depth})
+    from diffsynth.models.qwen_image_dit import QwenImageDiT
+    return QwenImageDiT(**depth)
 
 
 def _encoder_params() -> dict[str, int]:

@@ -32,19 +32,22 @@ from .census import DiTCensus
 
 GiB = 1024 ** 3
 
-# Activation constants, in elements per token and per unit of model width, fitted by
-# least squares on peak memory measured during one forward + backward of the tiny DiT
-# (DiffSynth's QwenImageTransformerBlock at dim 64, fp32, CPU, LoRA rank 4 on the default
-# targets; `memory/probe.py`, `qie plan --calibrate`) at 2, 4 and 6 blocks with and
-# without checkpointing (the LoRA gradients, allocated while activations are freed, are inside
-# the measured peak; the plan lists them again under LoRA, which errs on the safe side). The blocks are the real model's code, so the element counts per token
-# and width hold; attention keeps no S x S matrix (measured: memory is linear in tokens).
+# Activation constants, in elements (of ``dtype_bytes``) per token and per unit of model width, fitted on
+# full-width training steps and edits of the real 2511 DiT on the fake CUDA device (``memory/fake_device.py``,
+# ``python -m benchmarks.fit_plan``): bf16 under autocast, rank-32 LoRA on the 2511 targets, 1024² target + one
+# 1024² reference + 300 prompt tokens, at 2 and 4 blocks (a line through the two depths), with and without
+# checkpointing; attention runs the fused (flash / memory-efficient) kernels, so memory is linear in tokens.
+# The activation term is what the steady-state peak (optimizer state alive) holds beyond the DiT, the LoRA
+# weights and the LoRA's gradients + optimizer state. ``qie plan --verify`` checks the whole 60-block model.
 CALIBRATION = {
-    "K_BLOCK": 26.27,  # kept per block for backward (q, k, v, MLP hidden, norms, gates)
-    "K_OUTSIDE": 3.67,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, transients
-    "K_BOUNDARY": 1.13,  # checkpointing: each block's saved inputs (image + text hidden states)
-    "K_OUTSIDE_CKPT": 2.08,  # checkpointing: everything outside the recomputed block
+    "K_BLOCK": 40.05,  # kept per block for backward (q, k, v, MLP hidden, norms, gates, fp32 RoPE and casts)
+    "K_OUTSIDE": 19.71,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, the last block's backward
+    "K_BOUNDARY": 1.0,  # checkpointing: each block's saved inputs (image + text hidden states)
+    "K_OUTSIDE_CKPT": 21.9,  # checkpointing: everything outside the recomputed block
+    "K_INFER": 20.97,  # an edit: one block's working set without a graph, per sample of the CFG batch
 }
+# The VAE's working set while encoding a reference or decoding the result, bytes per output pixel (bf16).
+VAE_BYTES_PER_PIXEL = 1357
 OPTIMIZER_BYTES = {"adamw": 16, "prodigy_sf": 20}  # per trainable parameter, weight included
 FP8_SCALE_BYTES = 4
 CUDA_OVERHEAD = int(1.0 * GiB)  # CUDA context + allocator slack (assumed; not in the tiny runs)
@@ -163,9 +166,12 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
     else:
         batch = o.batch_size * (2 if o.cfg else 1)
         plan.gpu["text encoder + VAE"] = (c.text_encoder_params + c.vae_params) * o.dtype_bytes
-        # no graph is kept: the working set of one block (upper bound), not the whole stack
-        plan.gpu["activations (one block, no grad)"] = round(
-            batch * o.tokens * c.dim * (CALIBRATION["K_BLOCK"] + CALIBRATION["K_OUTSIDE"]) * o.dtype_bytes)
+        if o.lora_rank:  # unmerged LoRA branches (qie edit's default), bf16
+            plan.gpu["LoRA branches"] = c.lora_params(o.lora_rank) * o.dtype_bytes
+        # no graph is kept: one block's working set at a time, or the VAE's while it encodes / decodes
+        dit = round(batch * o.tokens * c.dim * CALIBRATION["K_INFER"] * o.dtype_bytes)
+        vae = round(o.batch_size * o.resolution ** 2 * VAE_BYTES_PER_PIXEL * o.dtype_bytes / 2)
+        plan.gpu["activations (one block, no grad)" if dit >= vae else "activations (VAE encode/decode)"] = max(dit, vae)
     plan.gpu["CUDA context + allocator slack"] = o.overhead_bytes
     plan.host["process baseline"] = HOST_BASELINE
     # the bf16 state dict passes through host memory while loading (before any FP8 conversion;

@@ -166,6 +166,10 @@ class TrainConfig:
     device: Optional[Literal["cpu", "cuda"]] = field(default=None, metadata=_help(
         "cpu forces CPU training even with a GPU present (default: accelerate's choice: this rank's GPU, "
         "else CPU)"))
+    no_preflight: bool = field(default=False, metadata=_help(
+        "skip the preflight: before a real preset's weights load, one training step of this configuration "
+        "runs on a fake CUDA device (full width, 2 blocks, no memory; a few seconds) and fails on any device/"
+        "dtype mismatch or host sync, and the predicted peak memory is logged"))
 
 
 @dataclass

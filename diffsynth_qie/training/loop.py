@@ -181,6 +181,11 @@ def setup(config: RunConfig) -> _Run:
     set_seed(t.seed)  # the LoRA init, identical on every rank
     check_fp8_base(cfg, ds_config)
     check_block_swap(cfg, ds_config)  # both before the (long) load
+    if not preset.is_tiny and not t.no_preflight:
+        from .verify import preflight
+
+        preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
+        set_seed(t.seed)
     module = QIETrainingModule(load_dit(preset, cfg, accelerator), cfg, preset.name)
     if t.fp8_base:  # with swapping, the swapper places the resident blocks: swapped ones never touch the GPU
         module.quantize_frozen_base("cpu" if t.blocks_to_swap else accelerator.device)
