@@ -37,8 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no_cfg", action="store_true", help="edit: --cfg 1 (no negative pass)")
     parser.add_argument("--gpu_memory_gb", type=float, default=None,
                         help="also print the cheapest options (least slowdown) predicted to fit this many GiB")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="measure tiny training steps on the CPU and print them beside the predictions")
     v = parser.add_argument_group("verify on a fake CUDA device (no GPU needed)")
     v.add_argument("--verify", action="store_true",
                    help="run the configuration with the real full-size model on a fake CUDA device (a training "
@@ -55,10 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..memory.plan import PlanOptions, describe, format_plan, predict, recommend
 
-    if args.calibrate:
-        from ..memory.probe import calibration_table
-        log.info("tiny model, one forward + backward on the CPU (fp32), LoRA rank 4:\n%s", calibration_table())
-        return 0
     census = _census(args)
     base = PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
                        prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
