@@ -11,7 +11,11 @@
 #   CACHE_DIR         phase-1 cache (default: $OUTPUT_DIR/cache)
 #   OUTPUT_DIR        checkpoints, LoRA, logs, validation images (default: outputs/<run name>)
 #   NUM_GPUS          processes per node (default: number of visible GPUs, 1 on CPU)
-#   NNODES NODE_RANK MASTER_ADDR MASTER_PORT   multi-node rendezvous (defaults: 1 0 127.0.0.1 29500)
+#   NNODES NODE_RANK MASTER_ADDR MASTER_PORT   multi-node rendezvous (defaults: 1 0 127.0.0.1, and a free
+#                     port on one node, 29500 across nodes); with several nodes CACHE_DIR and OUTPUT_DIR must be
+#                     on storage every node shares (checked at start)
+# Relative paths (MODEL as a directory, DATASET_*, CACHE_DIR, OUTPUT_DIR, DS_CONFIG) are taken relative to the
+# directory the script is run from.
 #   DS_CONFIG         accelerate config YAML, e.g. deepspeed_configs/zero2.yaml (default: deepspeed_configs/zero3.yaml
 #                     with more than one GPU process in all, none (a single process, no ZeRO) on one GPU or on
 #                     CPU; the LBM launcher defaults to none: DDP on several GPUs). DS_CONFIG= (empty) asks for none
@@ -20,6 +24,15 @@
 # Extra command-line arguments of the launcher go to phase 2 (`qie train`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Paths the user gives are relative to where they ran the script, not to the repository: resolve them before
+# the cd. MODEL stays a preset name unless such a path exists; DS_CONFIG may also name a file under $ROOT.
+CALLER_DIR="$(pwd)"
+abs_from_caller() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$CALLER_DIR" "$1" ;; esac; }
+for _var in DATASET_BASE DATASET_METADATA CACHE_DIR OUTPUT_DIR; do
+  if [ -n "${!_var:-}" ]; then printf -v "$_var" '%s' "$(abs_from_caller "${!_var}")"; fi
+done
+if [ -n "${MODEL:-}" ] && [ -e "$(abs_from_caller "$MODEL")" ]; then MODEL="$(abs_from_caller "$MODEL")"; fi
+if [ -n "${DS_CONFIG:-}" ] && [ -e "$(abs_from_caller "$DS_CONFIG")" ]; then DS_CONFIG="$(abs_from_caller "$DS_CONFIG")"; fi
 cd "$ROOT"
 
 [ "${QIE_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
@@ -29,6 +42,33 @@ export PATH="$VENV/bin:$PATH"
 
 gpu_count() {
   "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0
+}
+
+# GPUs the driver lists (0 without nvidia-smi)
+driver_gpu_count() {
+  command -v nvidia-smi >/dev/null 2>&1 || { echo 0; return; }
+  nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+}
+
+# check_torch_sees_gpus GPUS: stop when the driver lists GPUs but this torch sees none (a CUDA build newer
+# than the driver), instead of falling back to the CPU with a 20 B model.
+check_torch_sees_gpus() {
+  local seen="$1" listed
+  listed="$(driver_gpu_count)"
+  if [ "$seen" -eq 0 ] && [ "$listed" -gt 0 ]; then
+    local info
+    info="$("$PY" -c "import torch; print(f'torch {torch.__version__} (CUDA {torch.version.cuda})')" 2>/dev/null || echo torch)"
+    echo "nvidia-smi lists $listed GPU(s) but $info sees none: the NVIDIA driver" \
+         "($(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)) is too old for this torch build." >&2
+    echo "Reinstall torch for your driver, e.g.: rm \"$VENV/.qie-setup-stamp\"; QIE_TORCH_SPEC='torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu128' bash scripts/setup.sh" >&2
+    echo "(scripts/setup.sh picks that index itself on a fresh install; CUDA 12.8 builds need driver >= 570.)" >&2
+    exit 2
+  fi
+}
+
+# free_port: a TCP port nothing listens on (single-node runs; a second launch on one host must not collide)
+free_port() {
+  "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
 }
 
 # launch_defaults RUN_NAME PRESET : fills MODEL, OUTPUT_DIR, CACHE_DIR, dataset, launcher settings.
@@ -57,17 +97,30 @@ launch_defaults() {
   [ -z "${DATASET_BASE:-}" ] || DATASET_ARGS+=(--dataset_base "$DATASET_BASE")
 
   NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
-  MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"; MASTER_PORT="${MASTER_PORT:-29500}"
+  MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+  if [ -z "${MASTER_PORT:-}" ]; then
+    if [ "$NNODES" = 1 ]; then MASTER_PORT="$(free_port)"; else MASTER_PORT=29500; fi
+  fi
   local gpus; gpus="$(gpu_count)"
+  check_torch_sees_gpus "$gpus"
   NUM_GPUS="${NUM_GPUS:-$(( gpus > 0 ? gpus : 1 ))}"
   GPU_COUNT="$gpus"
   if [ -z "${DS_CONFIG+x}" ]; then   # ZeRO only where it shards something: several GPU processes
     if [ "$gpus" -gt 0 ] && [ $(( NUM_GPUS * NNODES )) -gt 1 ]; then
-      DS_CONFIG="$ROOT/deepspeed_configs/zero3.yaml"
+      DS_CONFIG="$ROOT/deepspeed_configs/$(choose_zero "$preset" $(( NUM_GPUS * NNODES )))"
     else
       DS_CONFIG=""
     fi
   fi
+}
+
+# choose_zero PRESET PROCESSES: zero2.yaml when `qie plan` says the unsharded run fits this GPU (only the LoRA's
+# optimizer state is sharded, no weight all-gathers), zero3.yaml below that; the reason goes to stderr.
+choose_zero() {
+  local memory="${QIE_GPU_MEMORY_GB:-}"   # override: the memory of one GPU in GiB
+  [ -n "$memory" ] || memory="$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)")"
+  "$PY" -m diffsynth_qie.cli --log_level WARNING plan --model "$1" --num_gpus "$2" --gpu_memory_gb "$memory" \
+    --distribution | tail -n 1   # the last line: libraries may print to stdout before it
 }
 
 # qie_launch SUBCOMMAND ARGS... : run a `qie` subcommand on every process of every node.

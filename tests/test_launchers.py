@@ -80,6 +80,7 @@ source "{ROOT}/scripts/launch_lib.sh"
 gpu_count() {{ echo {gpus}; }}
 accelerate() {{ echo "accelerate $*"; }}
 PY=echo
+choose_zero() {{ echo "zero3.yaml"; }}  # the planner's choice is tested in test_launch_checks.py
 split_training() {{ qie_launch train "${{TRAIN_FLAGS[@]}}"; }}
 after_training() {{ :; }}
 '''

@@ -113,9 +113,11 @@ def _report_path(cache_dir: Path, rank: int, world_size: int) -> Path:
 def _load_pipe(config: CacheConfig, device):
     import torch
 
-    from ..models.loading import default_device, default_dtype, load_pipeline
+    from ..models.loading import check_device_for, default_device, default_dtype, load_pipeline
+    from ..models.presets import get_preset
 
     device = config.device or (str(device) if device is not None else default_device())
+    check_device_for(get_preset(config.model), device, explicit_cpu=config.device == "cpu")
     dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device)
     return load_pipeline(config.model, model_dir=config.model_dir, components=("text_encoder", "vae"),
                          device=device, torch_dtype=dtype)

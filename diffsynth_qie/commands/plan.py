@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no_cfg", action="store_true", help="edit: --cfg 1 (no negative pass)")
     parser.add_argument("--gpu_memory_gb", type=float, default=None,
                         help="also print the cheapest options (least slowdown) predicted to fit this many GiB")
+    parser.add_argument("--distribution", action="store_true",
+                        help="print the DeepSpeed config the launchers use for --num_gpus processes on GPUs of "
+                             "--gpu_memory_gb (zero2.yaml when the unsharded run fits, else zero3.yaml)")
     v = parser.add_argument_group("verify on a fake CUDA device (no GPU needed)")
     v.add_argument("--verify", action="store_true",
                    help="run the configuration with the real full-size model on a fake CUDA device (a training "
@@ -62,6 +65,8 @@ def run(args) -> int:
     log.info("DiT: %.3f B parameters, %d blocks of %.3f B, width %d; LoRA rank %d: %.1f M parameters",
              census.params / 1e9, census.num_layers, census.block_params / 1e9, census.dim,
              base.lora_rank, census.lora_params(base.lora_rank) / 1e6)
+    if args.distribution:
+        return _distribution(census, base, args.gpu_memory_gb)
     plan = predict(census, base)
     log.info("%s (%d tokens per sample):\n%s", describe(base), base.tokens, format_plan(plan))
     if args.verify:
@@ -96,3 +101,16 @@ def _census(args):
         enc = preset_census(args.model, with_encoders=True)
         census = dataclasses.replace(census, text_encoder_params=enc.text_encoder_params, vae_params=enc.vae_params)
     return census
+
+
+def _distribution(census, base, gpu_memory_gb) -> int:
+    import sys
+
+    from ..memory.plan import choose_distribution
+
+    if gpu_memory_gb is None or not gpu_memory_gb > 0:
+        raise ValueError("--distribution needs --gpu_memory_gb (the memory of one GPU, in GiB)")
+    stage, reason = choose_distribution(census, base, gpu_memory_gb)
+    log.warning("multi-GPU default for %d processes: %s", base.num_gpus, reason)
+    sys.stdout.write(f"zero{stage}.yaml\n")  # read by scripts/launch_lib.sh
+    return 0

@@ -226,3 +226,16 @@ def format_plan(plan: Plan) -> str:
     rows += [f"  host: {name:<42} {b / GiB:8.2f} GiB" for name, b in plan.host.items()]
     rows.append(f"  {'predicted peak host RAM (per process)':<48} {plan.host_peak / GiB:8.2f} GiB")
     return "\n".join(rows)
+
+
+def choose_distribution(c: DiTCensus, base: PlanOptions, gpu_memory_gb: float) -> tuple[int, str]:
+    """The ZeRO stage for ``base.num_gpus`` processes: 2 when the unsharded run fits ``gpu_memory_gb`` (ZeRO-2
+    shards only the LoRA's gradients and optimizer state, and never all-gathers the frozen DiT), else 3.
+    Returns (stage, the reason in words)."""
+    two = predict(c, dataclasses.replace(base, zero_stage=2, blocks_to_swap=0))
+    if two.gpu_peak <= gpu_memory_gb * GiB:
+        return 2, (f"ZeRO-2: the unsharded DiT run needs {two.gpu_peak / GiB:.1f} GiB per GPU, which fits "
+                   f"{gpu_memory_gb:.0f} GiB, and ZeRO-3 would all-gather the frozen DiT every micro-batch")
+    three = predict(c, dataclasses.replace(base, zero_stage=3, blocks_to_swap=0, fp8_base=False))
+    return 3, (f"ZeRO-3: the unsharded run needs {two.gpu_peak / GiB:.1f} GiB per GPU, more than {gpu_memory_gb:.0f} "
+               f"GiB; sharded over {base.num_gpus} GPUs it needs {three.gpu_peak / GiB:.1f} GiB")

@@ -114,14 +114,14 @@ def device_name(accelerator) -> str:
     return "cpu" if device.type == "cpu" else str(device)
 
 
-def load_dit(preset, config: RunConfig, accelerator):
+def load_dit(preset, config: RunConfig, accelerator, ds_config: Optional[dict] = None):
     from ..memory.zero3_load import load_dit_pipeline  # under ZeRO-3 no rank holds the whole state dict
     from .swapping import load_device
 
-    # --fp8_base / --blocks_to_swap: load on the host (FP8 quantises each layer onto the device, so the
-    # full-precision DiT never sits there; swapping streams the swapped blocks from the host)
-    pipe = load_dit_pipeline(preset, model_dir=config.train.model_dir,
-                             device=load_device(config, device_name(accelerator)), torch_dtype=weight_dtype(accelerator))
+    # --fp8_base / --blocks_to_swap / ZeRO-3 parameter offload: on the host (training/swapping.py)
+    device = load_device(config, device_name(accelerator), ds_config)
+    pipe = load_dit_pipeline(preset, model_dir=config.train.model_dir, device=device,
+                             torch_dtype=weight_dtype(accelerator))
     return pipe.dit
 
 
@@ -150,6 +150,7 @@ def setup(config: RunConfig) -> _Run:
     """Accelerator, cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
     from accelerate.utils import set_seed
 
+    from ..models.loading import check_device_for
     from ..models.presets import get_preset
     from . import checkpoint as ckpt
     from .data import build_training_data
@@ -179,6 +180,7 @@ def setup(config: RunConfig) -> _Run:
     total_steps = total_optimizer_steps(cfg, len(sampler.epoch_batches(0)))
 
     set_seed(t.seed)  # the LoRA init, identical on every rank
+    check_device_for(preset, accelerator.device, explicit_cpu=t.device == "cpu")
     check_fp8_base(cfg, ds_config)
     check_block_swap(cfg, ds_config)  # both before the (long) load
     if not preset.is_tiny and not t.no_preflight:
@@ -186,7 +188,7 @@ def setup(config: RunConfig) -> _Run:
 
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
         set_seed(t.seed)
-    module = QIETrainingModule(load_dit(preset, cfg, accelerator), cfg, preset.name)
+    module = QIETrainingModule(load_dit(preset, cfg, accelerator, ds_config), cfg, preset.name)
     if t.fp8_base:  # with swapping, the swapper places the resident blocks: swapped ones never touch the GPU
         module.quantize_frozen_base("cpu" if t.blocks_to_swap else accelerator.device)
         if not t.blocks_to_swap:

@@ -15,10 +15,18 @@ from ..memory.block_swap import BlockSwapper
 from .config import RunConfig
 
 
-def load_device(config: RunConfig, default: str) -> str:
+def load_device(config: RunConfig, default: str, ds_config: Optional[dict] = None) -> str:
     """Where to load the DiT: the CPU when blocks are swapped or the base is quantised to FP8 (each layer is
-    then quantised straight onto the device), else ``default``."""
-    return "cpu" if (config.train.blocks_to_swap or config.train.fp8_base) else default
+    then quantised straight onto the device), or under ZeRO-3 with parameter offload (DiffSynth builds the
+    DiT under ``zero.Init(remote_device=<this device>)``, so the frozen partitions land where it says);
+    else ``default``."""
+    return "cpu" if (config.train.blocks_to_swap or config.train.fp8_base or params_offloaded(ds_config)) else default
+
+
+def params_offloaded(ds_config: Optional[dict]) -> bool:
+    """ZeRO-3 with ``offload_param.device == "cpu"`` (deepspeed_configs/zero3_offload.json)."""
+    zero = (ds_config or {}).get("zero_optimization", {})
+    return zero.get("stage") == 3 and (zero.get("offload_param") or {}).get("device") == "cpu"
 
 
 def check_block_swap(config: RunConfig, ds_config: Optional[dict]) -> None:
