@@ -103,7 +103,7 @@ def test_launchers_use_zero_only_with_several_gpu_processes(tmp_path):
     assert "deepspeed_configs/zero3.yaml" in launch_plan(tmp_path, 4)
     assert not launch_plan(tmp_path, 0).startswith("accelerate")  # CPU
     asked = launch_plan(tmp_path, 1, DS_CONFIG="deepspeed_configs/zero2.yaml")  # unless the user asks for it
-    assert asked.startswith("accelerate") and "--config_file deepspeed_configs/zero2.yaml" in asked
+    assert asked.startswith("accelerate") and "deepspeed_configs/zero2.yaml --num_machines" in asked
     # LBM (ProdigyPlusScheduleFree): DDP on several GPUs, a single process on one
     lbm = launch_plan(tmp_path, 4, "Qwen-Image-Edit-LBM.sh")
     assert "--multi_gpu" in lbm and "--config_file" not in lbm and "--loss lbm" in lbm
