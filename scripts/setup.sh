@@ -10,7 +10,8 @@
 #   QIE_EXTRAS      extras to install (default: train,ui,dev)
 #   QIE_DIFFSYNTH   "pypi" (default) or "submodule" (needs `git submodule update --init` first)
 #   QIE_TORCH_SPEC  torch/torchvision pair (default: "torch==2.14.1 torchvision==0.29.1": the
-#                   pair that imports together on CPU machines and carries CUDA 13 on GPUs)
+#                   pair that imports together on CPU machines and carries CUDA 13 on GPUs; with an NVIDIA
+#                   driver older than 580 the cu128/cu126 index is added automatically)
 # A second run with nothing changed finishes in about a second (stamp file in the venv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,6 +21,20 @@ VENV="${QIE_VENV:-$ROOT/.venv}"
 EXTRAS="${QIE_EXTRAS:-train,ui,dev}"
 SOURCE="${QIE_DIFFSYNTH:-pypi}"
 TORCH_SPEC="${QIE_TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
+# PyPI's torch 2.14.1 is the CUDA 13.0 build, which needs an NVIDIA driver >= 580; with an older driver torch
+# would see no GPU at all. Pick the wheel index that matches the driver nvidia-smi reports.
+if [ -z "${QIE_TORCH_SPEC:-}" ] && command -v nvidia-smi >/dev/null 2>&1; then
+  DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)"
+  if [ -n "$DRIVER" ] && [ "$DRIVER" -lt 580 ] 2>/dev/null; then
+    if [ "$DRIVER" -ge 570 ]; then CU=cu128; elif [ "$DRIVER" -ge 560 ]; then CU=cu126; else
+      echo "setup.sh: NVIDIA driver $DRIVER is too old for torch 2.14 (CUDA 12.6 needs >= 560); update the driver," \
+           "or set QIE_TORCH_SPEC to a torch build for it" >&2
+      exit 2
+    fi
+    TORCH_SPEC="$TORCH_SPEC --index-url https://download.pytorch.org/whl/$CU"
+    echo "setup.sh: NVIDIA driver $DRIVER: installing torch from the $CU index (PyPI's build needs driver >= 580)."
+  fi
+fi
 
 case "$SOURCE" in
   pypi|submodule) ;;

@@ -125,3 +125,24 @@ def test_a_real_preset_is_refused_on_the_cpu_unless_asked():
     check_device_for(get_preset("2511"), "cpu", explicit_cpu=True)
     check_device_for(get_preset("2511"), "cuda:0", explicit_cpu=False)
     check_device_for(get_preset("tiny"), "cpu", explicit_cpu=False)
+
+
+@pytest.mark.parametrize("driver, index", [("575.51.03", "cu128"), ("565.57.01", "cu126"), ("580.82.07", None)])
+def test_setup_picks_the_torch_index_for_the_driver(tmp_path, driver, index):
+    """setup.sh's choice only (pip is a stub that prints what it would install)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho {driver}\n")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text('#!/bin/sh\n[ "$2" = pip ] && echo "pip $*" >> "$(dirname "$0")/log"; exit 0\n')
+    for f in (bin_dir / "nvidia-smi", venv / "bin" / "python"):
+        f.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "QIE_TORCH_SPEC"}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", QIE_VENV=str(venv))
+    proc = subprocess.run(["bash", str(ROOT / "scripts/setup.sh")], env=env, capture_output=True, text=True, timeout=60)
+    torch_line = next(l for l in (venv / "bin" / "log").read_text().splitlines() if "torch==" in l)
+    if index:
+        assert f"--index-url https://download.pytorch.org/whl/{index}" in torch_line, (torch_line, proc.stdout)
+    else:
+        assert "--index-url" not in torch_line
