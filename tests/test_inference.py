@@ -398,3 +398,17 @@ def test_cli_edit_end_to_end_matches_editor(tiny_model_dir, editor, tmp_path, im
     expected = editor.edit(EditRequest([img_a, img_b], PROMPT, lbm_steps=1, seed=4))
     assert np.array_equal(np.asarray(main_img), np.asarray(expected.image))
     assert np.array_equal(np.asarray(sub_img), np.asarray(expected.sub_image))
+
+
+def test_rope_cache_stays_bounded_over_many_sizes(editor, img_a):
+    """DiffSynth's RoPE table cache never evicts; the editor keeps it under ROPE_CACHE_ENTRIES."""
+    from diffsynth_qie.models.forward import ROPE_CACHE_ENTRIES
+
+    cache = editor.pipe.dit.pos_embed.rope_cache
+    sizes = []
+    for i in range(ROPE_CACHE_ENTRIES // 2 + 4):  # every edit adds at least two (target, reference) tables
+        w = 64 + 16 * (i % 9)
+        h = 64 + 16 * (i // 9)
+        editor.edit(EditRequest(images=[img_a.resize((w, h))], prompt="edit", steps=1, cfg=1, height=h, width=w))
+        sizes.append(len(cache))
+    assert max(sizes) <= ROPE_CACHE_ENTRIES + 4 and len(cache) > 0

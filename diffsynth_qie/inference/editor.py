@@ -24,10 +24,9 @@ Devices
   the DiT: ≈40 GB bf16 for the real model). For GPUs smaller than the DiT use
   ``blocks_to_swap=N`` (the last N DiT blocks stream from pinned CPU memory, prefetched on a
   side stream; ≈0.68 GB bf16 saved per block, docs/MEMORY.md), or DiffSynth's layer-level
-  VRAM management: build the pipe with
-  ``load_pipeline(..., model_config_kwargs={c: {"offload_device": "cpu", ...}},
-  vram_limit=...)`` and wrap it with ``Editor(pipe)``; the editor calls
-  ``pipe.load_models_to_device`` like DiffSynth's pipeline does (untested on GPU here).
+  VRAM management: build the pipe with ``load_pipeline(..., model_config_kwargs={c: {"offload_device": "cpu",
+  ...}}, vram_limit=...)`` and wrap it with ``Editor(pipe)``; the editor calls ``pipe.load_models_to_device``
+  like DiffSynth's pipeline does (untested on GPU here).
 
 Not thread-safe: one editor per worker (the UI runs generations on one thread).
 """
@@ -45,9 +44,10 @@ from PIL import Image
 from ..data.images import check_pixels, fit_image, resize_to, to_rgb
 from ..models.encoding import (DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, decode_latents, encode_image,
                                encode_prompt, white_latents)
-from .masking import LatentMaskBlend, blend_pixels, check_strength, latent_keep_weight
+from ..models.forward import bound_rope_cache
 from ..models.lightning import check_scheduler
 from ..models.sampling import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
+from .masking import LatentMaskBlend, blend_pixels, check_strength, latent_keep_weight
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +330,7 @@ class Editor:
         """Run one edit: flow matching (``lbm_steps=None``) or LBM bridge sampling."""
         start = time.perf_counter()
         _check_request(request)
+        bound_rope_cache(self.pipe.dit)
         for prompt in (request.prompt, request.negative_prompt):  # before any encoder runs
             check_prompt_length(self.pipe, prompt, request.max_prompt_tokens)
         images = [to_rgb(im) for im in request.images]

@@ -218,3 +218,15 @@ def dit_forward(
         _unpatchify(image[b, : packed.target_lens[b]], *packed.target_shapes[b])
         for b in range(batch)
     ]
+
+
+ROPE_CACHE_ENTRIES = 64
+
+
+def bound_rope_cache(dit, limit: int = ROPE_CACHE_ENTRIES) -> None:
+    """DiffSynth's ``QwenEmbedRope`` keeps a RoPE table per (image, height, width) forever (about 2 MiB each at
+    1024² on the GPU); a long-running editor fed arbitrary sizes would grow without end. Empty it once it
+    holds ``limit`` entries (rebuilding one costs microseconds)."""
+    cache = getattr(getattr(dit, "pos_embed", None), "rope_cache", None)
+    if isinstance(cache, dict) and len(cache) >= limit:
+        cache.clear()
