@@ -200,6 +200,8 @@ def setup(config: RunConfig) -> _Run:
                                                  weight_dtype(accelerator), ds_config)
     if ds_config is None:
         module.upcast_trainable(torch.float32)  # fp32 LoRA + optimizer states; DeepSpeed keeps fp32 masters itself
+        if str(accelerator.mixed_precision) in ("bf16", "fp16"):
+            module.disable_lora_input_casting()  # autocast picks the matmul dtype; PEFT's fp32 copy is waste
     swapper = install_block_swap(module, cfg, accelerator, ds_config)  # --blocks_to_swap: the module is placed now
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)

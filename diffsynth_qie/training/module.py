@@ -127,6 +127,18 @@ class QIETrainingModule(DiffusionTrainingModule):
         for p in self.trainable_modules():
             p.data = p.data.to(dtype)
 
+    def disable_lora_input_casting(self) -> int:
+        """Under autocast, PEFT's cast of each adapted layer's bf16 input to the fp32 LoRA weight's dtype is
+        undone at once by autocast, which runs the LoRA matmul in bf16: a full-size copy per adapted layer for
+        nothing, in forward and in the checkpoint recompute. Switch it off for good (the recompute runs after
+        any context manager would have ended). Returns the number of layers changed."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.dit.modules() if isinstance(m, BaseTunerLayer)]
+        for m in layers:
+            m.cast_input_dtype_enabled = False
+        return len(layers)
+
     # --- names ---------------------------------------------------------------------
     def lora_module_names(self) -> list[str]:
         """DiT module paths that hold a LoRA (canonical names)."""

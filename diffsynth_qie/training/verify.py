@@ -140,6 +140,7 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
         if t.fp8_base:
             module.quantize_frozen_base(DEVICE)
         module.upcast_trainable(torch.float32)  # single process / DDP: fp32 LoRA + optimizer states
+        module.disable_lora_input_casting()  # as qie train does under bf16 autocast
         fc.register(module)
         optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
         report.weights = fc.current_bytes
