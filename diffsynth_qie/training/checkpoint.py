@@ -217,18 +217,28 @@ def read_trainer_state(ckpt: str | os.PathLike) -> TrainerState:
 
 # --- gathering trainable weights ------------------------------------------------------
 def gather_trainable(module, accelerator) -> Optional[dict[str, torch.Tensor]]:
-    """CPU copies of the trainable parameters on the main process (None elsewhere).
+    """CPU copies of the trainable parameters on the main process (None elsewhere); under DeepSpeed the fp32
+    masters, not the module's bf16 copies.
 
-    Under ZeRO-3 every rank must call this (the gather is collective); only the
+    Under DeepSpeed every rank must call this (the gather is collective); only the
     trainable parameters are gathered.
     """
     named = module.trainable_named_parameters()
     params = [p for _, p in named]
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
+    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params):
+        # DeepSpeed trains fp32 masters behind the module's bf16 copies: save the masters (as the single-GPU and
+        # DDP paths save their fp32 weights), gathered from every rank's partition (collective, every rank)
+        from deepspeed.utils import safe_get_full_fp32_param
 
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return {n: p.detach().to("cpu", copy=True) for n, p in named} if accelerator.is_main_process else None
+        masters = {n: safe_get_full_fp32_param(p) for n, p in named}
+        if all(m is not None for m in masters.values()):
+            return {n: m.detach().to("cpu", torch.float32, copy=True) for n, m in masters.items()} \
+                if accelerator.is_main_process else None
+        if any(hasattr(p, "ds_id") for p in params):  # outside the engine's optimizer: the module's copies
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return {n: p.detach().to("cpu", copy=True) for n, p in named} if accelerator.is_main_process else None
     if not accelerator.is_main_process:
         return None
     return {n: p.detach().to("cpu", copy=True) for n, p in named}
