@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="scale per --lora, in the same order (default 1.0 each)")
     m.add_argument("--lora_merge", action="store_true",
                    help="merge the LoRAs into the weights (slightly faster steps, but a host copy of every "
-                        "weight a LoRA touches); default: an unmerged adapter branch costing only the LoRA's size")
+                        "weight a LoRA touches; fp32 weights only: on bf16/fp16 the rounding loses much of the "
+                        "LoRA's delta, so it is refused); default: an unmerged adapter branch costing only the LoRA's size")
     m.add_argument("--zero_cond_t", action=argparse.BooleanOptionalAction, default=None,
                    help="override the preset's zero_cond_t (on for 2511 only)")
     io = parser.add_argument_group("inputs / output")

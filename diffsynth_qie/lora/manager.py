@@ -18,6 +18,19 @@ from .state import LoraModule, LoraState
 log = logging.getLogger(__name__)
 
 
+def check_merge_precision(state: LoraState, weights) -> None:
+    """Refuse to merge a LoRA into 16-bit weights. The merged weight is rounded to its dtype, and a LoRA's delta
+    is a small fraction of the weight: on bf16 weights (N(0, 0.02), rank 32) the applied delta was off by 48 %,
+    17 % and 3.3 % at |delta|/|W| = 0.3 %, 1 % and 5 % (adding in fp32 first changes nothing: the final rounding
+    is the loss), against 0.2 % for the unmerged branch. Keeping the merged weights in fp32 would double the
+    DiT's memory."""
+    low = sorted({str(w.dtype).replace("torch.", "") for w in weights if w.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        raise ValueError(f"merging {state.source or 'the LoRA'} into {'/'.join(low)} weights would round away much of "
+                         "its delta (about 48 % of it when the delta is 0.3 % of the weight); drop --lora_merge: the "
+                         "default unmerged branch is exact and costs only the LoRA's own size")
+
+
 class LoraManager:
     """Switch LoRAs on a loaded model without reloading it; the base weights come back bit-exactly.
 
@@ -115,6 +128,7 @@ class LoraManager:
         params = dict(self.model.named_parameters())
         touched = {n: params[n] for n in state.full}
         if self.merge:
+            check_merge_precision(state, [modules[m].weight for m in state.modules])
             touched.update({f"{m}.weight": modules[m].weight for m in state.modules})
         for name, tensor in touched.items():
             if name not in self._backup:

@@ -256,3 +256,26 @@ def test_qie_edit_lora_merge_flag(tiny_model_dir, tiny_pipe, tmp_path, monkeypat
     assert held_u["backup"] == 0 < held_u["adapters"] and held_m["adapters"] == 0 < held_m["backup"]
     diff = np.abs(np.asarray(Image.open(tmp_path / "u.png"), int) - np.asarray(Image.open(tmp_path / "m.png"), int))
     assert diff.max() <= 1  # same edit either way (8-bit rounding at most)
+
+
+def test_merging_into_bf16_weights_is_refused_with_the_reason(tmp_path, dit):
+    """GPU-path review #7: a merge into bf16 weights rounds away most of a small delta; measure it, refuse it."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(3072, 3072, generator=g) * 0.02).bfloat16()
+    delta = torch.randn(3072, 32, generator=g) @ torch.randn(32, 3072, generator=g)
+    delta *= 0.003 * w.float().norm() / delta.norm()
+    merged = (w.float() + delta).bfloat16()  # even added in fp32, the merged weight is rounded to bf16
+    assert float(((merged.float() - w.float()) - delta).norm() / delta.norm()) > 0.3
+
+    import copy
+
+    path, _ = write_lora(tmp_path / "l.safetensors", dit, seed=1)
+    model = copy.deepcopy(dit).to(torch.bfloat16)  # the shared tiny DiT stays as it is
+    with pytest.raises(ValueError, match="bfloat16 weights would round away.*drop --lora_merge"):
+        LoraManager(model, merge=True).set_loras([(path, 1.0)])
+    LoraManager(model, merge=False).set_loras([(path, 1.0)])  # the branch is fine
+    model.float()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    manager = LoraManager(model, merge=True)
+    manager.set_loras([(path, 1.0)])  # fp32 weights merge as before
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
