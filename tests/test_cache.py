@@ -548,3 +548,26 @@ def test_lock_is_exclusive_between_file_descriptors(tmp_path):
     a.release()
     b.acquire()
     b.release()
+
+
+def test_relaunch_reads_no_unchanged_image_and_rehashes_a_touched_one(tiny_model_dir, demo_data_dir, tmp_path,
+                                                                      monkeypatch):
+    """GPU-path review #18: an unchanged dataset is not re-read for hashing on relaunch (size + mtime)."""
+    import os
+
+    from diffsynth_qie.cache import fingerprint
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_data_dir, data)
+    config = _config(tmp_path / "c", data, tiny_model_dir)
+    write_cache(config)
+    read = []
+    real = fingerprint.image_bytes_hash
+    monkeypatch.setattr(fingerprint, "image_bytes_hash", lambda p: read.append(Path(p).name) or real(p))
+    second = write_cache(config)
+    assert read == [] and second.computed == 0 and second.reused == second.rows
+    touched = sorted(p for p in data.rglob("*.png"))[0]
+    st = touched.stat()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    third = write_cache(config)
+    assert read == [touched.name] and third.computed == 0  # same bytes: re-hashed, still the same entry

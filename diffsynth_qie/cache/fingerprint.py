@@ -29,19 +29,43 @@ def _sha(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")).hexdigest()
 
 
+HASH_MEMO_VERSION = 1
+
+
 class FileHasher:
     """``image_bytes_hash`` memoised per path (inverse rows and shared references read the
-    same files). Thread-safe enough for a thread pool: a race only hashes a file twice."""
+    same files). Thread-safe enough for a thread pool: a race only hashes a file twice.
 
-    def __init__(self, hash_fn: Callable[[str | os.PathLike], str] = image_bytes_hash):
-        self._hash_fn = hash_fn
+    With ``known`` (a previous run's :meth:`memo`), a file whose size and modification time
+    (ns) are unchanged keeps its recorded hash without being read again: a relaunch over a
+    large unchanged dataset does not re-read every image (rsync/cp -p keep mtimes; a file
+    rewritten in place gets a new mtime and is hashed again)."""
+
+    def __init__(self, hash_fn: Callable[[str | os.PathLike], str] | None = None,
+                 known: Mapping[str, Any] | None = None):
+        self._hash_fn = hash_fn or image_bytes_hash
         self._memo: dict[str, str] = {}
+        self._stat: dict[str, list] = {}
+        self._known = dict(known or {})
+        self.hashed = 0  # files actually read
 
     def __call__(self, path: str | os.PathLike) -> str:
         key = str(path)
         if key not in self._memo:
-            self._memo[key] = self._hash_fn(path)
+            st = os.stat(path)
+            stat = [st.st_size, st.st_mtime_ns]
+            known = self._known.get(key)
+            if known is not None and list(known[:2]) == stat:
+                self._memo[key] = known[2]
+            else:
+                self._memo[key] = self._hash_fn(path)
+                self.hashed += 1
+            self._stat[key] = stat
         return self._memo[key]
+
+    def memo(self) -> dict[str, Any]:
+        """``{path: [size, mtime_ns, hash]}`` of every file hashed or reused, for the next run."""
+        return {k: [*self._stat[k], v] for k, v in self._memo.items() if k in self._stat}
 
 
 def row_content_hash(row: EditRow, settings: Mapping[str, Any], file_hash: Callable[[Path], str]) -> str:

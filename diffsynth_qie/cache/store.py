@@ -17,6 +17,8 @@ Layout of ``<cache_dir>``::
     skipped.jsonl            rows rejected by validation, one JSON object per line
     parts/                   work in progress of unfinished runs (per-rank reports,
                              white latents not yet merged); empty after finalisation
+    file_hashes/rank-N.json  each image file's (size, mtime ns, content hash) as rank N last saw
+                             it: a relaunch re-reads only files whose size or mtime changed
 
 ``manifest.json``::
 

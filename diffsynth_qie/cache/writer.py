@@ -241,6 +241,34 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
         lock.release()
 
 
+def _hash_memo_path(cache_dir: Path, rank: int) -> Path:
+    return cache_dir / "file_hashes" / f"rank-{rank}.json"
+
+
+def _read_hash_memo(cache_dir: Path, rank: int) -> dict:
+    """The (size, mtime) -> hash records of this rank's last run (empty when missing or unreadable)."""
+    from .fingerprint import HASH_MEMO_VERSION
+
+    try:
+        data = json.loads(_hash_memo_path(cache_dir, rank).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("files", {}) if data.get("format_version") == HASH_MEMO_VERSION else {}
+
+
+def _write_hash_memo(cache_dir: Path, rank: int, hasher: FileHasher) -> None:
+    from .fingerprint import HASH_MEMO_VERSION
+
+    path = _hash_memo_path(cache_dir, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"format_version": HASH_MEMO_VERSION, "files": hasher.memo()})
+    except OSError as e:  # only a speed-up for the next run; never a reason to stop this one
+        log.warning("could not record the image hashes in %s (%s); the next run hashes every image again", path, e)
+    log.info("rank %d: %d image file(s) hashed, %d unchanged (same size and mtime)", rank, hasher.hashed,
+             len(hasher.memo()) - hasher.hashed)
+
+
 def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, finalize: bool | None,
                   on_entry: Callable[[EntryMeta], None] | None, t0: float) -> CacheSummary:
     from ..models.presets import get_preset
@@ -261,8 +289,9 @@ def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, final
         pipe = _load_pipe(config, dist.device)
     _skip_long_prompts(share, pipe, config.max_prompt_tokens)
     settings = cache_settings(config, preset, pipe)
-    hasher = FileHasher()
+    hasher = FileHasher(known=_read_hash_memo(cache_dir, rank))
     hashes = list(prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))
+    _write_hash_memo(cache_dir, rank, hasher)
     have = {(m.entry_id, m.content_hash) for m in shards.scan_shards(cache_dir)}
     todo = [(r, h) for r, h in zip(share.good, hashes) if (r.row_id, h) not in have]
     log.info("rank %d/%d: %d rows, %d already cached, %d to encode, %d skipped",
