@@ -253,4 +253,4 @@ def test_bf16_output_has_no_per_channel_gain_error():
     reference = x.float() @ layer.dequantized(torch.float32).T  # exact fp32 product with the stored weight
     y = layer(x).float()
     gain = (y * reference).sum(0) / (reference * reference).sum(0)  # per output channel; noise averages out
-    assert float((gain - 1).abs().max()) < 4e-4, float((gain - 1).abs().max())
+    assert float((gain - 1).abs().max()) < 1e-3, float((gain - 1).abs().max())  # measured: 3.8e-4 (before: 3.0e-3)
