@@ -83,8 +83,22 @@ def uses_cfg(cfg: float) -> bool:
     return float(cfg) != 1.0
 
 
-def predict_velocity(dit, x: Tensor, timesteps: Tensor, cond: Conditioning, cfg: float = 1.0) -> Tensor:
-    """Velocity ``[B, 16, h, w]`` for a batch, with true CFG as one batch of 2B.
+def split_cfg(x: Tensor, cond: Conditioning) -> bool:
+    """Whether true CFG runs as two unmasked passes (positive, then negative) rather than one batch of 2B.
+
+    The rule: on a GPU, when a positive and its negative prompt differ in length (almost always: the negative
+    is usually empty), two passes. The joint batch would pad the shorter prompt and need a key mask, and with a
+    mask ``scaled_dot_product_attention`` cannot use the flash kernels; two passes also peak at half the
+    activations. Equal lengths, or a CPU (no flash kernels, and one batch is fewer, larger matmuls): one batch."""
+    if x.device.type == "cpu" or cond.negative_embs is None:
+        return False
+    return any(p.shape[0] != n.shape[0] for p, n in zip(cond.prompt_embs, cond.negative_embs))
+
+
+def predict_velocity(dit, x: Tensor, timesteps: Tensor, cond: Conditioning, cfg: float = 1.0,
+                     split: bool | None = None) -> Tensor:
+    """Velocity ``[B, 16, h, w]`` for a batch, with true CFG as one batch of 2B or two passes (:func:`split_cfg`
+    decides when ``split`` is None).
 
     The 2B batch stacks [positive samples..., negative samples...]; prompts of
     different lengths are padded and masked by ``dit_forward``.
@@ -99,6 +113,12 @@ def predict_velocity(dit, x: Tensor, timesteps: Tensor, cond: Conditioning, cfg:
     if cond.negative_embs is None:
         raise ValueError(f"cfg={cfg} needs negative prompt embeddings (encode the negative prompt, "
                          "even an empty one), or use cfg=1")
+    if split if split is not None else split_cfg(x, cond):
+        pos = torch.stack(dit_forward(dit, x, timesteps, cond.prompt_embs, cond.edit_latents,
+                                      zero_cond_t=cond.zero_cond_t))
+        neg = torch.stack(dit_forward(dit, x, timesteps, cond.negative_embs, cond.edit_latents,
+                                      zero_cond_t=cond.zero_cond_t))
+        return neg + cfg * (pos - neg)
     out = dit_forward(dit, torch.cat([x, x]), torch.cat([timesteps, timesteps]),
                       cond.prompt_embs + cond.negative_embs, cond.edit_latents + cond.edit_latents,
                       zero_cond_t=cond.zero_cond_t)
