@@ -203,6 +203,10 @@ def setup(config: RunConfig) -> _Run:
         if str(accelerator.mixed_precision) in ("bf16", "fp16"):
             module.disable_lora_input_casting()  # autocast picks the matmul dtype; PEFT's fp32 copy is waste
     swapper = install_block_swap(module, cfg, accelerator, ds_config)  # --blocks_to_swap: the module is placed now
+    if t.compile:
+        from ..models.compile import compile_blocks
+
+        compile_blocks(module.dit)
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
     if ds_config is not None:
