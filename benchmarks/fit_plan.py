@@ -67,7 +67,7 @@ def main() -> None:
     from diffsynth_qie.models.presets import get_preset
 
     e = verify_edit(get_preset("2511"), num_layers=2, lora_rank=32)  # no graph: one block's working set at a time
-    fitted["K_INFER"] = (e.denoise_peak - e.weights) / (2 * tokens_width)  # true CFG: a batch of 2
+    fitted["K_INFER"] = (e.denoise_peak - e.weights) / tokens_width  # true CFG: two passes of one sample
     fitted["VAE_BYTES_PER_PIXEL"] = (max(e.encode_peak, e.decode_peak) - e.weights) / options.resolution ** 2
     log.info("edit, 2 blocks: weights %.2f GiB, encode %.2f, denoise %.2f, decode %.2f GiB", e.weights / GiB,
              e.encode_peak / GiB, e.denoise_peak / GiB, e.decode_peak / GiB)

@@ -35,10 +35,10 @@ cache_dir, out, model_dir = sys.argv[1:4]
 original = ck.save_final_lora
 
 def spy(accelerator, module, optimizer, engine, output_dir, metadata=None):
-    y = ck.gather_trainable(module, accelerator)
+    y = ck.gather_trainable(module, accelerator, fp32_master=False)  # the module's copies
     with optim.schedule_free_eval(optimizer, engine) as held:
-        x = ck.gather_trainable(module, accelerator)
-    y_after = ck.gather_trainable(module, accelerator)
+        x = ck.gather_trainable(module, accelerator, fp32_master=False)
+    y_after = ck.gather_trainable(module, accelerator, fp32_master=False)
     if accelerator.is_main_process:
         save_file({k: v.contiguous() for k, v in x.items()}, str(Path(out) / "x.safetensors"))
         save_file({k: v.contiguous() for k, v in y.items()}, str(Path(out) / "y.safetensors"))

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from ..data.formats import read_rows
 from ..data.rows import EditRow, SkippedRow, check_bad_fraction, log_skip, validate_rows, write_skipped
 from ..utils.atomic import atomic_write_json
+from ..utils.shared_dir import check_shared_dir
 from . import shards, store
 from .config import CacheConfig, CacheSummary
 from .encode import encode_prepared, entry_meta, prefetch, prepare_row, white_key
@@ -234,6 +235,8 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
         raise ValueError(f"--shard_size must be >= 1, got {config.shard_size}")
     cache_dir = Path(config.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
+    if world_size > 1:  # rank 0 finalises every rank's shards: one directory for all nodes
+        check_shared_dir(cache_dir, rank == 0, dist.barrier, what="--cache_dir")
     lock = _lock(cache_dir, dist, config.lock_timeout)
     try:
         return _write_locked(config, pipe, dist, cache_dir, finalize, on_entry, t0)

@@ -44,7 +44,7 @@ CALIBRATION = {
     "K_OUTSIDE": 19.71,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, the last block's backward
     "K_BOUNDARY": 1.0,  # checkpointing: each block's saved inputs (image + text hidden states)
     "K_OUTSIDE_CKPT": 21.9,  # checkpointing: everything outside the recomputed block
-    "K_INFER": 20.97,  # an edit: one block's working set without a graph, per sample of the CFG batch
+    "K_INFER": 20.97,  # an edit: one block's working set without a graph, per sample of a pass
 }
 # The VAE's working set while encoding a reference or decoding the result, bytes per output pixel (bf16).
 VAE_BYTES_PER_PIXEL = 1357
@@ -69,7 +69,7 @@ class PlanOptions:
     blocks_to_swap: int = 0
     zero_stage: int = 0
     num_gpus: int = 1
-    cfg: bool = True  # edit: true CFG runs the negative prompt in the same batch
+    cfg: bool = True  # edit: true CFG adds a pass with the negative prompt
     dtype_bytes: int = 2  # bf16 on GPUs; the CPU calibration runs fp32 (4)
     overhead_bytes: int = CUDA_OVERHEAD
 
@@ -164,7 +164,9 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         plan.gpu["LoRA gradients + optimizer state"] = rest
         plan.gpu["activations" + (" (checkpointed)" if o.gradient_checkpointing else "")] = activation_bytes(c, o)
     else:
-        batch = o.batch_size * (2 if o.cfg else 1)
+        # true CFG: on a GPU the positive and the (shorter) negative prompt run as two passes of batch_size
+        # (models/sampling.py: split_cfg), so one pass's working set is what peaks
+        batch = o.batch_size
         plan.gpu["text encoder + VAE"] = (c.text_encoder_params + c.vae_params) * o.dtype_bytes
         if o.lora_rank:  # unmerged LoRA branches (qie edit's default), bf16
             plan.gpu["LoRA branches"] = c.lora_params(o.lora_rank) * o.dtype_bytes

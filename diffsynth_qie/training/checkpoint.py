@@ -216,16 +216,17 @@ def read_trainer_state(ckpt: str | os.PathLike) -> TrainerState:
 
 
 # --- gathering trainable weights ------------------------------------------------------
-def gather_trainable(module, accelerator) -> Optional[dict[str, torch.Tensor]]:
+def gather_trainable(module, accelerator, fp32_master: bool = True) -> Optional[dict[str, torch.Tensor]]:
     """CPU copies of the trainable parameters on the main process (None elsewhere); under DeepSpeed the fp32
-    masters, not the module's bf16 copies.
+    masters, not the module's bf16 copies (``fp32_master=False``: the module's copies, e.g. while they hold a
+    schedule-free optimizer's average x, which the masters do not).
 
     Under DeepSpeed every rank must call this (the gather is collective); only the
     trainable parameters are gathered.
     """
     named = module.trainable_named_parameters()
     params = [p for _, p in named]
-    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params):
+    if fp32_master and any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params):
         # DeepSpeed trains fp32 masters behind the module's bf16 copies: save the masters (as the single-GPU and
         # DDP paths save their fp32 weights), gathered from every rank's partition (collective, every rank)
         from deepspeed.utils import safe_get_full_fp32_param
@@ -234,11 +235,11 @@ def gather_trainable(module, accelerator) -> Optional[dict[str, torch.Tensor]]:
         if all(m is not None for m in masters.values()):
             return {n: m.detach().to("cpu", torch.float32, copy=True) for n, m in masters.items()} \
                 if accelerator.is_main_process else None
-        if any(hasattr(p, "ds_id") for p in params):  # outside the engine's optimizer: the module's copies
-            import deepspeed
+    if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3: gather the module's copies
+        import deepspeed
 
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return {n: p.detach().to("cpu", copy=True) for n, p in named} if accelerator.is_main_process else None
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {n: p.detach().to("cpu", copy=True) for n, p in named} if accelerator.is_main_process else None
     if not accelerator.is_main_process:
         return None
     return {n: p.detach().to("cpu", copy=True) for n, p in named}
@@ -311,7 +312,7 @@ def _save_checkpoint(accelerator, module, optimizer, engine, out: Path, state: T
 
     # The LoRA users load: for a schedule-free optimizer, its average x.
     with schedule_free_eval(optimizer, engine) as held:
-        lora_state = gather_trainable(module, accelerator)
+        lora_state = gather_trainable(module, accelerator, fp32_master=held == "trained weights")
         if accelerator.is_main_process:
             save_lora_file(tmp / LORA_NAME, module, lora_state, {**(metadata or {}), "step": state.step,
                                                                  "weights": held})
@@ -374,7 +375,7 @@ def save_final_lora(accelerator, module, optimizer, engine, output_dir: str | os
 
     path = Path(output_dir) / LORA_NAME
     with schedule_free_eval(optimizer, engine) as held:
-        lora_state = gather_trainable(module, accelerator)
+        lora_state = gather_trainable(module, accelerator, fp32_master=held == "trained weights")
         if accelerator.is_main_process:
             save_lora_file(path, module, lora_state, {**(metadata or {}), "weights": held})
             log.info("saved the final LoRA to %s (%s)", path, held)

@@ -81,8 +81,7 @@ def make_accelerator(config: RunConfig):
             mp = None  # the launcher's config (or the DeepSpeed JSON) decides
         else:
             mp = "bf16" if torch.cuda.is_available() and train.device != "cpu" else "no"
-    # find_unused_parameters: in the last DiT block the text stream's outputs are discarded, so LoRAs on
-    # its add_q_proj / to_add_out / txt_mlp get no gradient; plain DDP would fail on them.
+    # find_unused_parameters: the last block's text-stream LoRAs get no gradient (its outputs are discarded)
     ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
     return Accelerator(gradient_accumulation_steps=train.gradient_accumulation_steps, mixed_precision=mp,
                        cpu=train.device == "cpu", step_scheduler_with_optimizer=False, kwargs_handlers=[ddp])
@@ -150,8 +149,10 @@ def setup(config: RunConfig) -> _Run:
     """Accelerator, cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
     from accelerate.utils import set_seed
 
+    from ..models.compile import compile_blocks
     from ..models.loading import check_device_for
     from ..models.presets import get_preset
+    from ..utils.shared_dir import check_shared_dir
     from . import checkpoint as ckpt
     from .data import build_training_data
     from .module import QIETrainingModule, check_fp8_base
@@ -204,8 +205,6 @@ def setup(config: RunConfig) -> _Run:
             module.disable_lora_input_casting()  # autocast picks the matmul dtype; PEFT's fp32 copy is waste
     swapper = install_block_swap(module, cfg, accelerator, ds_config)  # --blocks_to_swap: the module is placed now
     if t.compile:
-        from ..models.compile import compile_blocks
-
         compile_blocks(module.dit)
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
@@ -219,6 +218,8 @@ def setup(config: RunConfig) -> _Run:
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
                               gradient_accumulation_steps=t.gradient_accumulation_steps,
                               extra={"total_steps": total_steps, "config": cfg.to_json()})
+    if accelerator.num_processes > 1:  # every rank writes here, rank 0 renames: one directory for all nodes
+        check_shared_dir(t.output_dir, accelerator.is_main_process, accelerator.wait_for_everyone)
     if accelerator.is_main_process:
         ckpt.remove_leftovers(t.output_dir)
     resume_from = ckpt.resolve_resume(t.resume, t.output_dir)
