@@ -58,15 +58,39 @@ log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 
 
+ALIGN = 256  # bytes: every master starts at an aligned offset of its block's buffer
+
+
+def block_layout(tensors: list[Tensor]) -> tuple[list[int], int]:
+    """Byte offsets of ``tensors`` packed into one buffer (each start aligned to :data:`ALIGN`), and its size."""
+    offsets, total = [], 0
+    for t in tensors:
+        total = -(-total // ALIGN) * ALIGN
+        offsets.append(total)
+        total += t.numel() * t.element_size()
+    return offsets, total
+
+
 class HostTransport:
     """Copies between two host tensor sets: the mechanism without a GPU (CPU runs and tests)."""
+
+    pin_memory = False
 
     def __init__(self, device, offload_device):
         self.device, self.offload_device = torch.device(device), torch.device(offload_device)
 
-    def master(self, tensor: Tensor) -> Tensor:
-        """The offload copy of a frozen tensor (always a copy of its own)."""
-        return tensor.detach().to(self.offload_device, copy=True)
+    def masters(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Offload copies of a block's frozen tensors, carved out of one buffer: one allocation per block.
+        PyTorch's pinned-memory allocator rounds every allocation up to a power of two, which cost 1.58x the
+        real DiT's block size (1024 MiB for 648 MiB) when each tensor had its own."""
+        offsets, total = block_layout(tensors)
+        buffer = torch.empty(total, dtype=torch.uint8, device=self.offload_device, pin_memory=self.pin_memory)
+        out = []
+        for t, offset in zip(tensors, offsets):
+            view = buffer[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t.detach())
+            out.append(view)
+        return out
 
     def evicted(self, master: Tensor) -> Tensor:
         """What a parameter points at while its block is out."""
@@ -82,16 +106,13 @@ class HostTransport:
 
 
 class CudaTransport(HostTransport):
-    """Pinned host masters, copies on a side CUDA stream ordered by events."""
+    """Pinned host masters (one pinned buffer per block), copies on a side CUDA stream ordered by events."""
+
+    pin_memory = True
 
     def __init__(self, device, offload_device):
         super().__init__(device, offload_device)
         self.stream = torch.cuda.Stream(device=self.device)
-
-    def master(self, tensor: Tensor) -> Tensor:
-        master = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.offload_device, pin_memory=True)
-        master.copy_(tensor.detach())
-        return master
 
     def start(self, masters: list[Tensor]):
         with torch.cuda.stream(self.stream):
@@ -214,6 +235,7 @@ class BlockSwapper:
         now, trainable ones go to the device and stay there."""
         known = self._masters.get(i, {})
         current: dict[str, tuple[Tensor, Tensor]] = {}
+        new: list[tuple[str, Tensor]] = []
         block = self.blocks[i]
         for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
             if tensor.requires_grad:
@@ -222,9 +244,13 @@ class BlockSwapper:
                 continue
             entry = known.get(name)
             if entry is None or entry[0] is not tensor:
-                entry = (tensor, self.transport.master(tensor.data))
-                tensor.data = self.transport.evicted(entry[1])
-            current[name] = entry
+                new.append((name, tensor))
+            else:
+                current[name] = entry
+        if new:  # one buffer for all of them (the whole block the first time)
+            for (name, tensor), master in zip(new, self.transport.masters([t.data for _, t in new])):
+                current[name] = (tensor, master)
+                tensor.data = self.transport.evicted(master)
         self._masters[i] = current
         return current
 

@@ -19,10 +19,10 @@ Three things are added on top of the mode:
 
 CUDA streams and events cannot be faked (creating one initialises CUDA), and re-pointing a parameter at a
 tensor on another device (``param.data = host_copy``, what block swapping does) loses the fake device, so
-block swapping is not run under this mode (``--verify`` refuses it and ``qie plan`` counts it). For the same reason PyTorch's autograd engine cannot run a
-backward pass over fake CUDA tensors on a machine without a GPU (it asks the driver for each device's
-primary context): :func:`backward` walks the graph itself, in the engine's order, releasing each node once
-it has run, as the engine does.
+block swapping is not run under this mode (``--verify`` refuses it and ``qie plan`` counts it). PyTorch's
+autograd engine cannot run a backward pass over fake CUDA tensors on a machine without a GPU either (it asks
+the driver for each device's primary context): :func:`backward` walks the graph itself, in the engine's
+order, releasing each node once it has run, as the engine does.
 """
 from __future__ import annotations
 
@@ -154,9 +154,8 @@ class _HostRealDeviceFake(TorchDispatchMode):
                                f"step until the device catches up; keep the value on the host or on the device "
                                f"({type(e).__name__})") from None
         except RuntimeError as e:
-            if "FakeTensorDeviceMismatch" in type(e).__name__ or "device" in str(e).lower() and "fake" in str(e).lower():
-                raise FakeRunError(f"device mismatch in {func} at {our_frame()}: {e}") from None
-            raise FakeRunError(f"{func} at {our_frame()}: {e}") from e
+            kind = "device mismatch in" if "device" in str(e) else "error in"
+            raise FakeRunError(f"{kind} {func} at {our_frame()}: {e}") from None
         self.memory.add_tensors(tree_flatten(out)[0])
         return out
 

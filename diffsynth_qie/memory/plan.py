@@ -173,7 +173,8 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         # no graph is kept: one block's working set at a time, or the VAE's while it encodes / decodes
         dit = round(batch * o.tokens * c.dim * CALIBRATION["K_INFER"] * o.dtype_bytes)
         vae = round(o.batch_size * o.resolution ** 2 * VAE_BYTES_PER_PIXEL * o.dtype_bytes / 2)
-        plan.gpu["activations (one block, no grad)" if dit >= vae else "activations (VAE encode/decode)"] = max(dit, vae)
+        name = "activations (one block, no grad)" if dit >= vae else "activations (VAE encode/decode)"
+        plan.gpu[name] = max(dit, vae)
     plan.gpu["CUDA context + allocator slack"] = o.overhead_bytes
     plan.host["process baseline"] = HOST_BASELINE
     # the bf16 state dict passes through host memory while loading (before any FP8 conversion;

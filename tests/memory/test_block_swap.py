@@ -258,3 +258,24 @@ def test_deepspeed_is_refused_by_name():
         install_block_swap(object(), cfg, object(), {"zero_optimization": {"stage": 2}})
     assert install_block_swap(object(), RunConfig(train=TrainConfig(cache_dir="c", output_dir="o")), object(),
                               {"zero_optimization": {"stage": 3}}) is None
+
+
+def test_a_swapped_block_is_one_allocation_of_its_exact_size():
+    """GPU-path review #10: one (pinned) buffer per block, tensors carved out at aligned offsets; a buffer per
+    tensor cost 1.58x at the real shapes (the pinned allocator rounds each allocation to a power of two)."""
+    from diffsynth.models.qwen_image_dit import QwenImageDiT
+
+    from diffsynth_qie.memory.block_swap import ALIGN, block_layout
+
+    with torch.device("meta"):
+        dit = QwenImageDiT(num_layers=2).to(torch.bfloat16).requires_grad_(False)
+    tensors = [p for p in dit.transformer_blocks[0].parameters()]
+    offsets, total = block_layout(tensors)
+    exact = sum(t.numel() * t.element_size() for t in tensors)
+    assert all(o % ALIGN == 0 for o in offsets) and exact <= total < exact + ALIGN * len(tensors)
+    assert total < 1.01 * exact  # the per-tensor power-of-two rounding made this 1.58x
+    swapper = BlockSwapper(dit, 1, "meta", "meta", transport=HostTransport("meta", "meta")).install()
+    masters = [m for _, m in swapper._masters[1].values()]
+    assert len({m.untyped_storage().nbytes() for m in masters}) == 1 and masters[0].untyped_storage().nbytes() == total
+    assert swapper.offloaded_bytes() == exact
+    swapper.remove()
