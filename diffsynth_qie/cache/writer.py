@@ -235,7 +235,7 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
         raise ValueError(f"--shard_size must be >= 1, got {config.shard_size}")
     cache_dir = Path(config.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    if world_size > 1:  # rank 0 finalises every rank's shards: one directory for all nodes
+    if dist.state is not None:  # launched ranks; rank 0 finalises every rank's shards: one directory for all
         check_shared_dir(cache_dir, rank == 0, dist.barrier, what="--cache_dir")
     lock = _lock(cache_dir, dist, config.lock_timeout)
     try:
