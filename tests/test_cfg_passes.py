@@ -1,4 +1,4 @@
-"""True CFG as one masked batch of 2B or two unmasked passes (GPU-path review #14): the rule, and the same numbers."""
+"""True CFG as one masked batch of 2B or two unmasked passes: the rule, and the same numbers."""
 from __future__ import annotations
 
 import torch

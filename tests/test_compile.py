@@ -1,4 +1,4 @@
-"""``--compile`` (GPU-path review #15): the compiled blocks give the eager numbers, forward and backward."""
+"""``--compile``: the compiled blocks give the eager numbers, forward and backward."""
 from __future__ import annotations
 
 import copy

@@ -1,5 +1,5 @@
 """Under bf16 autocast the training module skips PEFT's fp32 copy of every adapted layer's input: the same
-loss, no casts (GPU-path review #16)."""
+loss, no casts."""
 from __future__ import annotations
 
 import dataclasses

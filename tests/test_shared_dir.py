@@ -1,4 +1,4 @@
-"""Multi-node runs check at start that CACHE_DIR / OUTPUT_DIR are shared (GPU-path review #3): two "nodes" as
+"""Multi-node runs check at start that CACHE_DIR / OUTPUT_DIR are shared: two "nodes" as
 threads, with one directory each or one shared directory."""
 from __future__ import annotations
 

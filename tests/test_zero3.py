@@ -78,7 +78,7 @@ def test_zero3_trains_saves_a_loadable_lora_and_resumes(cache_dir, tiny_model_di
     assert len(state.modules) == 24 and state.ranks == {4}
     from safetensors.torch import load_file as read_tensors
 
-    # DeepSpeed's fp32 masters, not the module's bf16 copies (GPU-path review #9)
+    # DeepSpeed's fp32 masters, not the module's bf16 copies
     assert {t.dtype for t in read_tensors(str(out / "lora.safetensors")).values()} == {torch.float32}
     assert any(float(m.B.float().abs().max()) > 0 for m in state.modules.values())
     pipe = load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu", torch_dtype=torch.float32)
