@@ -552,7 +552,7 @@ def test_lock_is_exclusive_between_file_descriptors(tmp_path):
 
 def test_relaunch_reads_no_unchanged_image_and_rehashes_a_touched_one(tiny_model_dir, demo_data_dir, tmp_path,
                                                                       monkeypatch):
-    """an unchanged dataset is not re-read for hashing on relaunch (size + mtime)."""
+    """An unchanged dataset is not re-read for hashing on relaunch (size + mtime)."""
     import os
 
     from diffsynth_qie.cache import fingerprint

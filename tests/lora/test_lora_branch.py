@@ -259,7 +259,7 @@ def test_qie_edit_lora_merge_flag(tiny_model_dir, tiny_pipe, tmp_path, monkeypat
 
 
 def test_merging_into_bf16_weights_is_refused_with_the_reason(tmp_path, dit):
-    """a merge into bf16 weights rounds away most of a small delta; measure it, refuse it."""
+    """A merge into bf16 weights rounds away most of a small delta; measure it, refuse it."""
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(3072, 3072, generator=g) * 0.02).bfloat16()
     delta = torch.randn(3072, 32, generator=g) @ torch.randn(32, 3072, generator=g)

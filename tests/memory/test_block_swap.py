@@ -261,7 +261,7 @@ def test_deepspeed_is_refused_by_name():
 
 
 def test_a_swapped_block_is_one_allocation_of_its_exact_size():
-    """one (pinned) buffer per block, tensors carved out at aligned offsets; a buffer per
+    """One (pinned) buffer per block, tensors carved out at aligned offsets; a buffer per
     tensor cost 1.58x at the real shapes (the pinned allocator rounds each allocation to a power of two)."""
     from diffsynth.models.qwen_image_dit import QwenImageDiT
 

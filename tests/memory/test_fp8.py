@@ -240,7 +240,7 @@ def test_edit_latents_with_fp8_base_stay_close(tiny_model_dir, tmp_path):
 
 
 def test_bf16_output_has_no_per_channel_gain_error():
-    """the fp32 per-channel scale multiplies the output in fp32; rounded to bf16 on the weight
+    """The fp32 per-channel scale multiplies the output in fp32; rounded to bf16 on the weight
     it made a systematic gain error of up to 2^-9 per output channel (it does not average out)."""
     from diffsynth_qie.memory.fp8 import Fp8Linear
 
