@@ -56,6 +56,7 @@ def verify_and_compare(args, options, plan) -> None:
         what = f"one edit ({args.edit_steps} steps)"
     table = "\n".join(f"  {name:<48} {b / GiB:8.2f} GiB" for name, b in rows)
     blocks = f"{args.verify_blocks} blocks" if args.verify_blocks else "all blocks"
-    log.info("fake CUDA device, %s, %s, in %.1f s:\n%s\n  %-48s %8.2f GiB (%+.1f %% vs the fake-device peak)",
-             what, blocks, r.seconds, table, "plan's prediction without the CUDA context", predicted / GiB,
-             100 * (predicted / r.peak - 1))
+    versus = ("the plan counts every block" if args.verify_blocks
+              else f"{100 * (predicted / r.peak - 1):+.1f} % vs the fake-device peak")
+    log.info("fake CUDA device, %s, %s, in %.1f s:\n%s\n  %-48s %8.2f GiB (%s)", what, blocks, r.seconds, table,
+             "plan's prediction without the CUDA context", predicted / GiB, versus)

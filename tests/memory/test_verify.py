@@ -157,3 +157,13 @@ def test_train_preflight_turns_a_host_sync_into_a_value_error(monkeypatch):
     monkeypatch.setattr("diffsynth_qie.training.losses.sft.per_sample_mse", syncing)
     with pytest.raises(ValueError, match=r"preflight.*host read.*(test_verify|losses/sft)\.py:\d+.*--no_preflight"):
         verify.preflight(run_config(), get_preset("2511"))
+
+
+def test_qie_plan_verify_prints_the_phases_beside_the_plan(capfd):
+    from diffsynth_qie.cli import main
+
+    assert main(["plan", "--model", "2511", "--resolution", "512", "--verify", "--verify_blocks", "2"]) == 0
+    out, err = capfd.readouterr()
+    text = out + err
+    assert "fake CUDA device, one training step (sft, loss float32), 2 blocks" in text
+    assert "steady-state peak" in text and "the plan counts every block" in text
