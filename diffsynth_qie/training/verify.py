@@ -130,7 +130,6 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
     t = cfg.train
     check_covered(t.blocks_to_swap)
     with FakeCuda() as fc:
-        # where `qie train` loads the DiT: on the host for FP8 / swapping (training/swapping.py: load_device)
         torch.manual_seed(t.seed)
         # built on the device (a real load goes through the host first for FP8; the step is what counts);
         # PEFT makes the adapters beside their weights
@@ -188,6 +187,8 @@ def preflight(cfg, preset) -> StepReport:
 
     t = cfg.train
     shapes = batch_shapes(1024, 1, 300, t.batch_size, mixed=t.batch_size > 1)
+    if t.blocks_to_swap:  # not on the fake device (check_covered); the rest of the step still is
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=0))
     try:
         report = verify_train_step(cfg, preset, shapes, num_layers=PREFLIGHT_BLOCKS)
     except FakeRunError as e:

@@ -167,3 +167,10 @@ def test_qie_plan_verify_prints_the_phases_beside_the_plan(capfd):
     text = out + err
     assert "fake CUDA device, one training step (sft, loss float32), 2 blocks" in text
     assert "steady-state peak" in text and "the plan counts every block" in text
+
+
+def test_train_preflight_checks_a_block_swapping_run_without_the_swapping():
+    from diffsynth_qie.training import verify
+
+    report = verify.preflight(run_config(blocks_to_swap=20), get_preset("2511"))
+    assert report.forward_backward_peak > report.weights
