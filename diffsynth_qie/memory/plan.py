@@ -41,10 +41,10 @@ GiB = 1024 ** 3
 # weights and the LoRA's gradients + optimizer state. ``qie plan --verify`` checks the whole 60-block model.
 CALIBRATION = {
     "K_BLOCK": 40.05,  # kept per block for backward (q, k, v, MLP hidden, norms, gates, fp32 RoPE and casts)
-    "K_OUTSIDE": 19.71,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, the last block's backward
+    "K_OUTSIDE": 19.75,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, the last block's backward
     "K_BOUNDARY": 1.0,  # checkpointing: each block's saved inputs (image + text hidden states)
-    "K_OUTSIDE_CKPT": 21.9,  # checkpointing: everything outside the recomputed block
-    "K_INFER": 20.97,  # an edit: one block's working set without a graph, per sample of a pass
+    "K_OUTSIDE_CKPT": 10.8,  # checkpointing: everything outside the recomputed block
+    "K_INFER": 21.07,  # an edit: one block's working set without a graph, per sample of a pass
 }
 # The VAE's working set while encoding a reference or decoding the result, bytes per output pixel (bf16).
 VAE_BYTES_PER_PIXEL = 1357
