@@ -552,7 +552,7 @@ def test_lock_is_exclusive_between_file_descriptors(tmp_path):
 
 def test_relaunch_reads_no_unchanged_image_and_rehashes_a_touched_one(tiny_model_dir, demo_data_dir, tmp_path,
                                                                       monkeypatch):
-    """An unchanged dataset is not re-read for hashing on relaunch (size + mtime)."""
+    """An unchanged dataset is not re-read for hashing on relaunch (size + mtime), and no encoder loads."""
     import os
 
     from diffsynth_qie.cache import fingerprint
@@ -564,6 +564,11 @@ def test_relaunch_reads_no_unchanged_image_and_rehashes_a_touched_one(tiny_model
     read = []
     real = fingerprint.image_bytes_hash
     monkeypatch.setattr(fingerprint, "image_bytes_hash", lambda p: read.append(Path(p).name) or real(p))
+
+    def no_encoders(*args, **kwargs):
+        raise AssertionError("nothing changed: the encoders must not load")
+
+    monkeypatch.setattr("diffsynth_qie.cache.writer.load_encoders", no_encoders)
     second = write_cache(config)
     assert read == [] and second.computed == 0 and second.reused == second.rows
     touched = sorted(p for p in data.rglob("*.png"))[0]

@@ -28,7 +28,8 @@ from ..utils.shared_dir import check_shared_dir
 from . import shards, store
 from .config import CacheConfig, CacheSummary
 from .encode import encode_prepared, entry_meta, prefetch, prepare_row, white_key
-from .fingerprint import FileHasher, encoder_fingerprint, row_content_hash
+from .fingerprint import FileHasher, row_content_hash
+from .settings import cache_settings, light_pipeline, load_encoders
 from .lock import CacheLock
 from .shards import ShardWriter
 from .store import EntryMeta
@@ -109,33 +110,6 @@ def _report_path(cache_dir: Path, rank: int, world_size: int) -> Path:
 
 
 # ----------------------------------------------------------------------------- the run
-
-
-def _load_pipe(config: CacheConfig, device):
-    import torch
-
-    from ..models.loading import check_device_for, default_device, default_dtype, load_pipeline
-    from ..models.presets import get_preset
-
-    device = config.device or (str(device) if device is not None else default_device())
-    check_device_for(get_preset(config.model), device, explicit_cpu=config.device == "cpu")
-    dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device)
-    return load_pipeline(config.model, model_dir=config.model_dir, components=("text_encoder", "vae"),
-                         device=device, torch_dtype=dtype)
-
-
-def cache_settings(config: CacheConfig, preset, pipe) -> dict:
-    """Everything besides a row's own inputs that its cached tensors depend on (hashed per row)."""
-    return {
-        "format_version": store.FORMAT_VERSION,
-        "preset": preset.name,
-        "multi_image_prompt": preset.multi_image_prompt,
-        "encoder_fingerprint": encoder_fingerprint(pipe),
-        "max_pixels": config.max_pixels,
-        "edit_max_pixels": config.resolved_edit_max_pixels(),
-        "divisor": config.divisor,
-        "dtype": str(pipe.torch_dtype).replace("torch.", ""),
-    }
 
 
 @dataclass
@@ -288,15 +262,23 @@ def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, final
         check_bad_fraction(share.n_total, share.skipped, ds.max_bad_fraction, ds.dataset_metadata,
                            cache_dir / store.SKIPPED_NAME)
 
-    if pipe is None:
-        pipe = _load_pipe(config, dist.device)
-    _skip_long_prompts(share, pipe, config.max_prompt_tokens)
-    settings = cache_settings(config, preset, pipe)
+    # Without a pipeline given, the encoders load only when a row needs encoding: the settings and the prompt
+    # lengths come from the model's files and tokenizer alone (a relaunch over an unchanged dataset loads nothing).
+    light = pipe if pipe is not None else light_pipeline(config, dist.device)
+    _skip_long_prompts(share, light, config.max_prompt_tokens)
     hasher = FileHasher(known=_read_hash_memo(cache_dir, rank))
-    hashes = list(prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))
-    _write_hash_memo(cache_dir, rank, hasher)
     have = {(m.entry_id, m.content_hash) for m in shards.scan_shards(cache_dir)}
-    todo = [(r, h) for r, h in zip(share.good, hashes) if (r.row_id, h) not in have]
+    while True:
+        settings = cache_settings(config, preset, light)
+        hashes = list(prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))
+        todo = [(r, h) for r, h in zip(share.good, hashes) if (r.row_id, h) not in have]
+        if pipe is None and todo:
+            pipe = load_encoders(config, dist.device)
+            if cache_settings(config, preset, pipe) != settings:  # the files did not tell: hash with the loaded one
+                light = pipe
+                continue
+        break
+    _write_hash_memo(cache_dir, rank, hasher)
     log.info("rank %d/%d: %d rows, %d already cached, %d to encode, %d skipped",
              rank, world_size, len(share.good), len(share.good) - len(todo), len(todo), len(share.skipped))
 

@@ -1,0 +1,83 @@
+"""What a row's cached tensors depend on besides the row itself, and the encoders that make them.
+
+:func:`cache_settings` is hashed into every row's content hash. It needs the encoders' fingerprint and the
+tokenizer (prompt lengths), not the encoders' weights: :func:`light_pipeline` gives both from the model's
+files alone (``encoder_fingerprint`` reads safetensors headers), so a relaunch over an unchanged dataset loads
+no 16 GB text encoder. :func:`load_encoders` loads the real ones when a row needs encoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import store
+from .config import CacheConfig
+from .fingerprint import encoder_fingerprint
+
+
+def cache_settings(config: CacheConfig, preset, pipe) -> dict:
+    """Everything besides a row's own inputs that its cached tensors depend on (hashed per row)."""
+    return {
+        "format_version": store.FORMAT_VERSION,
+        "preset": preset.name,
+        "multi_image_prompt": preset.multi_image_prompt,
+        "encoder_fingerprint": encoder_fingerprint(pipe),
+        "max_pixels": config.max_pixels,
+        "edit_max_pixels": config.resolved_edit_max_pixels(),
+        "divisor": config.divisor,
+        "dtype": str(pipe.torch_dtype).replace("torch.", ""),
+    }
+
+
+def _device_and_dtype(config: CacheConfig, device):
+    import torch
+
+    from ..models.loading import check_device_for, default_device, default_dtype
+    from ..models.presets import get_preset
+
+    device = config.device or (str(device) if device is not None else default_device())
+    check_device_for(get_preset(config.model), device, explicit_cpu=config.device == "cpu")
+    return device, (getattr(torch, config.dtype) if config.dtype else default_dtype(device))
+
+
+def load_encoders(config: CacheConfig, device):
+    """The text encoder, VAE, tokenizer and processor, loaded (phase 1's models)."""
+    from ..models.loading import load_pipeline
+
+    device, dtype = _device_and_dtype(config, device)
+    return load_pipeline(config.model, model_dir=config.model_dir, components=("text_encoder", "vae"),
+                         device=device, torch_dtype=dtype)
+
+
+@dataclass
+class LightPipeline:
+    """What :func:`cache_settings` and the prompt-length check read of a pipeline, without its weights."""
+
+    torch_dtype: Any
+    qie_model_paths: dict = field(default_factory=dict)
+    tokenizer: Any = None
+    text_encoder: Any = None
+    vae: Any = None
+    processor: Any = None
+
+
+def light_pipeline(config: CacheConfig, device):
+    """A :class:`LightPipeline` from the local files; the loaded encoders when a file is not local yet (a hub
+    download happens then, as before)."""
+    from ..models.loading import provider_of, resolve_model_configs
+    from ..models.presets import get_preset
+
+    preset = get_preset(config.model)
+    model_dir = provider_of(preset)(config.model_dir) if preset.provider else config.model_dir
+    try:
+        resolved = resolve_model_configs(preset, model_dir=model_dir, components=("text_encoder", "vae"))
+    except (FileNotFoundError, ValueError):
+        return load_encoders(config, device)
+    paths = resolved.paths()
+    if not all(paths.get(name) for name in ("text_encoder", "vae", "tokenizer", "processor")):
+        return load_encoders(config, device)
+    from transformers import Qwen2Tokenizer
+
+    _, dtype = _device_and_dtype(config, device)
+    return LightPipeline(torch_dtype=dtype, qie_model_paths=paths,
+                         tokenizer=Qwen2Tokenizer.from_pretrained(paths["tokenizer"][0]))
