@@ -23,12 +23,15 @@ TRAIN = [  # (label, model, PlanOptions fields, mixed, loss)
     ("2511, --fp8_base", "2511", {"fp8_base": True}, False, "sft"),
     ("2511, LBM loss (AdamW)", "2511", {}, False, "lbm"),
     ("2511, 2 reference images", "2511", {"ref_images": 2}, False, "sft"),
+    ("2511, --blocks_to_swap 20", "2511", {"blocks_to_swap": 20}, False, "sft"),
+    ("2511, --fp8_base --blocks_to_swap 30", "2511", {"fp8_base": True, "blocks_to_swap": 30}, False, "sft"),
 ]
 EDIT = [  # (label, model, PlanOptions fields, verify_edit kwargs)
     ("edit 2511, CFG 4, LoRA rank 32", "2511", {}, {}),
     ("edit 2511, 2 reference images", "2511", {"ref_images": 2}, {}),
     ("edit 2509, --fp8_base, no LoRA", "2509", {"fp8_base": True, "lora_rank": 0}, {}),
     ("edit 2511, LBM 1 step", "2511", {"cfg": False}, {"lbm_steps": 1}),
+    ("edit 2511, --blocks_to_swap 30", "2511", {"blocks_to_swap": 30}, {}),
 ]
 
 
@@ -69,7 +72,8 @@ def main() -> None:
         options = PlanOptions(task="edit", **{"lora_rank": 32, **fields})
         r = verify_edit(get_preset(model), resolution=options.resolution, ref_images=options.ref_images,
                         prompt_tokens=options.prompt_tokens, cfg=4.0 if options.cfg else 1.0,
-                        lora_rank=options.lora_rank, fp8_base=options.fp8_base, **kwargs)
+                        lora_rank=options.lora_rank, fp8_base=options.fp8_base,
+                        blocks_to_swap=options.blocks_to_swap, **kwargs)
         add(label, r.peak, options, r.seconds)
     table = "\n".join(rows)
     print(table)

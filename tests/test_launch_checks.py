@@ -108,7 +108,7 @@ def test_deepspeed_floor_has_the_zero3_checkpointing_fix():
 
 def test_zero3_param_offload_loads_the_frozen_dit_on_the_host():
     from diffsynth_qie.training.config import RunConfig
-    from diffsynth_qie.training.swapping import load_device
+    from diffsynth_qie.training.placement import load_device
 
     offload = json.loads((ROOT / "deepspeed_configs" / "zero3_offload.json").read_text())
     plain = json.loads((ROOT / "deepspeed_configs" / "zero3.json").read_text())

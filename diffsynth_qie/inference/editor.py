@@ -241,14 +241,14 @@ class Editor:
             dtype = torch.bfloat16 if on_gpu else torch.float32
         split = len(set(devices.values())) > 1
         load_device = "cpu" if (cpu_offload or split or fp8_base or blocks_to_swap) else device
-        pipe = load_pipeline(model, model_dir=model_dir, device=load_device, torch_dtype=dtype,
-                             zero_cond_t=zero_cond_t)
+        pipe = load_pipeline(model, model_dir=model_dir, device=load_device, torch_dtype=dtype, zero_cond_t=zero_cond_t,
+                             map_weights=any(d.startswith("cuda") for d in devices.values()))  # host staging
         if fp8_base:
+            from ..memory.block_swap import swapped_blocks
             from ..memory.fp8 import quantize_linears
 
-            # with swapping, the swapper places the resident blocks: the swapped ones never touch the GPU
-            quantize_linears(pipe.dit.requires_grad_(False),
-                             device="cpu" if (cpu_offload or blocks_to_swap) else devices["dit"])
+            quantize_linears(pipe.dit.requires_grad_(False), device="cpu" if cpu_offload else devices["dit"],
+                             host=swapped_blocks(pipe.dit, blocks_to_swap))  # (swapped blocks: back to the host)
         pipe.device = devices["dit"]  # where the pipeline's own intermediate tensors live
         return cls(pipe, device_map=devices, cpu_offload=cpu_offload, lora_merge=lora_merge,
                    blocks_to_swap=blocks_to_swap)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from PIL import Image
 
-from ..memory.fake_device import FakeCuda
+from ..memory.fake_device import FakeCuda, StandInTransport
 from .editor import EditRequest, Editor
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,14 @@ class _FakeEditor(Editor):
             hidden = te.model.language_model(inputs_embeds=embeds, position_ids=positions).last_hidden_state
         return hidden[0, TEMPLATE_TOKENS:]
 
+    def _swap_blocks(self, blocks_to_swap):
+        """The real swapper and its hooks; copies through the fake device's stand-in for a CUDA stream."""
+        from ..memory.block_swap import BlockSwapper
+
+        if not blocks_to_swap:
+            return None
+        return BlockSwapper(self.pipe.dit, blocks_to_swap, DEVICE, transport=StandInTransport(DEVICE, "cpu")).install()
+
     def _decode(self, latents):
         super_decode = self.pipe.vae_output_to_image
         self.pipe.vae_output_to_image = lambda image: Image.new("RGB", (image.shape[-1], image.shape[-2]))
@@ -108,9 +116,6 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
     from ..utils.logging import library_warnings_once
 
     library_warnings_once()
-    from ..training.verify import check_covered
-
-    check_covered(blocks_to_swap)
     report = EditVerifyReport()
     t0 = time.perf_counter()
     dtype = torch.bfloat16
@@ -127,12 +132,12 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
         if fp8_base:
             from ..memory.fp8 import quantize_linears
 
-            quantize_linears(pipe.dit, device=DEVICE)
+            quantize_linears(pipe.dit, device=DEVICE)  # (swapped blocks: the swapper evicts them below)
+        fc.register(te), fc.register(vae), fc.register(pipe.dit)  # before the swapper evicts blocks
         editor = _FakeEditor(pipe, blocks_to_swap=blocks_to_swap)
         editor.prompt_tokens = prompt_tokens
         if lora_rank:
             _attach_lora(editor, preset, lora_rank)
-        fc.register(te), fc.register(vae), fc.register(pipe.dit)
         report.weights = fc.current_bytes
         image = Image.new("RGB", (resolution, resolution), (128, 128, 128))
         request = EditRequest(images=[image] * max(1, ref_images), prompt="edit", steps=steps, cfg=cfg,
@@ -197,7 +202,7 @@ def preflight(model: str, images: int = 1, fp8_base: bool = False, blocks_to_swa
     try:
         report = verify_edit(preset, resolution=512, ref_images=images, steps=1, cfg=4.0 if cfg is None else cfg,
                              lora_rank=lora_rank, fp8_base=fp8_base,
-                             blocks_to_swap=0, lbm_steps=lbm_steps,
+                             blocks_to_swap=min(blocks_to_swap, 1), lbm_steps=lbm_steps,
                              num_layers=PREFLIGHT_BLOCKS)
     except FakeRunError as e:
         raise ValueError(f"preflight (one edit on a fake CUDA device, before loading {preset.name}): {e}; "

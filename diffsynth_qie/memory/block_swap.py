@@ -71,6 +71,12 @@ def block_layout(tensors: list[Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
+def swapped_blocks(dit: nn.Module, blocks_to_swap: int) -> list[str]:
+    """Module paths of the blocks :class:`BlockSwapper` keeps in host memory: the last ``blocks_to_swap``."""
+    total = len(getattr(dit, "transformer_blocks", ()))
+    return [f"transformer_blocks.{i}" for i in range(max(0, total - blocks_to_swap), total)] if blocks_to_swap else []
+
+
 class HostTransport:
     """Copies between two host tensor sets: the mechanism without a GPU (CPU runs and tests)."""
 

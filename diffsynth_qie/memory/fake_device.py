@@ -17,12 +17,13 @@ Three things are added on top of the mode:
   bytes per phase is exact for what the program holds. It cannot see allocator fragmentation, the
   caching allocator's rounding, cuBLAS/cuDNN workspaces or the CUDA context (``docs/MEMORY.md``).
 
-CUDA streams and events cannot be faked (creating one initialises CUDA), and re-pointing a parameter at a
-tensor on another device (``param.data = host_copy``, what block swapping does) loses the fake device, so
-block swapping is not run under this mode (``--verify`` refuses it and ``qie plan`` counts it). PyTorch's
-autograd engine cannot run a backward pass over fake CUDA tensors on a machine without a GPU either (it asks
-the driver for each device's primary context): :func:`backward` walks the graph itself, in the engine's
-order, releasing each node once it has run, as the engine does.
+CUDA streams and events cannot be faked (creating one initialises CUDA), so block swapping runs with
+:class:`StandInTransport`: the swapped blocks' host copies are fake CPU tensors (no memory, no values),
+and a swap-in is a plain copy onto the fake device, counted like any other. PyTorch's autograd engine
+cannot run a backward pass over fake CUDA tensors on a machine without a GPU either (it asks the driver for
+each device's primary context): :func:`backward` walks the graph itself, in the engine's order, releasing
+each node once it has run, as the engine does; it also runs modules' backward (pre-)hooks and the
+callbacks queued on the engine, which block swapping relies on.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .block_swap import HostTransport
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -221,6 +224,7 @@ class FakeCuda:
         self._stack.enter_context(_cuda_looks_available())
         self._stack.enter_context(_FusedAttention())
         self._stack.enter_context(_module_moves_set_data())
+        self._stack.enter_context(_node_hooks_kept())
         return self
 
     def __exit__(self, *exc) -> None:
@@ -267,6 +271,45 @@ def _as_input(grad: torch.Tensor, meta) -> torch.Tensor:
     return grad if grad.dtype == meta.dtype else grad.to(meta.dtype)
 
 
+_NODE_HOOKS = "_qie_fake_hooks"
+
+
+@contextlib.contextmanager
+def _node_hooks_kept() -> Iterator[None]:
+    """Hooks registered on custom-function nodes (what ``register_full_backward_pre_hook`` and
+    ``register_full_backward_hook`` put on a module's ``BackwardHookFunction`` nodes) are kept on the node,
+    where :func:`backward` finds and runs them; the engine's own hook lists are not readable from Python."""
+    from torch.autograd.function import BackwardCFunction
+
+    saved = BackwardCFunction.__dict__.get("register_hook")
+
+    def register_hook(node, hook):
+        node.__dict__.setdefault(_NODE_HOOKS, []).append(hook)
+
+    BackwardCFunction.register_hook = register_hook
+    try:
+        yield
+    finally:
+        if saved is None:
+            del BackwardCFunction.register_hook
+        else:
+            BackwardCFunction.register_hook = saved
+
+
+class _Engine:
+    """Stands in for the autograd engine while :func:`backward` runs: ``queue_callback`` collects the
+    callbacks, which run when the walk ends (the engine runs them at the end of the backward pass)."""
+
+    def __init__(self, real):
+        self.real, self.callbacks = real, []
+
+    def queue_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
 def _call(fn, inputs: list) -> tuple:
     """Run one node as the engine does. A custom ``autograd.Function`` node returns one gradient per forward
     argument (None for non-tensors); the engine keeps those of the tensors that require grad, in the order
@@ -278,6 +321,10 @@ def _call(fn, inputs: list) -> tuple:
               for g, m in zip(inputs, fn._input_metadata)]  # materialised (the default; ours never turn it off)
     outputs = fn.apply(*inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    for hook in fn.__dict__.get(_NODE_HOOKS, ()):  # a module's backward (pre-)hooks, as the engine calls them
+        replaced = hook(outputs, tuple(inputs))
+        if replaced is not None:
+            outputs = tuple(replaced)
     wanted = iter(g for g, need in zip(outputs, fn.needs_input_grad) if need)
     return tuple(next(wanted, None) if nxt is not None else None for nxt, _ in fn.next_functions)
 
@@ -287,9 +334,9 @@ def backward(loss: torch.Tensor) -> None:
 
     Nodes run once all their consumers have run, the most recently created first (the engine's order on
     one device); a node is freed, with the tensors it saved, as soon as it has run. Gradients reach leaf
-    tensors through their ``AccumulateGrad`` nodes. Hooks registered on autograd nodes themselves are not
-    run (module forward hooks are, also in the recompute of checkpointed blocks); saved-tensor hooks
-    (non-reentrant checkpointing) are, and see one graph task.
+    tensors through their ``AccumulateGrad`` nodes. Modules' backward hooks run (their nodes keep them,
+    :func:`_node_hooks_kept`), and so do module forward hooks, also in the recompute of checkpointed blocks,
+    saved-tensor hooks (non-reentrant checkpointing, seeing one graph task) and callbacks queued on the engine.
     """
     root = loss.grad_fn
     if root is None:
@@ -311,6 +358,7 @@ def backward(loss: torch.Tensor) -> None:
     counter = 1
     real_task_id = torch._C._current_graph_task_id
     torch._C._current_graph_task_id = lambda: 1  # one graph task: each checkpointed block recomputes once
+    engine = torch.autograd.Variable._execution_engine = _Engine(torch.autograd.Variable._execution_engine)
     try:
         while ready:
             _, _, fn = heapq.heappop(ready)
@@ -333,5 +381,17 @@ def backward(loss: torch.Tensor) -> None:
                     heapq.heappush(ready, (-nxt._sequence_nr(), counter, nxt))
                     counter += 1
             fn = inputs = outputs = grad = buffer = None  # drop the node: it frees what it saved
+        for callback in engine.callbacks:
+            callback()
     finally:
         torch._C._current_graph_task_id = real_task_id
+        torch.autograd.Variable._execution_engine = engine.real
+
+
+class StandInTransport(HostTransport):
+    """Block swapping's transport on the fake device (``memory/block_swap.py``): a swapped block's host copies
+    are fake CPU tensors (no memory; the real ones are pinned host buffers), a swap-in copies them onto the
+    fake device (counted as live device bytes, freed when the block is swapped out)."""
+
+    def masters(self, tensors: list) -> list:
+        return [torch.empty_like(t, device=self.offload_device) for t in tensors]

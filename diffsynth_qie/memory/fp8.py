@@ -150,16 +150,21 @@ def _is_trainable(module: torch.nn.Module) -> bool:
 
 
 def quantize_linears(model: torch.nn.Module, skip: Iterable[str] = (), scope: Optional[str] = DEFAULT_SCOPE,
-                     device: Optional[torch.device | str] = None) -> Fp8Report:
+                     device: Optional[torch.device | str] = None, host: Iterable[str] = (),
+                     host_device: torch.device | str = "cpu") -> Fp8Report:
     """Replace every frozen ``nn.Linear`` under ``scope`` of ``model`` by :class:`Fp8Linear`, in place.
 
     ``skip``: module-path prefixes (relative to ``model``; PEFT's ``.base_layer`` ignored) kept
     in full precision. Linears with a trainable parameter and PEFT adapters (``lora_A``,
     ``lora_B``, ...) are always kept. ``scope`` ``None`` = the whole model. ``device``: where
     the FP8 weights are made (quantise a CPU-loaded model straight onto the GPU, one layer at
-    a time). Already quantised layers are left alone, so calling it twice is harmless.
+    a time). ``host``: module-path prefixes (block swapping's swapped blocks) whose layers are quantised on
+    ``device`` too, then moved to ``host_device``, one layer at a time (the GPU never holds them all; quantising
+    on the CPU took 1.3 s per 18432x3072 layer on 2 threads). Already quantised layers are left alone, so
+    calling it twice is harmless.
     """
     skip = [s.rstrip(".") for s in skip]
+    host = [h.rstrip(".") for h in host]
     root = model.get_submodule(scope) if scope else model
     prefix = f"{scope}." if scope else ""
     report = Fp8Report()
@@ -177,6 +182,8 @@ def quantize_linears(model: torch.nn.Module, skip: Iterable[str] = (), scope: Op
         todo.append((name, full, module))
     for name, full, module in todo:
         new = Fp8Linear.from_linear(module, device)
+        if any(full == h or full.startswith(h + ".") for h in host):
+            new.to(host_device)
         parent_name, _, child = name.rpartition(".")
         setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
         report.layers.append(full)

@@ -20,7 +20,9 @@ Pure functions of a :class:`~.census.DiTCensus` (counts taken from the real modu
   The constants are measured, not guessed: see :data:`CALIBRATION`.
 - A fixed allowance for the CUDA context and allocator fragmentation.
 
-Host RAM: a process baseline, the swapped blocks (pinned), and the state dict while loading.
+Host RAM: a process baseline, the swapped blocks (pinned), and about one block while loading (no
+process holds the DiT's state dict; the FP8 / swapping host loads map the weight files, whose page cache
+is shared by the processes on a machine and shown apart).
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ class PlanOptions:
             raise ValueError(f"--zero_stage {self.zero_stage}: use 0 (none), 2 or 3")
         if self.num_gpus < 1 or self.batch_size < 1 or self.ref_images < 0 or self.lora_rank < 0:
             raise ValueError("--num_gpus and --batch_size must be >= 1, --ref_images and --lora_rank >= 0")
-        # the same combinations `qie train` refuses (training/swapping.py, module.check_fp8_base)
+        # the same combinations `qie train` refuses (training/placement.py, module.check_fp8_base)
         if self.zero_stage and self.blocks_to_swap:
             raise ValueError(f"--blocks_to_swap cannot be combined with --zero_stage {self.zero_stage} (block swapping "
                              "runs without DeepSpeed); use one or the other")
@@ -102,6 +104,7 @@ class Plan:
     options: PlanOptions
     gpu: dict[str, int] = field(default_factory=dict)  # component -> bytes per GPU
     host: dict[str, int] = field(default_factory=dict)  # component -> bytes per process
+    shared: dict[str, int] = field(default_factory=dict)  # page cache per machine (shared, reclaimable)
 
     @property
     def gpu_peak(self) -> int:
@@ -177,9 +180,12 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         plan.gpu[name] = max(dit, vae)
     plan.gpu["CUDA context + allocator slack"] = o.overhead_bytes
     plan.host["process baseline"] = HOST_BASELINE
-    # the bf16 state dict passes through host memory while loading (before any FP8 conversion;
-    # per rank, 1/num_gpus with ZeRO-3's sharded loading)
-    plan.host["DiT state dict while loading"] = c.params * o.dtype_bytes // (o.num_gpus if o.zero_stage == 3 else 1)
+    # no process holds the DiT's state dict: a GPU load reads tensor by tensor, ZeRO-3 streams one tensor at a
+    # time, and the FP8 / swapping host loads map the files and finish one layer (one block) at a time
+    # (models/host_weights.py, training/placement.py)
+    plan.host["loading (about one block at a time)"] = block
+    if o.fp8_base or o.blocks_to_swap:
+        plan.shared["DiT files mapped while loading (page cache)"] = c.params * o.dtype_bytes
     return plan
 
 
@@ -228,6 +234,8 @@ def format_plan(plan: Plan) -> str:
     rows.append(f"  {'predicted peak GPU memory (per GPU)':<48} {plan.gpu_peak / GiB:8.2f} GiB")
     rows += [f"  host: {name:<42} {b / GiB:8.2f} GiB" for name, b in plan.host.items()]
     rows.append(f"  {'predicted peak host RAM (per process)':<48} {plan.host_peak / GiB:8.2f} GiB")
+    rows += [f"  {name + ' (shared by the processes on a machine, reclaimable)'} {b / GiB:.2f} GiB"
+             for name, b in plan.shared.items()]
     return "\n".join(rows)
 
 

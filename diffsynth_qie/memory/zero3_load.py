@@ -147,11 +147,13 @@ def stream_into(model, reader: SafetensorsStream) -> int:
 
 
 def load_dit_pipeline(preset, model_dir=None, device: str | None = None, torch_dtype=None,
-                      reopen_bytes: int = REOPEN_BYTES):
+                      reopen_bytes: int = REOPEN_BYTES, map_weights: bool = False):
     """``load_pipeline(preset, components=("dit",))`` whose DiT never sits whole in one process's memory
-    under ZeRO-3 (see the module docstring); without ZeRO-3 it is exactly ``load_pipeline``."""
+    under ZeRO-3 (see the module docstring); without ZeRO-3 it is exactly ``load_pipeline`` (``map_weights``:
+    a host load staging the weights for a GPU, as mapped views: ``models/host_weights.py``)."""
     if not zero3_enabled():
-        return loading.load_pipeline(preset, model_dir=model_dir, components=("dit",), device=device, torch_dtype=torch_dtype)
+        return loading.load_pipeline(preset, model_dir=model_dir, components=("dit",), device=device,
+                                     torch_dtype=torch_dtype, map_weights=map_weights)
     # An empty state dict: DiffSynth builds the DiT under zero.Init and loads nothing into it.
     pipe = loading.load_pipeline(preset, model_dir=model_dir, components=("dit",), device=device, torch_dtype=torch_dtype,
                          model_config_kwargs={"dit": {"state_dict": {}}})

@@ -24,6 +24,9 @@ DiffSynth's own code, driven unchanged:
   decides, so a LoRA sees the same timesteps at training, validation and inference.
 - **Fast path.** When every sample has the same image layout and prompt length no mask is
   built and RoPE is shared, so the attention can use flash/cuDNN kernels.
+- **Mixed lengths on a GPU.** A padded batch's attention runs once per sample over its own
+  tokens, unmasked (``models/attention.py``), so the flash kernels stay usable; on the CPU
+  (and with ``per_sample_attention=False``) the masked call runs. Both give the same numbers.
 
 The batched output matches per-sample runs (tests/test_forward.py pins ≤1e-3 relative
 error in fp32, usually ~1e-6).
@@ -154,6 +157,7 @@ def dit_forward(
     zero_cond_t: bool = False,
     use_gradient_checkpointing: bool = False,
     use_gradient_checkpointing_offload: bool = False,
+    per_sample_attention: bool | None = None,
 ) -> list[Tensor]:
     """Predict the flow (velocity) for a batch of samples of any shapes.
 
@@ -166,6 +170,7 @@ def dit_forward(
         prompt_embs: per sample ``[L_b, D_txt]``, valid tokens only (no padding).
         edit_latents: per sample a list (possibly empty) of reference latents ``[16, h_i, w_i]``.
         zero_cond_t: Qwen-Image-Edit-2511's zero-timestep modulation of reference tokens.
+        per_sample_attention: a padded batch's attention per sample, unmasked (``None``: on a GPU).
 
     Returns:
         One ``[16, h_b, w_b]`` prediction per sample.
@@ -197,8 +202,14 @@ def dit_forward(
     conditioning = dit.time_text_embed(t, image.dtype, addition_t_cond=extra)
     rope = rope_for_batch(dit, packed, device)
     mask = key_padding_mask(packed, device)
+    if per_sample_attention is None:
+        per_sample_attention = device.type == "cuda"
 
     for block in dit.transformer_blocks:
+        if mask is not None and per_sample_attention:
+            from .attention import per_sample_block
+
+            block = per_sample_block(block, mask, packed.text.shape[1], packed.text_lens, packed.image_lens)
         text, image = gradient_checkpoint_forward(
             block,
             use_gradient_checkpointing,

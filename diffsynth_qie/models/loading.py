@@ -330,7 +330,8 @@ def provider_of(preset: Preset):
 def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | None = None,
                   components: Sequence[str] = MODEL_COMPONENTS, device: str | None = None,
                   torch_dtype=None, zero_cond_t: bool | None = None,
-                  model_config_kwargs: dict[str, dict] | None = None, vram_limit: float | None = None):
+                  model_config_kwargs: dict[str, dict] | None = None, vram_limit: float | None = None,
+                  map_weights: bool = False):
     """A ``QwenImagePipeline`` for the preset, built by DiffSynth's own ``from_pretrained``.
 
     ``components`` picks the weights: ``("dit",)`` loads only the DiT (training phase 2),
@@ -340,7 +341,8 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
     attached as ``pipe.qie_preset`` — later code reads ``zero_cond_t`` from there.
     ``model_config_kwargs`` maps a component to extra ``ModelConfig`` fields (e.g.
     ``{"text_encoder": {"offload_device": "cpu", "offload_dtype": torch.bfloat16}}``
-    for DiffSynth's VRAM management on small GPUs).
+    for DiffSynth's VRAM management on small GPUs). ``map_weights`` (a host load that stages the weights
+    for a GPU): views of the files' memory maps instead of private copies (``models/host_weights.py``).
     """
     preset = get_preset(preset_or_name, zero_cond_t=zero_cond_t)
     library_warnings_once()
@@ -349,12 +351,16 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
     resolved = resolve_model_configs(preset, model_dir=model_dir, components=components)
     from diffsynth.pipelines.qwen_image import QwenImagePipeline
 
+    from .host_weights import map_host_weights
+
     device = device or default_device()
     torch_dtype = torch_dtype or default_dtype(device)
     if model_config_kwargs:
         _apply_model_config_kwargs(resolved, model_config_kwargs)
     try:
         with prints_to_log("diffsynth"):
+            if map_weights and str(device) == "cpu":
+                map_host_weights(resolved.model_configs, torch_dtype)
             pipe = QwenImagePipeline.from_pretrained(
                 torch_dtype=torch_dtype, device=device, model_configs=resolved.model_configs,
                 # Explicit None (not DiffSynth's default) so nothing falls back to a hub download.

@@ -36,6 +36,7 @@ import torch
 
 from .config import RunConfig
 from .data import open_cache, split_holdout  # noqa: F401  (moved to data.py; kept importable here)
+from .placement import weight_dtype
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,6 @@ def deepspeed_config(accelerator) -> Optional[dict]:
     return plugin.deepspeed_config if plugin is not None else None
 
 
-def weight_dtype(accelerator) -> torch.dtype:
-    """Load dtype of the frozen DiT: the mixed-precision dtype, fp32 without mixed precision."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision), torch.float32)
-
-
 def total_optimizer_steps(config: RunConfig, batches_per_epoch: int) -> int:
     """``--max_steps``, or ``--num_epochs`` epochs of ``batches_per_epoch`` (the first epoch's count: with
     weighted sampling later epochs may cut their draws into a few more or fewer batches)."""
@@ -104,24 +100,6 @@ def total_optimizer_steps(config: RunConfig, batches_per_epoch: int) -> int:
     if t.max_steps > 0:
         return t.max_steps
     return max(1, math.ceil(batches_per_epoch * t.num_epochs / t.gradient_accumulation_steps))
-
-
-def device_name(accelerator) -> str:
-    """Where to load weights: this process's GPU, or plain "cpu" (multi-process CPU runs get "cpu:<rank>",
-    which safetensors rejects)."""
-    device = accelerator.device
-    return "cpu" if device.type == "cpu" else str(device)
-
-
-def load_dit(preset, config: RunConfig, accelerator, ds_config: Optional[dict] = None):
-    from ..memory.zero3_load import load_dit_pipeline  # under ZeRO-3 no rank holds the whole state dict
-    from .swapping import load_device
-
-    # --fp8_base / --blocks_to_swap / ZeRO-3 parameter offload: on the host (training/swapping.py)
-    device = load_device(config, device_name(accelerator), ds_config)
-    pipe = load_dit_pipeline(preset, model_dir=config.train.model_dir, device=device,
-                             torch_dtype=weight_dtype(accelerator))
-    return pipe.dit
 
 
 @dataclass
@@ -155,10 +133,10 @@ def setup(config: RunConfig) -> _Run:
     from ..utils.shared_dir import check_shared_dir
     from . import checkpoint as ckpt
     from .data import build_training_data
-    from .module import QIETrainingModule, check_fp8_base
+    from .module import check_fp8_base
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
                         configure_deepspeed)
-    from .swapping import check_block_swap, device_placement, install_block_swap
+    from .placement import build_module, check_block_swap, device_placement
     from .tracking import Tracker
     from .validation import Validator
 
@@ -189,21 +167,12 @@ def setup(config: RunConfig) -> _Run:
 
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
         set_seed(t.seed)
-    module = QIETrainingModule(load_dit(preset, cfg, accelerator, ds_config), cfg, preset.name)
-    if t.fp8_base:  # with swapping, the swapper places the resident blocks: swapped ones never touch the GPU
-        module.quantize_frozen_base("cpu" if t.blocks_to_swap else accelerator.device)
-        if not t.blocks_to_swap:
-            module.to(accelerator.device)
+    module, swapper = build_module(cfg, preset, accelerator, ds_config)
     if cfg.loss.loss == "lbm" and cfg.lbm is not None and cfg.lbm.lbm_pixel_loss != "none":
         from .losses.lbm_pixel import build_pixel_critic
 
         module.pixel_critic = build_pixel_critic(cfg.lbm, preset, t.model_dir, accelerator.device,
                                                  weight_dtype(accelerator), ds_config)
-    if ds_config is None:
-        module.upcast_trainable(torch.float32)  # fp32 LoRA + optimizer states; DeepSpeed keeps fp32 masters itself
-        if str(accelerator.mixed_precision) in ("bf16", "fp16"):
-            module.disable_lora_input_casting()  # autocast picks the matmul dtype; PEFT's fp32 copy is waste
-    swapper = install_block_swap(module, cfg, accelerator, ds_config)  # --blocks_to_swap: the module is placed now
     if t.compile:
         compile_blocks(module.dit)
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)

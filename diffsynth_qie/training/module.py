@@ -111,15 +111,18 @@ class QIETrainingModule(DiffusionTrainingModule):
             for n in chosen:
                 params[n].requires_grad_(True)
 
-    def quantize_frozen_base(self, device: Optional[torch.device | str] = None):
-        """``--fp8_base``: store the frozen block linears as FP8 (``memory/fp8.py``), made on ``device``.
+    def quantize_frozen_base(self, device: Optional[torch.device | str] = None, blocks_to_swap: int = 0):
+        """``--fp8_base``: store the frozen block linears as FP8 (``memory/fp8.py``), made on ``device``; the
+        layers of the ``blocks_to_swap`` swapped blocks are made there too and then kept on the host.
 
         Called after the LoRA is injected: only PEFT's ``base_layer`` is quantised; adapters and
         ``--full_finetune_modules`` (trainable) stay in full precision. Returns the report.
         """
+        from ..memory.block_swap import swapped_blocks
         from ..memory.fp8 import quantize_linears
 
-        return quantize_linears(self.dit, skip=self.config.lora.full_finetune_modules or (), device=device)
+        return quantize_linears(self.dit, skip=self.config.lora.full_finetune_modules or (), device=device,
+                                host=swapped_blocks(self.dit, blocks_to_swap))
 
     def upcast_trainable(self, dtype: torch.dtype = torch.float32) -> None:
         """Keep trainable weights in ``dtype`` (fp32 for AdamW states) while the frozen DiT

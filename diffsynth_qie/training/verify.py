@@ -5,8 +5,9 @@ device (``memory/fake_device.py``): :class:`~.module.QIETrainingModule` with the
 the FP8 base as configured, our ``dit_forward`` and the configured loss under bf16
 autocast, ``backward`` and the optimizer's step. What it leaves out, and why: the data loader and
 accelerate's wrappers (host-side; the DiT sees the same batch dict), DeepSpeed (the engine needs a
-process group; ZeRO-2/3 shard what this counts for one process) and block swapping (refused: see
-``memory/fake_device.py``).
+process group; ZeRO-2/3 shard what this counts for one process). Block swapping runs with the real
+:class:`~..memory.block_swap.BlockSwapper` and its hooks, copying through a stand-in for the CUDA stream
+(``memory/fake_device.StandInTransport``): the swapped blocks' host copies take no memory here.
 
 The batch is shaped like a collated cache batch: per sample a target latent ``[16, H/8, W/8]``,
 reference latents, a prompt embedding ``[L, 3584]`` (plus the LBM loss's extra latents).
@@ -21,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..memory.fake_device import FakeCuda, backward
+from ..memory.fake_device import FakeCuda, StandInTransport, backward
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class StepReport:
     after_step: int = 0         # weights + gradients freed + optimizer state
     seconds: float = 0.0
     loss_dtype: str = ""
+    swap_events: list = dataclasses.field(default_factory=list)  # (what, block) of the block swapper, in order
     notes: list = dataclasses.field(default_factory=list)
 
     @property
@@ -107,13 +109,6 @@ def fake_batch(shapes: Sequence[SampleShape], text_dim: int, lbm: bool, dtype: t
     return batch
 
 
-def check_covered(blocks_to_swap: int) -> None:
-    if blocks_to_swap:
-        raise ValueError(f"--blocks_to_swap {blocks_to_swap} cannot run on the fake device (a swapped parameter is "
-                         "re-pointed at its host copy, which loses the fake device; memory/fake_device.py); verify "
-                         "without it: the swapped blocks leave the GPU and qie plan counts them")
-
-
 def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Optional[int] = None,
                       dtype: torch.dtype = torch.bfloat16) -> StepReport:
     """Run one optimizer step of ``cfg`` (a resolved ``RunConfig``) on ``preset``'s DiT on the fake device.
@@ -121,6 +116,7 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
     Raises :class:`~..memory.fake_device.FakeRunError` where a GPU run would fail (a device or dtype
     mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests).
     """
+    from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
     from .module import QIETrainingModule
     from .optim import build_optimizer
@@ -128,7 +124,6 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
     t0 = time.perf_counter()
     report = StepReport()
     t = cfg.train
-    check_covered(t.blocks_to_swap)
     with FakeCuda() as fc:
         torch.manual_seed(t.seed)
         # built on the device (a real load goes through the host first for FP8; the step is what counts);
@@ -141,6 +136,10 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
         module.upcast_trainable(torch.float32)  # single process / DDP: fp32 LoRA + optimizer states
         module.disable_lora_input_casting()  # as qie train does under bf16 autocast
         fc.register(module)
+        if t.blocks_to_swap:  # the swapped blocks' frozen weights leave the device now
+            swapper = BlockSwapper(module.dit, t.blocks_to_swap, DEVICE, transport=StandInTransport(DEVICE, "cpu"),
+                                   record_events=True).install()
+            report.swap_events = swapper.events
         optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
         report.weights = fc.current_bytes
         text_dim = module.dit.txt_in.in_features
@@ -187,8 +186,8 @@ def preflight(cfg, preset) -> StepReport:
 
     t = cfg.train
     shapes = batch_shapes(1024, 1, 300, t.batch_size, mixed=t.batch_size > 1)
-    if t.blocks_to_swap:  # not on the fake device (check_covered); the rest of the step still is
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=0))
+    if t.blocks_to_swap:  # the last of the check's blocks is swapped (the first hands over to it)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=1))
     try:
         report = verify_train_step(cfg, preset, shapes, num_layers=PREFLIGHT_BLOCKS)
     except FakeRunError as e:

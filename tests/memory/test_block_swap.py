@@ -223,7 +223,7 @@ def test_qie_train_with_swapping_trains_the_same_lora(tiny_model_dir, cache_dir,
     """The whole loop (accelerate, no device placement, optimizer, save): same losses, same LoRA."""
     from safetensors.torch import load_file
 
-    from diffsynth_qie.training import loop, swapping
+    from diffsynth_qie.training import loop, placement
     from diffsynth_qie.training.config import RunConfig, TrainConfig
 
     made = []
@@ -233,7 +233,7 @@ def test_qie_train_with_swapping_trains_the_same_lora(tiny_model_dir, cache_dir,
             super().__init__(*args, record_events=True, **kw)
             made.append(self)
 
-    monkeypatch.setattr(swapping, "BlockSwapper", Recording)
+    monkeypatch.setattr(placement, "BlockSwapper", Recording)
     results = {}
     for n in (0, 2):
         cfg = RunConfig(train=TrainConfig(cache_dir=str(cache_dir), output_dir=str(tmp_path / f"swap{n}"),
@@ -251,7 +251,7 @@ def test_qie_train_with_swapping_trains_the_same_lora(tiny_model_dir, cache_dir,
 
 def test_deepspeed_is_refused_by_name():
     from diffsynth_qie.training.config import RunConfig, TrainConfig
-    from diffsynth_qie.training.swapping import install_block_swap
+    from diffsynth_qie.training.placement import install_block_swap
 
     cfg = RunConfig(train=TrainConfig(cache_dir="c", output_dir="o", blocks_to_swap=4))
     with pytest.raises(ValueError, match="--blocks_to_swap 4 does not work under DeepSpeed"):

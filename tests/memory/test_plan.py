@@ -60,7 +60,8 @@ def test_fp8_halves_linear_weights_and_zero_divides(real):
     z2 = predict(real, PlanOptions(zero_stage=2, num_gpus=4))
     assert z2.gpu["LoRA gradients + optimizer state"] * 4 == bf16.gpu["LoRA gradients + optimizer state"]
     z3 = predict(real, PlanOptions(zero_stage=3, num_gpus=8))
-    assert z3.gpu_peak < z2.gpu_peak and z3.host_peak < bf16.host_peak
+    assert z3.gpu_peak < z2.gpu_peak and z3.host_peak == bf16.host_peak  # no process holds the state dict
+    assert bf16.host_peak < 0.2 * w16 and not bf16.shared and fp8.shared
 
 
 def test_activation_prediction_scales_with_tokens(real):

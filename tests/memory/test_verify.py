@@ -134,11 +134,33 @@ def test_edit_runs_at_full_width_with_lora_branches_and_cfg():
     assert r.denoise_peak > r.weights and r.encode_peak > r.weights and r.decode_peak > r.weights
 
 
-def test_block_swapping_is_refused_with_the_reason():
+def test_block_swapping_runs_on_the_fake_device_and_frees_the_swapped_blocks():
+    """The real BlockSwapper's forward and backward hooks run under the fake device's backward walk."""
     from diffsynth_qie.training.verify import batch_shapes, verify_train_step
 
-    with pytest.raises(ValueError, match="blocks_to_swap 2 cannot run on the fake device"):
-        verify_train_step(run_config(blocks_to_swap=2), get_preset("2511"), batch_shapes(512, 1, 50, 1), num_layers=2)
+    preset, shapes = get_preset("2511"), batch_shapes(512, 1, 50, 1)
+    plain = verify_train_step(run_config(), preset, shapes, num_layers=5)
+    swapped = verify_train_step(run_config(blocks_to_swap=4), preset, shapes, num_layers=5)
+    block = 0.34e9 * 2  # one real-width block's frozen bf16 weights
+    assert 3.6 * block < plain.weights - swapped.weights < 4.4 * block
+    # qie plan counts 3 swapped blocks on the device at once (running, prefetched, kept for the backward
+    # pass); this step peaks with 2 of the 4 in (the kept last block and the prefetched one before it)
+    assert 1.6 * block < plain.forward_backward_peak - swapped.forward_backward_peak < 2.4 * block
+    ins = [b for what, b in swapped.swap_events if what == "in"]
+    assert ins.count(1) == 2 and ins.count(3) == 2  # swapped in again by their backward pre-hooks
+    assert swapped.swap_events[-1][0] == "out"  # the callback queued on the engine ran at the end
+    assert plain.swap_events == []
+
+
+def test_edit_with_block_swapping_keeps_the_swapped_block_off_the_device():
+    from diffsynth_qie.inference.verify import verify_edit
+
+    plain = verify_edit(get_preset("2511"), resolution=512, steps=1, num_layers=3)
+    swapped = verify_edit(get_preset("2511"), resolution=512, steps=1, num_layers=3, blocks_to_swap=2)
+    block = 0.34e9 * 2
+    assert 1.8 * block < plain.weights - swapped.weights < 2.2 * block
+    # an edit holds the running block and the prefetched one: both swapped blocks at the peak
+    assert abs(plain.denoise_peak - swapped.denoise_peak) < 0.2 * block
 
 
 def test_train_preflight_turns_a_host_sync_into_a_value_error(monkeypatch):
@@ -169,8 +191,9 @@ def test_qie_plan_verify_prints_the_phases_beside_the_plan(capfd):
     assert "steady-state peak" in text and "the plan counts every block" in text
 
 
-def test_train_preflight_checks_a_block_swapping_run_without_the_swapping():
+def test_train_preflight_runs_a_block_swapping_run_with_its_swapper():
     from diffsynth_qie.training import verify
 
     report = verify.preflight(run_config(blocks_to_swap=20), get_preset("2511"))
     assert report.forward_backward_peak > report.weights
+    assert ("in", 1) in report.swap_events and report.swap_events[-1] == ("out", 1)

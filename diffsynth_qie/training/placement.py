@@ -1,0 +1,133 @@
+"""Where the DiT is loaded and placed in training: the host for ``--fp8_base`` and ``--blocks_to_swap``,
+ranks on a node in turns, and how block swapping meets accelerate.
+
+With ``--fp8_base`` or ``--blocks_to_swap`` the DiT is loaded on the host, as views of the weight files'
+memory maps (``models/host_weights.py``: no process holds a private copy of it), and every layer then goes
+straight to its final form: quantised on this process's GPU, one layer at a time (a swapped block's FP8
+layers then go back to the host), and packed into one pinned buffer per swapped block. The processes on one
+machine do this in turns (:func:`in_turns`), so the transient host and GPU memory of loading is one process's.
+
+:class:`BlockSwapper` puts everything but the swapped blocks' frozen weights on this process's device, and
+accelerate must then not move the model (``device_placement=False``). Under DDP the offloaded tensors are
+excluded from DDP's parameter checks and broadcasts: they are frozen and loaded identically on every rank.
+DeepSpeed owns the placement (and, with ZeRO-3, the partitioning) of every weight, so it is refused.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional, TypeVar
+
+import torch
+
+from ..memory.block_swap import BlockSwapper
+from .config import RunConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def load_device(config: RunConfig, default: str, ds_config: Optional[dict] = None) -> str:
+    """Where to load the DiT: the CPU when blocks are swapped or the base is quantised to FP8 (each layer is
+    then quantised straight onto the device), or under ZeRO-3 with parameter offload (DiffSynth builds the
+    DiT under ``zero.Init(remote_device=<this device>)``, so the frozen partitions land where it says);
+    else ``default``."""
+    return "cpu" if (config.train.blocks_to_swap or config.train.fp8_base or params_offloaded(ds_config)) else default
+
+
+def params_offloaded(ds_config: Optional[dict]) -> bool:
+    """ZeRO-3 with ``offload_param.device == "cpu"`` (deepspeed_configs/zero3_offload.json)."""
+    zero = (ds_config or {}).get("zero_optimization", {})
+    return zero.get("stage") == 3 and (zero.get("offload_param") or {}).get("device") == "cpu"
+
+
+def check_block_swap(config: RunConfig, ds_config: Optional[dict]) -> None:
+    """Refuse ``--blocks_to_swap`` under DeepSpeed (called before the DiT is loaded, so it fails at once)."""
+    n = config.train.blocks_to_swap
+    if n and ds_config is not None:
+        raise ValueError(f"--blocks_to_swap {n} does not work under DeepSpeed (the engine places every weight "
+                         "itself); train with one process or DDP (accelerate launch without a DeepSpeed config), "
+                         "or pass --blocks_to_swap 0")
+
+
+def install_block_swap(module, config: RunConfig, accelerator, ds_config: Optional[dict]) -> Optional[BlockSwapper]:
+    """Install block swapping on ``module.dit`` (before ``accelerator.prepare``); None when off."""
+    n = config.train.blocks_to_swap
+    if not n:
+        return None
+    check_block_swap(config, ds_config)
+    swapper = BlockSwapper(module.dit, n, accelerator.device, "cpu").install()
+    module._ddp_params_and_buffers_to_ignore = [f"dit.{name}" for name in swapper.offloaded_names()]
+    return swapper
+
+
+def device_placement(swapper: Optional[BlockSwapper], count: int) -> list:
+    """``accelerator.prepare``'s ``device_placement`` for (module, *others): the swapper placed the module."""
+    return [None if swapper is None else False] + [None] * (count - 1)
+
+
+def in_turns(fn: Callable[[], T], turn: int, turns: int, barrier: Callable[[], None]) -> T:
+    """Run ``fn`` in this process's ``turn`` of ``turns`` (its index among the processes on this machine):
+    every process calls ``barrier`` ``turns`` times, so process k starts once 0..k-1 have finished."""
+    result = None
+    for k in range(turns):
+        if k == turn:
+            result = fn()
+        barrier()
+    return result
+
+
+def local_processes() -> int:
+    """Processes on this machine (``LOCAL_WORLD_SIZE``, set by torchrun and ``accelerate launch``)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def weight_dtype(accelerator) -> torch.dtype:
+    """Load dtype of the frozen DiT: the mixed-precision dtype, fp32 without mixed precision."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision), torch.float32)
+
+
+def device_name(accelerator) -> str:
+    """Where to load weights: this process's GPU, or plain "cpu" (multi-process CPU runs get "cpu:<rank>",
+    which safetensors rejects)."""
+    device = accelerator.device
+    return "cpu" if device.type == "cpu" else str(device)
+
+
+def load_dit(preset, config: RunConfig, accelerator, ds_config: Optional[dict] = None):
+    from ..memory.zero3_load import load_dit_pipeline  # under ZeRO-3 no rank holds the whole state dict
+
+    device = load_device(config, device_name(accelerator), ds_config)
+    # a host load for a GPU maps the files instead of copying them (models/host_weights.py)
+    pipe = load_dit_pipeline(preset, model_dir=config.train.model_dir, device=device,
+                             torch_dtype=weight_dtype(accelerator),
+                             map_weights=device == "cpu" and accelerator.device.type == "cuda")
+    return pipe.dit
+
+
+def build_module(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict]):
+    """The training module on its devices: DiT loaded, LoRA injected, FP8 base, dtypes, block swapping.
+    Returns ``(module, swapper)``; host loads run in turns on each machine."""
+    from .module import QIETrainingModule
+
+    t = cfg.train
+
+    def build():
+        module = QIETrainingModule(load_dit(preset, cfg, accelerator, ds_config), cfg, preset.name)
+        if t.fp8_base:  # quantised on the GPU layer by layer; the swapped blocks' layers go back to the host
+            module.quantize_frozen_base(accelerator.device, t.blocks_to_swap)
+            if not t.blocks_to_swap:
+                module.to(accelerator.device)
+        if ds_config is None:
+            module.upcast_trainable(torch.float32)  # fp32 LoRA + optimizer states; DeepSpeed keeps fp32 masters
+            if str(accelerator.mixed_precision) in ("bf16", "fp16"):
+                module.disable_lora_input_casting()  # autocast picks the matmul dtype; PEFT's fp32 copy is waste
+        return module, install_block_swap(module, cfg, accelerator, ds_config)
+
+    # ZeRO-3 loads collectively (every rank at once), so only the FP8 / swapping host loads take turns
+    turns = local_processes() if (t.fp8_base or t.blocks_to_swap) and not params_offloaded(ds_config) else 1
+    if turns == 1:
+        return build()
+    log.info("loading the DiT on the host: the %d processes on this machine take turns (this one: %d)",
+             turns, accelerator.local_process_index)
+    return in_turns(build, accelerator.local_process_index, turns, accelerator.wait_for_everyone)
