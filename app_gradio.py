@@ -29,6 +29,7 @@ def _use_project_venv() -> None:
 _use_project_venv()
 
 from diffsynth_qie.ui.config import UIConfig  # noqa: E402
+from diffsynth_qie.utils.cli_checks import check_numbers  # noqa: E402
 from diffsynth_qie.utils.config_cli import add_dataclass_args, dataclass_from_args  # noqa: E402
 from diffsynth_qie.utils.logging import setup_logging  # noqa: E402
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_dataclass_args(parser, UIConfig)
     parser.add_argument("--log_level", default="INFO", help="logging level (default: INFO)")
-    args = parser.parse_args(argv)
+    args = check_numbers(parser).parse_args(argv)
     setup_logging(args.log_level)
     try:
         config = dataclass_from_args(UIConfig, args)

@@ -12,7 +12,9 @@ import logging
 import sys
 
 from .utils.atomic import DiskFullError
+from .utils.cli_checks import check_numbers
 from .utils.logging import setup_logging
+from .utils.user_errors import os_error_line
 
 # name -> (module under diffsynth_qie.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -31,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 log = logging.getLogger("diffsynth_qie")
+INTERRUPTED = "every file written so far is complete (writes are whole or not at all); run the command again"
 VERBOSE_HELP = "debug logging, including what DiffSynth and ModelScope print while loading models"
 
 
@@ -46,8 +49,26 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
         mod = importlib.import_module(f"diffsynth_qie.commands.{module}")
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
-    return parser
+        p.set_defaults(_run=mod.run, _interrupted=getattr(mod, "interrupted", None),
+                       _outputs=getattr(mod, "OUTPUTS", {}))
+    return check_numbers(parser)  # finite numbers within declared bounds, for every command
+
+
+def remove_leftovers_of(args: argparse.Namespace) -> None:
+    """Before a command writes: the leftovers of its killed runs in the directories it writes into (its
+    ``OUTPUTS`` flags: a file's directory, a directory, or a directory and its subdirectories)."""
+    from pathlib import Path
+
+    from .utils.atomic import clean_leftovers
+
+    for dest, kind in getattr(args, "_outputs", {}).items():
+        value = getattr(args, dest, None)
+        if not value:
+            continue
+        top = Path(value).parent if kind == "file" else Path(value)
+        dirs = [top] + ([d for d in top.iterdir() if d.is_dir()] if kind == "tree" and top.is_dir() else [])
+        for directory in dirs:
+            clean_leftovers(directory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("DEBUG" if args.verbose else args.log_level)
     try:
+        remove_leftovers_of(args)
         code = args._run(args)
     except ValueError as e:  # user errors: one clear line, no traceback
         log.error("%s", e)
@@ -64,6 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DiskFullError as e:  # one line naming the full disk and what is safe
         log.error("%s", e)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: what is safe, and exit 130 as a shell expects
+        hint = getattr(args, "_interrupted", None)
+        log.error("interrupted: %s", hint(args) if hint else INTERRUPTED)
+        return 130
+    except OSError as e:  # permissions, read-only mounts, bad paths: one line; anything else is a bug
+        line = os_error_line(e)
+        if line is None:
+            raise
+        log.error("%s", line)
         return 1
     return int(code or 0)
 

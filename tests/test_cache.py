@@ -494,7 +494,7 @@ def _hold_lock_in_subprocess(cache: Path, seconds: float):
     import subprocess
     import sys
 
-    code = ("import sys, time; from diffsynth_qie.cache.lock import CacheLock; "
+    code = ("import sys, time; from diffsynth_qie.utils.dir_lock import CacheLock; "
             f"l = CacheLock({str(cache)!r}); l.acquire(); print('locked', flush=True); time.sleep({seconds})")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])})
@@ -539,7 +539,7 @@ def test_second_run_waits_for_the_first_with_lock_timeout(subset_dir, tiny_pipe,
 
 
 def test_lock_is_exclusive_between_file_descriptors(tmp_path):
-    from diffsynth_qie.cache.lock import CacheLock
+    from diffsynth_qie.utils.dir_lock import CacheLock
 
     a, b = CacheLock(tmp_path), CacheLock(tmp_path)
     a.acquire()
@@ -576,3 +576,56 @@ def test_relaunch_reads_no_unchanged_image_and_rehashes_a_touched_one(tiny_model
     os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     third = write_cache(config)
     assert read == [touched.name] and third.computed == 0  # same bytes: re-hashed, still the same entry
+
+
+def _read_only(monkeypatch):
+    """The cache directory as on a read-only mount: its lock file cannot be created."""
+    import errno
+
+    from diffsynth_qie.utils import dir_lock
+
+    real = dir_lock.os.open
+
+    def refuse(path, *args, **kwargs):
+        if str(path).endswith(dir_lock.CacheLock.name):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(dir_lock.os, "open", refuse)
+
+
+def test_a_finished_cache_on_a_read_only_mount_is_checked_not_written(base_cache, subset_dir, demo_data_dir,
+                                                                    tiny_model_dir, tmp_path, monkeypatch):
+    """Phase 1 rerun over a finished cache that now sits on a read-only mount: complete, so exit cleanly having
+    written nothing and loaded no encoder; a dataset it does not cover is one line naming the directory."""
+    from diffsynth_qie.cache import writer as writer_mod
+    from diffsynth_qie.utils.dir_lock import UnwritableDirectory
+
+    cache = tmp_path / "ro-cache"
+    shutil.copytree(base_cache, cache)
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*")}
+    _read_only(monkeypatch)
+    monkeypatch.setattr(writer_mod, "load_encoders", lambda *a, **k: pytest.fail("no encoder may load"))
+    summary = write_cache(_config(cache, subset_dir, tiny_model_dir))
+    assert (summary.computed, summary.reused) == (0, len(SUBSET))
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*")} == before
+
+    data = tmp_path / "more"
+    _copy_subset(Path(demo_data_dir), data, indices=[0, 1, 3, 2])  # a row the cache lacks, and one it has no more
+    with pytest.raises(UnwritableDirectory, match=rf"cannot write into {cache} \(it is on a read-only file system\)"
+                                                  r".*not up to date .*1 row\(s\) to encode, 2 entries differ"):
+        write_cache(_config(cache, data, tiny_model_dir, dataset_name=Path(subset_dir).name))
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*")} == before
+
+
+def test_folders_inside_shards_do_not_stop_finalisation(base_cache, subset_dir, tiny_pipe, tiny_model_dir, tmp_path):
+    """A killed write's temp folder is removed; a folder that is not ours is left alone with a warning."""
+    cache = tmp_path / "cache"
+    shutil.copytree(base_cache, cache)
+    ours, theirs = cache / "shards" / ".r0-00009.4242424-ab.tmp", cache / "shards" / "notes"
+    for folder in (ours, theirs):
+        folder.mkdir()
+        (folder / "x.safetensors").write_bytes(b"x")
+    summary = write_cache(_config(cache, subset_dir, tiny_model_dir), pipe=tiny_pipe)
+    assert summary.manifest is not None and len(CacheStore.open(cache)) == len(SUBSET)
+    assert not ours.exists() and (theirs / "x.safetensors").is_file()

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from diffsynth_qie.cache import shards
-from diffsynth_qie.cache.lock import CacheLock
+from diffsynth_qie.utils.dir_lock import CacheLock
 from diffsynth_qie.cache.store import CacheStore
 from diffsynth_qie.lora.formats import load_lora_state
 from diffsynth_qie.training import checkpoint as ckpt

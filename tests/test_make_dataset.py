@@ -150,7 +150,6 @@ def test_bad_input_names_the_flag_and_the_fix(tmp_path, folders, capsys):
          "not both"),
         (["--target", t, "--source", s, "--out", str(tmp_path / "m.json"), "--prompts", str(tmp_path / "no.csv")],
          "prompts file .* not found"),
-        (["--target", t, "--source", s, "--out", str(tmp_path / "m.json"), "--max_pixels", "10"], "--max_pixels 10"),
         (["--target", t, "--source", str(image(tmp_path / "other" / "zz.png").parent), "--prompt", "x", "--out",
           str(tmp_path / "m.json"), "--workers", "0"], "no usable rows"),
     ]
@@ -161,6 +160,9 @@ def test_bad_input_names_the_flag_and_the_fix(tmp_path, folders, capsys):
         with pytest.raises(ValueError, match=match):
             make(argv)
     assert not (tmp_path / "m.json").exists()
+    with pytest.raises(SystemExit) as e:  # out of the declared range: argparse's usage error naming the flag
+        parse(["--target", t, "--source", s, "--out", str(tmp_path / "m.json"), "--max_pixels", "10"])
+    assert e.value.code == 2 and "argument --max_pixels: 10 is out of range" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         parse(["--help"])
     assert e.value.code == 0 and "--source" in capsys.readouterr().out

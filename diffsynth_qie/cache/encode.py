@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..data.images import fit_image, load_mask, load_rgb, resize_to
 from ..data.rows import EditRow
+from ..utils.text import is_empty_prompt
 from . import store
 from .config import CacheConfig
 from .shards import ShardWriter
@@ -134,7 +135,7 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool) -> CacheEntry:
     lbm = rest.pop(0) if own_lbm else (edits[0] if prep.lbm_source is not None else None)
     ref_gt = rest.pop(0) if prep.ref_gt is not None else None
 
-    prompts = [p for p in row.prompts if p.strip()]
+    prompts = [p for p in row.prompts if not is_empty_prompt(p)]
     embs = [encode_prompt(pipe, p, prep.edits, multi_image=multi_image, max_tokens=None) for p in prompts]
     empty = encode_prompt(pipe, "", prep.edits, multi_image=multi_image)
 
@@ -171,7 +172,7 @@ def entry_meta(prep: _Prepared, entry: CacheEntry, content_hash: str, sub_key: s
     row = prep.row
     return EntryMeta(
         entry_id=entry.entry_id, row_id=row.row_id, dataset=row.dataset, inverse=row.inverse,
-        content_hash=content_hash, prompts=[p for p in row.prompts if p.strip()],
+        content_hash=content_hash, prompts=[p for p in row.prompts if not is_empty_prompt(p)],
         prompt_lengths=[int(e.shape[0]) for e in entry.prompt_embs],
         empty_prompt_length=int(entry.empty_prompt_emb.shape[0]),
         prompt_dim=int(entry.empty_prompt_emb.shape[1]),

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ..data.images import image_bytes_hash
 from ..data.rows import EditRow
+from ..utils.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -171,3 +172,28 @@ def _file_digest(f: Path) -> str:
             fh.seek(max(min(offset, size - _SAMPLE_BYTES), 0))
             digest.update(fh.read(_SAMPLE_BYTES))
     return digest.hexdigest()
+
+
+# --- the per-rank record of image hashes (a relaunch re-reads no unchanged image) ---------------------
+def hash_memo_path(cache_dir: Path, rank: int) -> Path:
+    return cache_dir / "file_hashes" / f"rank-{rank}.json"
+
+
+def read_hash_memo(cache_dir: Path, rank: int) -> dict:
+    """The (size, mtime) -> hash records of this rank's last run (empty when missing or unreadable)."""
+    try:
+        data = json.loads(hash_memo_path(cache_dir, rank).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("files", {}) if data.get("format_version") == HASH_MEMO_VERSION else {}
+
+
+def write_hash_memo(cache_dir: Path, rank: int, hasher: FileHasher) -> None:
+    path = hash_memo_path(cache_dir, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"format_version": HASH_MEMO_VERSION, "files": hasher.memo()})
+    except OSError as e:  # only a speed-up for the next run; never a reason to stop this one
+        log.warning("could not record the image hashes in %s (%s); the next run hashes every image again", path, e)
+    log.info("rank %d: %d image file(s) hashed, %d unchanged (same size and mtime)", rank, hasher.hashed,
+             len(hasher.memo()) - hasher.hashed)

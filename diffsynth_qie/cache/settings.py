@@ -32,7 +32,8 @@ def cache_settings(config: CacheConfig, preset, pipe) -> dict:
 def _device_and_dtype(config: CacheConfig, device):
     import torch
 
-    from ..models.loading import check_device_for, default_device, default_dtype
+    from ..models.devices import check_device_for
+    from ..models.loading import default_device, default_dtype
     from ..models.presets import get_preset
 
     device = config.device or (str(device) if device is not None else default_device())

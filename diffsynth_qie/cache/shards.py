@@ -12,11 +12,12 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from ..utils.atomic import atomic_save, atomic_write_json, finished_files, temp_leftovers
+from ..utils.atomic import atomic_save, atomic_write_json, finished_files, is_temp_name, temp_leftovers
 from .store import (FORMAT_VERSION, MANIFEST_NAME, PARTS_DIR, SHARDS_DIR, SHARED_PATTERN, CacheEntry, EntryMeta,
                     lbm_source_mode, sidecar_name)
 
@@ -249,13 +250,22 @@ def finalize_store(cache_dir: str | os.PathLike, wanted: list[tuple[str, str]], 
     keep = set(shards) | {sidecar_name(s) for s in shards}
     removed = 0
     for path in shard_dir.iterdir() if shard_dir.is_dir() else []:  # temp files of killed writes too
-        if path.name not in keep:
-            path.unlink(missing_ok=True)
-            removed += path.suffix == ".safetensors"
+        if path.name in keep:
+            continue
+        if path.is_dir() and not path.is_symlink():  # a killed write's temp directory; a folder of someone else's
+            if is_temp_name(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                log.warning("leaving the folder %s alone (not part of the cache)", path)
+            continue
+        path.unlink(missing_ok=True)
+        removed += path.suffix == ".safetensors"
     old_shared = [p for p in finished_files(cache_dir, SHARED_PATTERN) if p.name != shared_file]
     for path in old_shared + finished_files(cache_dir / PARTS_DIR, "shared-*.safetensors") + temp_leftovers(
             cache_dir) + temp_leftovers(cache_dir / PARTS_DIR):  # merged white latents, temp files of killed writes
-        if path.is_file():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.is_file():
             path.unlink(missing_ok=True)
     if removed:
         log.info("removed %d stale shard file(s)", removed)

@@ -6,7 +6,8 @@ rows (row ``i`` goes to rank ``i % world_size``) into safetensors shards
 (``shards.ShardWriter``), skipping rows whose content hash is already cached, and
 rank 0 finalises (``shards.finalize_store``): stale entries dropped, shards
 compacted, ``manifest.json`` written last. One run per directory: the run holds
-the directory's lock (``lock.py``) throughout.
+the directory's lock (``utils/dir_lock.py``) throughout; a finished cache on a
+read-only mount is checked instead of written (:func:`_check_read_only`).
 
 How a row becomes tensors (image sizing, prompt encoding) is in ``encode.py``.
 """
@@ -28,9 +29,9 @@ from ..utils.shared_dir import check_shared_dir
 from . import shards, store
 from .config import CacheConfig, CacheSummary
 from .encode import encode_prepared, entry_meta, prefetch, prepare_row, white_key
-from .fingerprint import FileHasher, row_content_hash
+from .fingerprint import FileHasher, read_hash_memo, row_content_hash, write_hash_memo
 from .settings import cache_settings, light_pipeline, load_encoders
-from .lock import CacheLock
+from ..utils.dir_lock import CacheLock, UnwritableDirectory
 from .shards import ShardWriter
 from .store import EntryMeta
 
@@ -96,12 +97,12 @@ def _lock(cache_dir: Path, dist: _Dist, timeout: float) -> CacheLock:
     if dist.state is None or dist.rank == 0:
         try:
             lock.acquire(timeout)
-        except ValueError as e:
-            error = str(e)
-    error = dist.from_rank0(error)
-    if error:
+        except ValueError as e:  # (UnwritableDirectory too: rank 0 keeps its type for the read-only check)
+            error = e
+    message = dist.from_rank0(None if error is None else str(error))
+    if message:
         lock.release()
-        raise ValueError(error)
+        raise error if error is not None else ValueError(message)
     return lock
 
 
@@ -211,39 +212,14 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
     cache_dir.mkdir(parents=True, exist_ok=True)
     if dist.state is not None:  # launched ranks; rank 0 finalises every rank's shards: one directory for all
         check_shared_dir(cache_dir, rank == 0, dist.barrier, what="--cache_dir")
-    lock = _lock(cache_dir, dist, config.lock_timeout)
+    try:
+        lock = _lock(cache_dir, dist, config.lock_timeout)
+    except UnwritableDirectory as e:
+        return _check_read_only(config, pipe, dist, cache_dir, e, t0)
     try:
         return _write_locked(config, pipe, dist, cache_dir, finalize, on_entry, t0)
     finally:  # after the last barrier on success: no rank writes any more
         lock.release()
-
-
-def _hash_memo_path(cache_dir: Path, rank: int) -> Path:
-    return cache_dir / "file_hashes" / f"rank-{rank}.json"
-
-
-def _read_hash_memo(cache_dir: Path, rank: int) -> dict:
-    """The (size, mtime) -> hash records of this rank's last run (empty when missing or unreadable)."""
-    from .fingerprint import HASH_MEMO_VERSION
-
-    try:
-        data = json.loads(_hash_memo_path(cache_dir, rank).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data.get("files", {}) if data.get("format_version") == HASH_MEMO_VERSION else {}
-
-
-def _write_hash_memo(cache_dir: Path, rank: int, hasher: FileHasher) -> None:
-    from .fingerprint import HASH_MEMO_VERSION
-
-    path = _hash_memo_path(cache_dir, rank)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {"format_version": HASH_MEMO_VERSION, "files": hasher.memo()})
-    except OSError as e:  # only a speed-up for the next run; never a reason to stop this one
-        log.warning("could not record the image hashes in %s (%s); the next run hashes every image again", path, e)
-    log.info("rank %d: %d image file(s) hashed, %d unchanged (same size and mtime)", rank, hasher.hashed,
-             len(hasher.memo()) - hasher.hashed)
 
 
 def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, finalize: bool | None,
@@ -264,21 +240,7 @@ def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, final
 
     # Without a pipeline given, the encoders load only when a row needs encoding: the settings and the prompt
     # lengths come from the model's files and tokenizer alone (a relaunch over an unchanged dataset loads nothing).
-    light = pipe if pipe is not None else light_pipeline(config, dist.device)
-    _skip_long_prompts(share, light, config.max_prompt_tokens)
-    hasher = FileHasher(known=_read_hash_memo(cache_dir, rank))
-    have = {(m.entry_id, m.content_hash) for m in shards.scan_shards(cache_dir)}
-    while True:
-        settings = cache_settings(config, preset, light)
-        hashes = list(prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))
-        todo = [(r, h) for r, h in zip(share.good, hashes) if (r.row_id, h) not in have]
-        if pipe is None and todo:
-            pipe = load_encoders(config, dist.device)
-            if cache_settings(config, preset, pipe) != settings:  # the files did not tell: hash with the loaded one
-                light = pipe
-                continue
-        break
-    _write_hash_memo(cache_dir, rank, hasher)
+    settings, hashes, todo, pipe = _todo(config, pipe, dist, cache_dir, preset, share)
     log.info("rank %d/%d: %d rows, %d already cached, %d to encode, %d skipped",
              rank, world_size, len(share.good), len(share.good) - len(todo), len(todo), len(share.skipped))
 
@@ -307,6 +269,54 @@ def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, final
     return CacheSummary(rank=rank, world_size=world_size, rows=len(share.good), computed=len(todo),
                         reused=len(share.good) - len(todo), skipped=len(share.skipped),
                         seconds=time.perf_counter() - t0, encode_seconds=enc_s, manifest=manifest)
+
+
+def _todo(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, preset, share: _RankRows, writable: bool = True):
+    """This rank's cache settings, row content hashes and the rows still to encode, with the pipeline that
+    encodes them (loaded here when rows need it and ``writable``; never for a read-only check)."""
+    light = pipe if pipe is not None else light_pipeline(config, dist.device)
+    _skip_long_prompts(share, light, config.max_prompt_tokens)
+    hasher = FileHasher(known=read_hash_memo(cache_dir, dist.rank))
+    have = {(m.entry_id, m.content_hash) for m in shards.scan_shards(cache_dir)}
+    while True:
+        settings = cache_settings(config, preset, light)
+        hashes = list(prefetch(lambda r: row_content_hash(r, settings, hasher), share.good, config.num_workers))
+        todo = [(r, h) for r, h in zip(share.good, hashes) if (r.row_id, h) not in have]
+        if pipe is None and todo and writable:
+            pipe = load_encoders(config, dist.device)
+            if cache_settings(config, preset, pipe) != settings:  # the files did not tell: hash with the loaded one
+                light = pipe
+                continue
+        break
+    if writable:
+        write_hash_memo(cache_dir, dist.rank, hasher)
+    return settings, hashes, todo, pipe
+
+
+def _check_read_only(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, error: UnwritableDirectory,
+                     t0: float) -> CacheSummary:
+    """A directory this run cannot write (a finished cache on a read-only mount, another user's): fine when its
+    manifest already holds exactly this dataset's rows with these settings, since nothing would be written;
+    otherwise ``error`` with what is missing. One process only (ranks would need to agree on the answer)."""
+    from ..models.presets import get_preset
+
+    manifest_path = cache_dir / store.MANIFEST_NAME
+    if dist.world_size > 1 or not manifest_path.is_file():
+        raise error
+    preset = get_preset(getattr(pipe, "qie_preset", None) or config.model)
+    share = _rank_rows(config, preset, 0, 1)
+    settings, hashes, todo, _ = _todo(config, pipe, dist, cache_dir, preset, share, writable=False)
+    manifest = store.read_cache_json(manifest_path, ("entries",))
+    cached = {(e.get("id"), e.get("hash")) for e in manifest["entries"]}
+    wanted = {(r.row_id, h) for r, h in zip(share.good, hashes)}
+    if todo or cached != wanted or manifest.get("encoder_fingerprint") != settings["encoder_fingerprint"]:
+        raise UnwritableDirectory(f"{error}: the cache there is not up to date for {config.dataset.dataset_metadata} "
+                                  f"({len(todo)} row(s) to encode, {len(cached ^ wanted)} entries differ)")
+    log.info("cache %s is read-only and already complete for this dataset (%d entries); nothing to write",
+             cache_dir, len(cached))
+    return CacheSummary(rank=0, world_size=1, rows=len(share.good), computed=0, reused=len(share.good),
+                        skipped=len(share.skipped), seconds=time.perf_counter() - t0, encode_seconds=0.0,
+                        manifest=None)
 
 
 def _run_key(config: CacheConfig, settings: dict) -> str:

@@ -11,9 +11,12 @@ import argparse
 import logging
 from pathlib import Path
 
+from ..data.images import MAX_IMAGE_PIXELS
 from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
 
 log = logging.getLogger(__name__)
+# output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
+OUTPUTS = {"out": "file", "before_after": "file"}
 
 MODELS = ("edit", "2509", "2511", "tiny")
 
@@ -60,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--height", type=int, default=None, help="output height (multiple of 16)")
     s.add_argument("--width", type=int, default=None, help="output width (multiple of 16)")
+    s.add_argument("--max_output_pixels", type=int, default=MAX_IMAGE_PIXELS,
+                   help="refuse a larger explicit --width x --height (the cap input images have too)")
     s.add_argument("--max_pixels", type=int, default=1024 * 1024,
                    help="output pixel budget when --height/--width are not given")
     s.add_argument("--mask_blend", type=float, default=1.0, help="mask blend strength 0..1 (1 = keep outside exactly)")
@@ -114,12 +119,14 @@ def resolve_row(args: argparse.Namespace) -> None:
 
 def load_inputs(args: argparse.Namespace):
     """Read and check every input file; raises FileNotFoundError/ValueError naming the path."""
-    from ..data.images import load_mask, load_rgb
+    from ..data.images import check_geometry, load_mask, load_rgb
 
     resolve_row(args)
     if args.before_after and not args.lora:
         raise ValueError("--before_after compares with and without a LoRA: give --lora too")
     images = [load_rgb(p) for p in args.image]
+    for path, im in zip(args.image, images):
+        check_geometry(im.size, f"--image {path}")
     mask = load_mask(args.mask) if args.mask else None
     loras = lora_pairs(args.lora, args.lora_scale)
     for path, _ in loras:
@@ -144,7 +151,19 @@ def run(args: argparse.Namespace) -> int:
 
     from ..data.images import side_by_side
     from ..inference import EditRequest, Editor
+    from ..inference.checks import check_request
+    from ..models.devices import check_device_name
     from ..utils.atomic import atomic_path
+
+    request = EditRequest(
+        images=images, prompt=args.prompt, negative_prompt=args.negative_prompt, mask=mask, steps=args.steps,
+        cfg=args.cfg, seed=args.seed, height=args.height, width=args.width, max_pixels=args.max_pixels,
+        max_output_pixels=args.max_output_pixels,
+        mask_blend=args.mask_blend, mask_feather=args.mask_feather, lbm_steps=args.lbm_steps,
+        lbm_noise=args.lbm_noise, max_prompt_tokens=args.max_prompt_tokens, scheduler=args.scheduler,
+    )
+    check_request(request)  # every value, before a model loads
+    check_device_name(args.device)
 
     if args.model != "tiny" and not args.no_preflight:
         from ..inference.verify import preflight
@@ -161,12 +180,6 @@ def run(args: argparse.Namespace) -> int:
         compile_blocks(editor.pipe.dit)
     if loras:
         editor.set_loras(loras)
-    request = EditRequest(
-        images=images, prompt=args.prompt, negative_prompt=args.negative_prompt, mask=mask, steps=args.steps,
-        cfg=args.cfg, seed=args.seed, height=args.height, width=args.width, max_pixels=args.max_pixels,
-        mask_blend=args.mask_blend, mask_feather=args.mask_feather, lbm_steps=args.lbm_steps,
-        lbm_noise=args.lbm_noise, max_prompt_tokens=args.max_prompt_tokens, scheduler=args.scheduler,
-    )
     result = editor.edit(request)
     log.info("edited %dx%d (%s) in %.2f s", result.width, result.height,
              f"LBM {args.lbm_steps} step(s)" if args.lbm_steps else f"{args.steps} steps, cfg {args.cfg:g}",
@@ -185,3 +198,7 @@ def run(args: argparse.Namespace) -> int:
             image.save(tmp)
         log.info("wrote %s (%dx%d)", path, *image.size)
     return 0
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    return f"no output was written to {args.out} (images are written whole or not at all)"

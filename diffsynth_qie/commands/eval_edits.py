@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+# output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
+OUTPUTS = {"grid": "file"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,8 @@ import argparse
 import logging
 
 log = logging.getLogger(__name__)
+# output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
+OUTPUTS = {"out_path": "file"}
 
 # Mirrors lora_export.EXPORT_FORMATS; kept here so `qie --help` does not import torch.
 FORMATS = ("comfyui", "diffusers")

@@ -9,6 +9,8 @@ import argparse
 import logging
 
 log = logging.getLogger(__name__)
+# output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
+OUTPUTS = {"out": "file"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 
 
+# output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
+OUTPUTS = {"out": "file", "output_dir": "dir"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="the --output_dir of a `qie train` run")
     parser.add_argument("--out", default=None,

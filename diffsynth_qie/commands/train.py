@@ -62,3 +62,13 @@ def run(args: argparse.Namespace) -> int:
     log.info("LoRA written to %s (%d steps, %.2f steps/s); load it with `qie edit --lora %s`",
              result.lora_path, result.steps, result.steps_per_second, result.lora_path)
     return 0
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """What Ctrl-C left: the newest complete checkpoint and how to go on from it."""
+    from ..training.checkpoint import list_checkpoints
+
+    found = list_checkpoints(args.output_dir) if getattr(args, "output_dir", None) else []
+    if not found:
+        return f"no checkpoint in {args.output_dir} was complete yet; run the command again to start over"
+    return f"{found[-1]} is complete; resume with --resume latest (same --output_dir)"

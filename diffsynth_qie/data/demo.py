@@ -26,7 +26,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from ..utils.atomic import atomic_write_json, atomic_write_text
+from ..utils.atomic import atomic_save, atomic_write_json, atomic_write_text
 
 #: (width, height) pairs cycled through with ``mixed_sizes``; all multiples of 16.
 MIXED_SIZES: tuple[tuple[int, int], ...] = ((64, 64), (64, 96), (96, 64), (128, 128), (96, 128))
@@ -162,7 +162,7 @@ def generate_pairs(out_dir: str | os.PathLike, num_pairs: int = 36, seed: int = 
         images, meta = _make_pair(i, rng, size)
         rel = {k: f"images/{i:03d}_{k}.png" for k in images}
         for k, im in images.items():
-            im.save(out / rel[k], format="PNG")
+            atomic_save(out / rel[k], lambda path, im=im: im.save(path, format="PNG"))
         pairs.append(DemoPair(index=i, source=rel["src"], target=rel["tgt"], mask=rel["mask"], ref_gt=rel["ref"],
                               swatch=rel.get("src2"), **meta))
     return pairs
@@ -280,7 +280,7 @@ def make_recolour_demo(out_dir: str | os.PathLike, num_pairs: int = 32, num_held
             images = recolour_pair(rng)
             rel = {k: f"images/{stream}_{i:03d}_{k}.png" for k in images}
             for k, im in images.items():
-                im.save(out / rel[k], format="PNG")
+                atomic_save(out / rel[k], lambda path, im=im: im.save(path, format="PNG"))
             rows.append({"prompt": RECOLOUR_PROMPT, "image": rel["tgt"], "edit_image": [rel["src"]],
                          "back_mask": rel["mask"]})
         atomic_write_json(out / name, rows)

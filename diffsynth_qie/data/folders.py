@@ -21,6 +21,7 @@ hold. Both are read by :func:`~.formats.read_rows`.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import os
@@ -122,10 +123,10 @@ def read_prompts(path: Path) -> dict[str, dict[str, str]]:
         raise ValueError(f"prompts file {path} not found; pass a CSV or JSONL with stem and prompt columns")
     text = path.read_text(encoding="utf-8-sig")
     if path.suffix.lower() == ".csv":
-        records = list(csv.DictReader(text.splitlines()))
+        records = list(csv.DictReader(io.StringIO(text, newline="")))  # quoted newlines stay in their cell
     else:
         records = []
-        for i, line in enumerate(text.splitlines()):
+        for i, line in enumerate(text.split("\n")):  # (splitlines also splits at U+2028 inside strings)
             if line.strip():
                 try:
                     records.append(json.loads(line))

@@ -24,6 +24,7 @@ make the row a :class:`SkippedRow`.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import os
@@ -95,7 +96,7 @@ def _read_json_list(path: Path, text: str) -> list[tuple[int, Any]]:
 
 def _read_jsonl(path: Path, text: str) -> list[tuple[int, Any]]:
     out = []
-    for i, line in enumerate(text.splitlines()):
+    for i, line in enumerate(text.split("\n")):  # (splitlines also splits at U+2028 inside strings)
         if not line.strip():
             continue
         try:
@@ -107,7 +108,7 @@ def _read_jsonl(path: Path, text: str) -> list[tuple[int, Any]]:
 
 
 def _read_csv(path: Path, text: str) -> list[tuple[int, Any]]:
-    reader = csv.DictReader(text.splitlines())
+    reader = csv.DictReader(io.StringIO(text, newline=""))  # quoted newlines stay in their cell
     if not reader.fieldnames:
         raise ValueError(f"{path}: CSV has no header row; the first line must name the columns")
     out = []

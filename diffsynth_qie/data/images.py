@@ -99,11 +99,17 @@ def _to_8bit_gray(im: Image.Image) -> Image.Image:
     """Single-channel high-bit-depth or float image -> mode "L".
 
     PIL decodes 16-bit PNG/TIFF to "I;16*" or "I" (int32 holding 0..65535), so
-    both are treated as 16-bit and divided by 257 (65535 -> 255). Float ("F")
-    images are taken as [0, 1] when their max is <= 1, else as [0, 255].
+    both are treated as 16-bit and divided by 257 (65535 -> 255). An "I" image with
+    values above 65535 is a 32-bit image: it is scaled by its own range (min..max -> 0..255)
+    instead of saturating white. Float ("F") images are taken as [0, 1] when their max is
+    <= 1, else as [0, 255].
     """
     arr = np.asarray(im)
-    if im.mode in _SIXTEEN_BIT_MODES:
+    if im.mode in _SIXTEEN_BIT_MODES and arr.size and (arr.max() > 65535 or arr.min() < 0):
+        a = arr.astype(np.float64)
+        lo, hi = float(a.min()), float(a.max())
+        out = np.rint((a - lo) * (255.0 / (hi - lo))) if hi > lo else np.zeros_like(a)
+    elif im.mode in _SIXTEEN_BIT_MODES:
         out = np.rint(arr.astype(np.float64) / 257.0)
     else:  # "F"
         a = arr.astype(np.float64)
@@ -208,6 +214,24 @@ def fit_to_budget(width: int, height: int, max_pixels: int, divisor: int = 16,
             h2 = max(divisor, max_pixels // w2 // divisor * divisor)
     assert w2 * h2 <= max_pixels and w2 % divisor == 0 and h2 % divisor == 0, (w2, h2)
     return w2, h2
+
+
+MIN_SIDE = 16     # the resize divisor: a shorter side could only be met by enlarging
+MAX_ASPECT = 200  # Qwen2-VL's image processor (the text encoder's view of a reference) refuses longer strips
+
+
+def check_geometry(size: tuple[int, int], source: str = "image") -> None:
+    """Refuse (``ValueError`` naming ``source``) an image no model input can be made from: a side below
+    :data:`MIN_SIDE` pixels, or an aspect ratio beyond :data:`MAX_ASPECT`:1 (it would reach DiffSynth's
+    resizing as a 0-pixel side, with an error naming no file)."""
+    width, height = size
+    if width < MIN_SIDE or height < MIN_SIDE:
+        raise ValueError(f"{source} is {width}x{height} pixels; images need at least {MIN_SIDE} pixels per side "
+                         "(they are never enlarged). Use a larger image.")
+    aspect = max(width, height) / min(width, height)
+    if aspect > MAX_ASPECT:
+        raise ValueError(f"{source} is {width}x{height} pixels, an aspect ratio of {aspect:.0f}:1, beyond "
+                         f"{MAX_ASPECT}:1 (the text encoder's image processor refuses it); crop it")
 
 
 def fit_image(size: tuple[int, int], max_pixels: int, divisor: int = 16, source: str = "image") -> tuple[int, int]:

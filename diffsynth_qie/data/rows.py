@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Iterable
 
 from ..utils.atomic import atomic_write_text
-from .images import load_mask, load_rgb
+from ..utils.text import is_empty_prompt
+from .images import check_geometry, load_mask, load_rgb
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,8 @@ def log_skip(s: SkippedRow) -> None:
 def _check_row(row: EditRow, check_images: bool, sizes: dict) -> SkippedRow | None:
     """First problem of ``row`` or None. ``sizes`` memoises path -> size | error
     (inverse rows and shared references read the same files)."""
-    if not any(p.strip() for p in row.prompts):
-        return SkippedRow(row.row_id, "prompts", None, "empty prompt")
+    if all(is_empty_prompt(p) for p in row.prompts):
+        return SkippedRow(row.row_id, "prompts", None, "empty prompt")  # (or only spaces / invisible characters)
     for name, path in row.image_paths().items():
         if not path.is_file():
             return SkippedRow(row.row_id, name, str(path), "missing file")
@@ -130,6 +131,10 @@ def _check_row(row: EditRow, check_images: bool, sizes: dict) -> SkippedRow | No
         if isinstance(got, Exception):
             kind = "unreadable mask" if name == "back_mask" else "unreadable or truncated image"
             return SkippedRow(row.row_id, name, str(path), f"{kind}: {got}")
+        try:
+            check_geometry(got, str(path))
+        except ValueError as e:
+            return SkippedRow(row.row_id, name, str(path), f"unusable size: {e}")
     if check_images and row.back_mask is not None:
         mask_size = sizes[(str(row.back_mask), True)]
         target_size = sizes[(str(row.target), False)]

@@ -41,13 +41,13 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 from PIL import Image
 
-from ..data.images import check_pixels, fit_image, resize_to, to_rgb
+from ..data.images import MAX_IMAGE_PIXELS, fit_image, resize_to, to_rgb
 from ..models.encoding import (DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, decode_latents, encode_image,
                                encode_prompt, white_latents)
 from ..models.forward import bound_rope_cache
-from ..models.lightning import check_scheduler
 from ..models.sampling import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
-from .masking import LatentMaskBlend, blend_pixels, check_strength, latent_keep_weight
+from .checks import check_request
+from .masking import LatentMaskBlend, blend_pixels, latent_keep_weight
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class EditRequest:
     height: Optional[int] = None             # default: first image fitted to max_pixels
     width: Optional[int] = None
     max_pixels: int = DEFAULT_MAX_PIXELS     # output budget when height/width are not given
+    max_output_pixels: int = MAX_IMAGE_PIXELS  # refuse a larger explicit height x width (the input cap)
     ref_max_pixels: Optional[int] = DEFAULT_MAX_PIXELS  # per reference image (downscale only); None = as given
     mask_blend: float = 1.0                  # 0 = ignore the mask, 1 = outside kept exactly
     mask_feather: float = 0.0                # pixel-blend feather (Gaussian radius, px) inside the mask
@@ -158,25 +159,6 @@ def reference_size(image: Image.Image, ref_max_pixels: int | None) -> tuple[int,
     """A reference image's encoding size: fitted to the budget (downscale only), multiple of 16."""
     budget = ref_max_pixels if ref_max_pixels is not None else image.size[0] * image.size[1]
     return fit_image(image.size, max(budget, 256), 16, "a reference image")
-
-
-def _check_request(request: EditRequest) -> None:
-    if not request.images:
-        raise ValueError("an edit needs at least one reference image")
-    for i, im in enumerate(request.images):
-        if not isinstance(im, Image.Image):
-            raise ValueError(f"images[{i}] is a {type(im).__name__}, not a PIL image; load it with data.images.load_rgb")
-        check_pixels(*im.size, f"images[{i}]")
-    check_scheduler(request.scheduler)
-    if request.lbm_steps is None and request.steps < 1:
-        raise ValueError(f"steps must be >= 1, got {request.steps}")
-    if request.lbm_steps is not None and (int(request.lbm_steps) != request.lbm_steps or request.lbm_steps < 1):
-        raise ValueError(f"lbm_steps must be a positive integer (1-4 typical), got {request.lbm_steps!r}")
-    check_strength(request.mask_blend)
-    if request.mask_feather < 0:
-        raise ValueError(f"mask_feather must be >= 0 pixels, got {request.mask_feather}")
-    if request.lbm_noise < 0:
-        raise ValueError(f"lbm_noise must be >= 0, got {request.lbm_noise}")
 
 
 # --- the editor ---------------------------------------------------------------------
@@ -329,7 +311,7 @@ class Editor:
     def edit(self, request: EditRequest) -> EditResult:
         """Run one edit: flow matching (``lbm_steps=None``) or LBM bridge sampling."""
         start = time.perf_counter()
-        _check_request(request)
+        check_request(request)
         bound_rope_cache(self.pipe.dit)
         for prompt in (request.prompt, request.negative_prompt):  # before any encoder runs
             check_prompt_length(self.pipe, prompt, request.max_prompt_tokens)

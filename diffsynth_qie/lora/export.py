@@ -143,6 +143,11 @@ def diffusers_state_dict(state: LoraState, drop_full_weights: bool = False) -> d
     return out
 
 
+# metadata keys that state a LoRA's rank or alpha (ours, kohya's, PEFT-style): not copied into an export
+SCALE_KEYS = frozenset({"alpha", "rank", "lora_alpha", "lora_rank", "network_alpha", "network_dim",
+                        "ss_network_alpha", "ss_network_dim"})
+
+
 def export_lora(in_path: str | os.PathLike, out_path: str | os.PathLike, fmt: ExportFormat,
                 drop_full_weights: bool = False) -> Path:
     """Convert any supported LoRA file to ComfyUI's or diffusers' key names."""
@@ -154,9 +159,13 @@ def export_lora(in_path: str | os.PathLike, out_path: str | os.PathLike, fmt: Ex
     else:
         tensors = diffusers_state_dict(state, drop_full_weights=drop_full_weights)
     # alpha is written as .alpha tensors (comfyui) or folded into lora_A (diffusers); a copied
-    # lora_adapter_metadata would make diffusers apply it a second time.
-    metadata = {k: v for k, v in state.metadata.items() if k not in ("format", "format_version", ADAPTER_METADATA_KEY)}
+    # lora_adapter_metadata, or plain alpha/rank keys of the source, would make a tool apply it a second time.
+    metadata = {k: v for k, v in state.metadata.items()
+                if k not in ("format", "format_version", ADAPTER_METADATA_KEY) and k.lower() not in SCALE_KEYS}
     metadata.update(format=fmt, converted_by=FORMAT_NAME, source_format=state.format)
+    ranks = sorted({m.rank for m in state.modules.values()})
+    if fmt == "diffusers" and len(ranks) == 1:  # folded: the file's own scale alpha / rank is 1
+        metadata.update(rank=str(ranks[0]), alpha=str(ranks[0]), alpha_folded_into_lora_A="true")
     out = _write(Path(out_path), tensors, metadata)
     log.info("wrote %s LoRA %s (%d tensors, from %s format)", fmt, out, len(tensors), state.format)
     return out

@@ -263,14 +263,27 @@ def _config_alpha(config: Mapping[str, Any], name: str, rank: int, source: str) 
     return alpha
 
 
-def check_tensors(tensors: Mapping[str, torch.Tensor], source: str) -> None:
-    """Refuse a LoRA file holding NaN/inf, or values beyond ``MAX_ABS_VALUE``.
+_WIDE_OR_NARROW = (torch.float64,) + tuple(getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """The LoRA's tensors, checked: float64 and float8 are cast to fp32 (float8 holds no NaN check and
+    most operators refuse it); integer or boolean weights are refused by key (no LoRA is stored that way,
+    only an ``.alpha`` scalar may be an integer); NaN/inf, or values beyond ``MAX_ABS_VALUE``, are refused.
 
     Such a file (a diverged run, a damaged download) would otherwise render black or
     noise images with no error. ``.alpha`` scalars are exempt from the size limit:
     their effect is bounded by the delta check in :func:`match_lora`.
     """
+    out = {}
     for key, value in tensors.items():
+        if value.dtype in _WIDE_OR_NARROW:
+            value = value.to(torch.float32)
+        elif not value.is_floating_point() and not (key.endswith(".alpha") and value.numel() == 1):
+            raise ValueError(f"LoRA {source}: tensor {key} is {str(value.dtype).replace('torch.', '')}; LoRA weights "
+                             "are floating point (fp32, bf16 or fp16): the file is not a LoRA, or it is damaged")
+        out[key] = value
         if not value.is_floating_point() or value.numel() == 0:
             continue
         finite = torch.isfinite(value)
@@ -284,6 +297,7 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], source: str) -> None:
         if peak > MAX_ABS_VALUE:
             raise ValueError(f"LoRA {source}: tensor {key} holds a value of magnitude {peak:.3g}, beyond "
                              f"{MAX_ABS_VALUE:g}, which no trained LoRA reaches; the file is damaged.")
+    return out
 
 
 def _format_name(formats: set[str], metadata: Mapping[str, str]) -> str:
@@ -297,5 +311,5 @@ def load_lora_state(path: str | os.PathLike) -> LoraState:
     """Read a LoRA file of any supported format into a :class:`LoraState`."""
     path = Path(path)
     tensors, metadata = _read_file(path)
-    check_tensors(tensors, str(path))
+    tensors = check_tensors(tensors, str(path))
     return parse_lora_state_dict(tensors, metadata, source=str(path))

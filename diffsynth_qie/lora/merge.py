@@ -14,6 +14,7 @@ that understands e4m3 weights reads it), everything else bf16.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -130,6 +131,32 @@ def _link_components(base: Path, out_dir: Path) -> list[str]:
     return linked
 
 
+PROGRESS_NAME = ".qie-merge-progress.json"  # what an unfinished merge into this directory was asked to do
+
+
+def _resumable(out_dir: Path, out_folder: Path, request: dict) -> set[str]:
+    """Names of the shard files an interrupted identical merge into ``out_dir`` finished (empty for a fresh
+    directory). A finished merge, or another merge's unfinished weights, are refused by name."""
+    existing = {p.name for p in finished_files(out_folder, f"{DIT_STEM}*")}
+    if not existing:
+        return set()
+    progress = out_dir / PROGRESS_NAME
+    if (out_dir / INFO_NAME).is_file() or not progress.is_file():
+        raise ValueError(f"--out {out_dir} already holds DiT weights in {out_folder}; choose an empty directory "
+                         "or remove them")
+    try:
+        started = json.loads(progress.read_text())
+    except (OSError, ValueError):
+        started = None
+    if started != request:
+        raise ValueError(f"--out {out_dir} holds an unfinished merge of other inputs ({progress}); rerun it with "
+                         "the same --base, --lora and --dtype to finish it, or choose an empty directory")
+    keep = existing & set(request["files"])
+    log.info("finishing the interrupted merge into %s: %d of %d shard file(s) are already written", out_dir,
+             len(keep), len(request["files"]))
+    return keep
+
+
 def merge_loras(base: str | os.PathLike, loras: Sequence[tuple[str | os.PathLike, float]],
                 out_dir: str | os.PathLike, dtype: str = "bf16", link_components: bool = True) -> MergeReport:
     """Merge ``loras`` [(path, scale), ...] into the DiT of ``base`` and write it to ``out_dir``.
@@ -148,9 +175,9 @@ def merge_loras(base: str | os.PathLike, loras: Sequence[tuple[str | os.PathLike
     out_folder = out_dir / DIT_SUBDIR
     if out_folder.resolve() == dit.folder.resolve() or out_dir.resolve() == dit.folder.resolve():
         raise ValueError(f"--out {out_dir} is the base model's own directory; write the merged model elsewhere")
-    if finished_files(out_folder, f"{DIT_STEM}*"):
-        raise ValueError(f"--out {out_dir} already holds DiT weights in {out_folder}; choose an empty directory "
-                         "or remove them")
+    request = {"base": str(dit.folder.resolve()), "dtype": dtype, "files": [p.name for p in dit.files],
+               "loras": [{"path": str(Path(p).resolve()), "scale": float(s)} for p, s in loras]}
+    done = _resumable(out_dir, out_folder, request)
     states = [(_matched(load_lora_state(path), dit), float(scale)) for path, scale in loras]
     patches = _patches(states)
     report = MergeReport(out_dir=out_dir, merged_modules=sum(len(s.modules) for s, _ in states),
@@ -158,8 +185,16 @@ def merge_loras(base: str | os.PathLike, loras: Sequence[tuple[str | os.PathLike
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    atomic_write_json(out_dir / PROGRESS_NAME, request)  # a killed merge reruns into the same --out
     weight_map, total = {}, 0
     for path in dit.files:
+        if path.name in done:  # written whole by the killed run (files are written whole or not at all)
+            with safe_open(str(out_folder / path.name), framework="pt", device="cpu") as f:
+                weight_map.update({k: path.name for k in f.keys()})
+            total += (out_folder / path.name).stat().st_size
+            report.files.append(out_folder / path.name)
+            log.info("kept %s from the interrupted run", out_folder / path.name)
+            continue
         tensors: dict[str, torch.Tensor] = {}
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {"format": "pt"})
@@ -184,6 +219,7 @@ def merge_loras(base: str | os.PathLike, loras: Sequence[tuple[str | os.PathLike
         linked = _link_components(dit.folder.parent, out_dir)
     atomic_write_json(out_dir / INFO_NAME, {"base": str(base), "dtype": dtype, "linked_components": linked,
                                             "loras": [{"path": str(p), "scale": float(s)} for p, s in loras]})
+    (out_dir / PROGRESS_NAME).unlink(missing_ok=True)
     log.info("merged %d LoRA(s) (%d module deltas, %d full weights) into %s (%s)%s", len(loras),
              report.merged_modules, report.full_weights, out_folder, dtype,
              f"; linked {', '.join(linked)} from the base" if linked else "")

@@ -25,8 +25,13 @@ import torch
 def micro_loss_scale(micro_samples: int, step_samples: int, accumulation_steps: int, world_size: int) -> float:
     """Factor for a micro-batch's mean loss so that, after the ``1/G`` of accumulation and the
     ``1/W`` of the rank average, each of the step's ``step_samples`` samples weighs ``1/step_samples``."""
-    assert 0 < micro_samples <= step_samples, (micro_samples, step_samples)
-    return micro_samples * accumulation_steps * world_size / step_samples
+    if step_samples <= 0:
+        raise ValueError("an optimizer step got no sample on any rank: the cache holds fewer rows than the run's "
+                         "processes x --batch_size x --gradient_accumulation_steps needs; cache more rows or "
+                         "lower them")
+    if not 0 <= micro_samples <= step_samples:
+        raise ValueError(f"a micro-batch of {micro_samples} samples in a step of {step_samples}")
+    return micro_samples * accumulation_steps * world_size / step_samples  # 0 for an empty micro-batch
 
 
 def step_sample_count(local_sizes: Sequence[int], accelerator=None) -> int:

@@ -33,6 +33,7 @@ import torch
 
 from ..utils.atomic import (DiskFullError, atomic_save, atomic_write_json, finished_files, is_disk_full,
                             temp_leftovers)
+from ..utils.collective import raise_on_every_rank
 from ..utils.integrity import safetensors_problem, state_file_problem
 from .data import DataPosition
 
@@ -310,23 +311,28 @@ def _save_checkpoint(accelerator, module, optimizer, engine, out: Path, state: T
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
 
-    # The LoRA users load: for a schedule-free optimizer, its average x.
-    with schedule_free_eval(optimizer, engine) as held:
-        lora_state = gather_trainable(module, accelerator, fp32_master=held == "trained weights")
-        if accelerator.is_main_process:
-            save_lora_file(tmp / LORA_NAME, module, lora_state, {**(metadata or {}), "step": state.step,
-                                                                 "weights": held})
-    # The resumable state: the training point y, exactly as the optimizer left it.
-    if _uses_deepspeed(accelerator):
-        accelerator.save_state(str(tmp / STATE_DIR), exclude_frozen_parameters=True)
-    else:
-        accelerator.save_state(str(tmp / STATE_DIR))
-        raw = gather_trainable(module, accelerator)
-        if accelerator.is_main_process:
-            from safetensors.torch import save_file
+    failure = None
+    try:
+        # The LoRA users load: for a schedule-free optimizer, its average x.
+        with schedule_free_eval(optimizer, engine) as held:
+            lora_state = gather_trainable(module, accelerator, fp32_master=held == "trained weights")
+            if accelerator.is_main_process:
+                save_lora_file(tmp / LORA_NAME, module, lora_state, {**(metadata or {}), "step": state.step,
+                                                                     "weights": held})
+        # The resumable state: the training point y, exactly as the optimizer left it.
+        if _uses_deepspeed(accelerator):
+            accelerator.save_state(str(tmp / STATE_DIR), exclude_frozen_parameters=True)
+        else:
+            accelerator.save_state(str(tmp / STATE_DIR))
+            raw = gather_trainable(module, accelerator)
+            if accelerator.is_main_process:
+                from safetensors.torch import save_file
 
-            atomic_save(tmp / TRAINABLE_NAME, lambda p: save_file({k: v.contiguous() for k, v in raw.items()}, str(p)))
-    accelerator.wait_for_everyone()  # every rank's part of state/ is written
+                atomic_save(tmp / TRAINABLE_NAME,
+                            lambda p: save_file({k: v.contiguous() for k, v in raw.items()}, str(p)))
+    except Exception as e:  # told to every rank below, instead of leaving the others at the barrier
+        failure = e
+    raise_on_every_rank(accelerator, failure)  # (a barrier) every rank's part of state/ is written
     if accelerator.is_main_process:
         state.extra["weights_in_lora"] = held
         atomic_write_json(tmp / TRAINER_STATE, state.to_json())

@@ -204,7 +204,7 @@ def batch_image_tokens(batch: dict) -> tuple[int, int]:
     """
     per_sample = [sum((int(t.shape[-2]) // 2) * (int(t.shape[-1]) // 2) for t in [target, *edits])
                   for target, edits in zip(batch["target_latents"], batch["edit_latents"])]
-    return sum(per_sample), len(per_sample) * max(per_sample)
+    return sum(per_sample), len(per_sample) * max(per_sample, default=0)
 
 
 # --- the trainer's data -----------------------------------------------------------

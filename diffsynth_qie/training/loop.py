@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..utils.dir_lock import TrainLock
 from .config import RunConfig
 from .data import open_cache, split_holdout  # noqa: F401  (moved to data.py; kept importable here)
 from .placement import weight_dtype
@@ -121,14 +122,27 @@ class _Run:
     resumed: bool
     tracker: object
     validator: object
+    lock: object = None       # the output directory's TrainLock (rank 0)
 
 
 def setup(config: RunConfig) -> _Run:
-    """Accelerator, cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
+    """Accelerator, output-directory lock, then the run (:func:`_build_run`); the lock is released if that fails."""
+    accelerator = make_accelerator(config)  # first: under ZeRO-3 the DiT must be built partitioned
+    ds_config = deepspeed_config(accelerator)
+    lock = TrainLock(config.train.output_dir).acquire_for_ranks(accelerator)  # one run per --output_dir
+    try:
+        return _build_run(config, accelerator, ds_config, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _build_run(config: RunConfig, accelerator, ds_config: Optional[dict], lock) -> _Run:
+    """Cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
     from accelerate.utils import set_seed
 
     from ..models.compile import compile_blocks
-    from ..models.loading import check_device_for
+    from ..models.devices import check_device_for
     from ..models.presets import get_preset
     from ..utils.shared_dir import check_shared_dir
     from . import checkpoint as ckpt
@@ -137,11 +151,10 @@ def setup(config: RunConfig) -> _Run:
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
                         configure_deepspeed)
     from .placement import build_module, check_block_swap, device_placement
+    from .resume import apply_schedule, cache_identity, check_resume, warn_data_order
     from .tracking import Tracker
     from .validation import Validator
 
-    accelerator = make_accelerator(config)  # first: under ZeRO-3 the DiT must be built partitioned
-    ds_config = deepspeed_config(accelerator)
     preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
     cfg = config.resolved(preset)
     check_clipping(cfg.optim, ds_config)
@@ -186,22 +199,20 @@ def setup(config: RunConfig) -> _Run:
 
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
                               gradient_accumulation_steps=t.gradient_accumulation_steps,
-                              extra={"total_steps": total_steps, "config": cfg.to_json()})
+                              extra={"total_steps": total_steps, "config": cfg.to_json(),
+                                     "cache": cache_identity(t.cache_dir)})
     if accelerator.num_processes > 1:  # every rank writes here, rank 0 renames: one directory for all nodes
         check_shared_dir(t.output_dir, accelerator.is_main_process, accelerator.wait_for_everyone)
     if accelerator.is_main_process:
         ckpt.remove_leftovers(t.output_dir)
     resume_from = ckpt.resolve_resume(t.resume, t.output_dir)
-    if resume_from is not None:
+    if resume_from is not None:  # what changed since the checkpoint: refused, or applied (training/resume.py)
+        changes = check_resume(ckpt.read_trainer_state(resume_from).extra, state.extra, resume_from)
         saved = ckpt.load_checkpoint(accelerator, module, resume_from)
-        for name in ("seed", "world_size", "batch_size", "gradient_accumulation_steps"):
-            if getattr(saved, name) != getattr(state, name):
-                log.warning("resuming with %s=%s (checkpoint: %s): the data order will differ from the original run",
-                            name, getattr(state, name), getattr(saved, name))
+        warn_data_order(saved, state, saved.extra.get("config"), cfg.to_json())
         state.step, state.position = saved.step, saved.position
-        if saved.extra.get("config", {}).get("sampling", cfg.to_json()["sampling"]) != cfg.to_json()["sampling"]:
-            log.warning("resuming with other sampling flags than the checkpoint's (%s): the data order will differ",
-                        saved.extra["config"]["sampling"])
+        if changes:
+            apply_schedule(optimizer, wrapped_sched, cfg.optim, state.step)
         # the position must lie inside its epoch's batches (ValueError if the data or flags changed)
         sampler.load_state_dict({"epoch": state.position.epoch, "batch": state.position.batch})
     tracker = Tracker(t.output_dir, accelerator.is_main_process, t.report_to, cfg.to_json(),
@@ -213,7 +224,8 @@ def setup(config: RunConfig) -> _Run:
     return _Run(cfg=cfg, accelerator=accelerator, module=module, wrapped=wrapped, optimizer=optimizer,
                 wrapped_optimizer=wrapped_opt, lr_scheduler=wrapped_sched,
                 engine=wrapped if ds_config is not None else None, dataset=dataset, sampler=sampler, state=state,
-                total_steps=total_steps, resumed=resume_from is not None, tracker=tracker, validator=validator)
+                total_steps=total_steps, resumed=resume_from is not None, tracker=tracker, validator=validator,
+                lock=lock)
 
 
 def train(config: RunConfig, hooks: Optional[Hooks] = None) -> TrainResult:
@@ -224,6 +236,7 @@ def train(config: RunConfig, hooks: Optional[Hooks] = None) -> TrainResult:
         result = run_loop(run, hooks or Hooks())
     finally:
         run.tracker.close()
+        run.lock.release()
     result.seconds = time.perf_counter() - t_start
     log.info("trained %d step(s) in %.1f s (%.2f steps/s); LoRA: %s", result.new_steps, result.seconds,
              result.steps_per_second, result.lora_path)
@@ -341,11 +354,13 @@ def _step_record(accelerator, micro, lr, optimizer, grad_norm, engine, state) ->
                           torch.tensor([float(p) for _, p in tokens]).mean()]).to(accelerator.device)
     shared = accelerator.reduce(shared, reduction="mean") if accelerator.num_processes > 1 else shared
     loss, real, padded = (float(v) for v in shared)
-    record = {"loss": loss, "lr": float(lr), "epoch": state.position.epoch, "padding_fraction": 1.0 - real / padded}
+    record = {"loss": loss, "lr": float(lr), "epoch": state.position.epoch,
+              "padding_fraction": 1.0 - real / padded if padded else 0.0}
     keys = {k for _, m, _ in micro for k in m}
     for k in sorted(keys):
-        pairs = [(float(m[k]), n) for (_, m, _), n in zip(micro, samples) if k in m]
-        record[k] = sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
+        pairs = [(float(m[k]), n) for (_, m, _), n in zip(micro, samples) if k in m and n]
+        if pairs:
+            record[k] = sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
     group = optimizer.param_groups[0]
     if "d" in group:  # Prodigy's step-size estimate: the effective lr is d * lr
         record["prodigy_d"] = float(group["d"])

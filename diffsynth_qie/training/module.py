@@ -246,5 +246,8 @@ class QIETrainingModule(DiffusionTrainingModule):
             from ..models.forward import dit_forward
 
             return dit_forward(self.dit, **predict)
+        if not batch["target_latents"]:  # an empty micro-batch (a rank with nothing left): a zero loss that
+            # reaches every trainable parameter, so DDP / DeepSpeed reduce the same gradients on every rank
+            return sum((p.float() * 0).sum() for p in self.trainable_modules()), {}
         extra = {"pixel_critic": self.pixel_critic} if self.pixel_critic is not None else {}
         return self.loss_fn(self.dit, self.to_compute(batch), self.config, generator, **extra)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 from PIL import Image
 
+from ..utils.text import is_empty_prompt, visible_text
 from .config import UIConfig
 from .uploads import UIError, image_from_editor, mask_from_editor, prune_temp_files, reference_images
 
@@ -314,8 +315,8 @@ class UIHandlers:
 
         report = progress or (lambda done, total, desc: None)
         limit = self.config.max_upload_bytes
-        prompt = (inputs.prompt or "").strip()
-        if not prompt:
+        prompt = visible_text(inputs.prompt)
+        if is_empty_prompt(prompt):
             raise UIError("type a prompt describing the edit")
         if inputs.mode not in MODES:
             raise UIError(f"unknown mode {inputs.mode!r}; valid: {', '.join(MODES)}")

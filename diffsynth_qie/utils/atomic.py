@@ -3,9 +3,10 @@
 A reader (or a resumed run) therefore never sees a half-written cache shard,
 checkpoint or image: either the old file or the complete new one.
 
-Temp files are named ``.<stem>.<random>.tmp<suffix>`` (hidden, and recognisable by
+Temp entries are named ``.<stem>.<pid>-<random>.tmp`` (hidden, and recognisable by
 :func:`is_temp_name`); every directory listing of finished files goes through
-:func:`finished_files`, so a leftover of a killed write is never taken for a result.
+:func:`finished_files`, so a leftover of a killed write is never taken for a result, and
+:func:`clean_leftovers` removes those of processes that no longer run.
 Finished files get the permissions the umask gives any new file (``0o666 & ~umask``),
 whatever the library that wrote them chose. A full disk ends in :class:`DiskFullError`
 naming the directory, with the partial file removed.
@@ -15,14 +16,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+log = logging.getLogger(__name__)
 TEMP_MARK = ".tmp"
-# .<stem>.<mkstemp random>.tmp<suffix>  (see atomic_path)
+# .<stem>.<pid>-<random>.tmp (see atomic_path); also .<stem>.<random>.tmp<suffix> of older versions
 _TEMP_RE = re.compile(r"^\..+\.tmp(\.[^.]+)?$")
 # What libraries that hide the OSError say when the disk is full: the C library's strerror,
 # safetensors' Rust writer ("StorageFull", "os error 28"), torch's zip writer (a short write
@@ -93,33 +98,70 @@ def is_disk_full(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path next to ``path``; on success rename it over ``path``.
+    """Yield a temp path for ``path``; on success rename it over ``path``.
 
-    The temp name keeps the final suffix so libraries that infer the format from
-    the extension (PIL, safetensors) still work.
+    The temp file sits in a private temp directory next to ``path``
+    (``.<stem>.<pid>-<random>.tmp/<name>``), so whatever a library writes beside it (safetensors' own
+    ``.tmpXXXXXX``) is inside a directory this package owns: a killed write leaves one entry that
+    :func:`is_temp_name` recognises and :func:`clean_leftovers` removes. The file keeps its final name
+    so libraries that infer the format from the extension (PIL, safetensors) still work.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = None
+    tmp_dir = tmp_path = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f"{TEMP_MARK}{path.suffix}", dir=path.parent)
-        os.close(fd)
-        tmp_path = Path(tmp)
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.stem}.{os.getpid()}-", suffix=TEMP_MARK, dir=path.parent))
+        tmp_path = tmp_dir / path.name
+        tmp_path.touch()
         yield tmp_path
-        # mkstemp makes 0600 and some writers (safetensors) recreate the file: set the usual mode last
-        os.chmod(tmp_path, default_mode())
+        os.chmod(tmp_path, default_mode())  # some writers (safetensors) recreate the file: set the usual mode last
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
     except Exception as e:
         if is_disk_full(e) and not isinstance(e, DiskFullError):
-            if tmp_path is not None:
-                tmp_path.unlink(missing_ok=True)
             raise DiskFullError(path) from None
         raise
     finally:
-        if tmp_path is not None and tmp_path.exists():
-            tmp_path.unlink()
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+_PID_RE = re.compile(r"^\..+\.(\d+)-[^.]*\.tmp(\.[^.]+)?$")
+STALE_SECONDS = 3600  # a temp entry without a process id (older writers) is a leftover after an hour
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def clean_leftovers(directory: str | os.PathLike) -> list[Path]:
+    """Remove what killed writes left in ``directory`` (not recursive): temp entries of processes that no
+    longer run on this machine, and unattributed ones older than :data:`STALE_SECONDS`. A live write of
+    another process into the same directory is left alone. Returns what was removed."""
+    removed = []
+    for entry in temp_leftovers(directory):
+        m = _PID_RE.match(entry.name)
+        try:
+            stale = (not _alive(int(m.group(1)))) if m else time.time() - entry.lstat().st_mtime > STALE_SECONDS
+        except OSError:
+            continue
+        if not stale or (m and int(m.group(1)) == os.getpid()):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    if removed:
+        log.info("removed %d leftover(s) of killed writes in %s", len(removed), directory)
+    return removed
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -58,6 +58,10 @@ def _add_field(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dat
             kwargs["default"] = default.value
     else:
         kwargs["type"] = tp
+    if kwargs.get("type") in (int, float) and ("min" in f.metadata or "max" in f.metadata):
+        from .cli_checks import checked
+
+        kwargs["type"] = checked(kwargs["type"], f.metadata.get("min"), f.metadata.get("max"))
     if f.metadata.get("metavar"):
         kwargs["metavar"] = f.metadata["metavar"]
     parser.add_argument(name, help=help_text, **kwargs)

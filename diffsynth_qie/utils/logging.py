@@ -49,8 +49,14 @@ def setup_logging(level: str | int = "INFO") -> None:
     root = logging.getLogger()
     if getattr(root, "_qie_configured", False):
         root.setLevel(level)
+        for handler in root.handlers:
+            if isinstance(handler, _Handler):
+                handler.setLevel(level)
         return
     handler = _Handler()
+    # the handler's own level too: a library logger set lower (DEBUG while capturing a load) still propagates
+    # its records here, and only --verbose should show them
+    handler.setLevel(level)
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if process_rank():
         fmt = f"[rank{process_rank()}] " + fmt

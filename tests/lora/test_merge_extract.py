@@ -221,3 +221,38 @@ def test_help_exits_cleanly():
         with pytest.raises(SystemExit) as e:
             main([command, "--help"])
         assert e.value.code == 0
+
+
+def test_a_killed_merge_reruns_into_the_same_directory_and_finishes_it(sharded_base, tmp_path, monkeypatch):
+    """Killed after the first shard (and with a killed shard write's temp left behind), the same command
+    finishes the merge: the result equals an uninterrupted one; other inputs are refused by name."""
+    from diffsynth_qie.lora import merge as merge_mod
+    from diffsynth_qie.utils.atomic import temp_leftovers
+
+    root, state = sharded_base
+    path = save_lora(tmp_path / "a.safetensors", _lora(state, 1))
+    argv = ["merge-lora", str(root), "--lora", str(path), "--dtype", "fp32", "--out"]
+    main(argv + [str(tmp_path / "clean")])
+    out = tmp_path / "killed"
+    real, calls = merge_mod.atomic_save, []
+
+    def dies_on_the_second_shard(target, fn):
+        calls.append(target)
+        if len(calls) == 2:  # a dead process's half-written temp directory, then the kill
+            (target.parent / ".diffusion_pytorch_model.999999-x1.tmp").mkdir()
+            raise KeyboardInterrupt
+        real(target, fn)
+
+    monkeypatch.setattr(merge_mod, "atomic_save", dies_on_the_second_shard)
+    assert main(argv + [str(out)]) == 130
+    monkeypatch.setattr(merge_mod, "atomic_save", real)
+    assert len(list((out / "transformer").glob("*.safetensors"))) == 1 and temp_leftovers(out / "transformer")
+    other = save_lora(tmp_path / "b.safetensors", _lora(state, 2))
+    with pytest.raises(ValueError, match="unfinished merge of other inputs"):
+        merge_mod.merge_loras(root, [(other, 1.0)], out, dtype="fp32")
+    assert main(argv + [str(out)]) == 0
+    assert not temp_leftovers(out / "transformer") and not (out / merge_mod.PROGRESS_NAME).exists()
+    finished, clean = _read_dir(out / "transformer"), _read_dir(tmp_path / "clean" / "transformer")
+    assert finished.keys() == clean.keys() and all(torch.equal(finished[k], clean[k]) for k in clean)
+    with pytest.raises(ValueError, match="already holds DiT weights"):  # a finished merge is never overwritten
+        merge_mod.merge_loras(root, [(path, 1.0)], out, dtype="fp32")
