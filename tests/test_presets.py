@@ -15,7 +15,7 @@ from diffsynth_qie.models.presets import (
 
 
 def test_registry_holds_exactly_the_supported_models():
-    assert set(PRESETS) == {"edit", "2509", "2511", "tiny"}
+    assert set(PRESETS) == {"edit", "2509", "2511", "tiny", "2.1", "2.1-turbo", "tiny-2.1"}
     assert all(isinstance(p, Preset) and p.name == key for key, p in PRESETS.items())
 
 

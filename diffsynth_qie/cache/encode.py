@@ -12,6 +12,11 @@ Image sizing (all sides multiples of ``divisor``, never enlarged):
 Prompts are encoded together with the (resized) reference images by DiffSynth's
 own ``QwenImageUnit_PromptEmbedder`` (``models/encoding.py``), with the single- or
 multi-image template chosen by the preset.
+
+Where Qwen-Image-2.1 differs (``models/family_ops.py``): sides are multiples of 32, each reference is sized as
+2.1's pipeline sizes it at inference (the target's area at the reference's aspect ratio), images enter the VAE
+as RGBA (16x, 64 channels), the mask is averaged over 16x16 blocks, prompts carry their references' slot mask,
+and no LBM source is stored (LBM is built for Qwen-Image-Edit only).
 """
 from __future__ import annotations
 
@@ -28,8 +33,6 @@ from . import store
 from .config import CacheConfig
 from .shards import ShardWriter
 from .store import CacheEntry, EntryMeta
-
-VAE_DOWNSCALE = 8
 
 
 # ----------------------------------------------------------------------------- images
@@ -51,24 +54,30 @@ def _fit(img, max_pixels: int, divisor: int, path):
     return resize_to(img, fit_image(img.size, max_pixels, divisor, f"image {path}"))
 
 
-def prepare_row(row: EditRow, config: CacheConfig) -> _Prepared:
-    """Decode and resize a row's images as documented in the module docstring."""
+def prepare_row(row: EditRow, config: CacheConfig, ops=None) -> _Prepared:
+    """Decode and resize a row's images as documented in the module docstring (``ops``: the model family's,
+    ``models.family_ops.ops_for``; default Qwen-Image-Edit's)."""
     import numpy as np
     import torch
     import torch.nn.functional as F
 
-    target = _fit(load_rgb(row.target), config.max_pixels, config.divisor, row.target)
+    from ..models.family_ops import ops_for
+
+    ops = ops or ops_for("qwen-image-edit")
+    divisor = max(config.divisor, ops.family.size_divisor)
+    target = _fit(load_rgb(row.target), config.max_pixels, divisor, row.target)
     originals = [load_rgb(p) for p in row.edit_images]
-    edits = [_fit(im, config.resolved_edit_max_pixels(), config.divisor, p) for im, p in zip(originals, row.edit_images)]
+    edits = [resize_to(im, ops.cache_reference_size(im.size, target.size, config.resolved_edit_max_pixels(), divisor,
+                                                    f"image {p}")) for im, p in zip(originals, row.edit_images)]
     lbm = None
-    if originals:
+    if originals and ops.supports_lbm:
         lbm = edits[0] if edits[0].size == target.size else resize_to(originals[0], target.size)
     mask = None
     if row.back_mask is not None:
         m = resize_to(load_mask(row.back_mask), target.size)
         t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
-        mask = F.avg_pool2d(t, VAE_DOWNSCALE)[0]
-    ref_gt = _fit(load_rgb(row.ref_gt), config.max_pixels, config.divisor, row.ref_gt) if row.ref_gt is not None else None
+        mask = F.avg_pool2d(t, ops.family.vae_factor)[0]
+    ref_gt = _fit(load_rgb(row.ref_gt), config.max_pixels, divisor, row.ref_gt) if row.ref_gt is not None else None
     return _Prepared(row, target, edits, lbm, mask, ref_gt)
 
 
@@ -97,8 +106,8 @@ def prefetch(fn: Callable, items: Iterable, num_workers: int) -> Iterator:
 # ----------------------------------------------------------------------------- encoding
 
 
-def vae_encode_many(pipe, images: list) -> list:
-    """VAE latents ``[16, h, w]`` per PIL image; images of equal size go through the VAE together."""
+def vae_encode_many(pipe, images: list, ops) -> list:
+    """VAE latents ``[C, h, w]`` per PIL image; images of equal size go through the VAE together."""
     import torch
 
     pipe.load_models_to_device(["vae"])  # no-op unless DiffSynth's VRAM management is on
@@ -107,8 +116,7 @@ def vae_encode_many(pipe, images: list) -> list:
     for i, im in enumerate(images):
         groups.setdefault(im.size, []).append(i)
     for idx in groups.values():
-        pixels = torch.cat([pipe.preprocess_image(images[i]).to(device=pipe.device, dtype=pipe.torch_dtype)
-                            for i in idx])
+        pixels = torch.cat([ops.vae_pixels(pipe, images[i]) for i in idx])
         with torch.no_grad():
             lat = pipe.vae.encode(pixels)
         for k, i in enumerate(idx):
@@ -116,12 +124,13 @@ def vae_encode_many(pipe, images: list) -> list:
     return out
 
 
-def encode_prepared(pipe, prep: _Prepared, multi_image: bool) -> CacheEntry:
+def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops=None) -> CacheEntry:
     """The tensors of one row (``sub_noise`` left to the caller: it is shared per size)."""
     import torch
 
-    from ..models.encoding import encode_prompt
+    from ..models.family_ops import ops_for
 
+    ops = ops or ops_for("qwen-image-edit")
     row = prep.row
     images = [prep.target, *prep.edits]
     own_lbm = prep.lbm_source is not None and (not prep.edits or prep.lbm_source is not prep.edits[0])
@@ -129,15 +138,16 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool) -> CacheEntry:
         images.append(prep.lbm_source)
     if prep.ref_gt is not None:
         images.append(prep.ref_gt)
-    lat = vae_encode_many(pipe, images)
+    lat = vae_encode_many(pipe, images, ops)
     target, edits = lat[0], lat[1:1 + len(prep.edits)]
     rest = lat[1 + len(prep.edits):]
     lbm = rest.pop(0) if own_lbm else (edits[0] if prep.lbm_source is not None else None)
     ref_gt = rest.pop(0) if prep.ref_gt is not None else None
 
     prompts = [p for p in row.prompts if not is_empty_prompt(p)]
-    embs = [encode_prompt(pipe, p, prep.edits, multi_image=multi_image, max_tokens=None) for p in prompts]
-    empty = encode_prompt(pipe, "", prep.edits, multi_image=multi_image)
+    encoded = [ops.split_prompt(ops.encode_prompt(pipe, p, prep.edits, edits, multi_image, None)) for p in prompts]
+    empty, empty_pad = ops.split_prompt(ops.encode_prompt(pipe, "", prep.edits, edits, multi_image, None))
+    embs = [e for e, _ in encoded]
 
     def ones(emb):
         return torch.ones(emb.shape[0], dtype=torch.long)
@@ -148,21 +158,23 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool) -> CacheEntry:
         empty_prompt_emb=empty, empty_prompt_mask=ones(empty),
         target_latents=target, edit_latents=list(edits), sub_noise=None,  # type: ignore[arg-type]
         back_mask=prep.back_mask, ref_gt_latents=ref_gt, lbm_source_latents=lbm,
+        prompt_pads=None if empty_pad is None else [pad.cpu() for _, pad in encoded],
+        empty_prompt_pad=None if empty_pad is None else empty_pad.cpu(),
     )
 
 
-def white_key(pipe, writer: ShardWriter, size: tuple[int, int]) -> str:
+def white_key(pipe, writer: ShardWriter, size: tuple[int, int], ops=None) -> str:
     """Key of the white latents for a (W, H) pixel size, computing them once per cache."""
-    from ..models.encoding import white_latents
+    from ..models.family_ops import ops_for
 
     key = store.sub_noise_key(size[1], size[0])
     if not writer.has_shared(key):
-        writer.add_shared(key, white_latents(pipe, size[0], size[1]))
+        writer.add_shared(key, (ops or ops_for("qwen-image-edit")).white(pipe, size[0], size[1]))
     return key
 
 
 def entry_meta(prep: _Prepared, entry: CacheEntry, content_hash: str, sub_key: str, sub_ref_key: str | None,
-          base: Path) -> EntryMeta:
+               base: Path, patch: int = 2) -> EntryMeta:
     def rel(p) -> str:
         try:
             return str(Path(p).relative_to(base))
@@ -185,4 +197,6 @@ def entry_meta(prep: _Prepared, entry: CacheEntry, content_hash: str, sub_key: s
         sub_noise_key=sub_key, sub_noise_ref_gt_key=sub_ref_key,
         dtype=str(entry.target_latents.dtype).replace("torch.", ""),
         sources={name: rel(p) for name, p in row.image_paths().items()},
+        patch=patch,
+        has_prompt_pads=entry.prompt_pads is not None,
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import store
 from .config import CacheConfig
+from ..models.family import get_family
 from .fingerprint import encoder_fingerprint
 
 
@@ -24,7 +25,7 @@ def cache_settings(config: CacheConfig, preset, pipe) -> dict:
         "encoder_fingerprint": encoder_fingerprint(pipe),
         "max_pixels": config.max_pixels,
         "edit_max_pixels": config.resolved_edit_max_pixels(),
-        "divisor": config.divisor,
+        "divisor": max(config.divisor, get_family(preset.family).size_divisor),  # (2.1: multiples of 32)
         "dtype": str(pipe.torch_dtype).replace("torch.", ""),
     }
 
@@ -75,10 +76,12 @@ def light_pipeline(config: CacheConfig, device):
     except (FileNotFoundError, ValueError):
         return load_encoders(config, device)
     paths = resolved.paths()
-    if not all(paths.get(name) for name in ("text_encoder", "vae", "tokenizer", "processor")):
+    needed = [name for name in ("text_encoder", "vae", "tokenizer", "processor") if preset.source(name) is not None]
+    if not all(paths.get(name) for name in needed):
         return load_encoders(config, device)
-    from transformers import Qwen2Tokenizer
+    from transformers import AutoTokenizer
 
     _, dtype = _device_and_dtype(config, device)
+    # (Qwen-Image-2.1 keeps its tokenizer in the processor's folder)
     return LightPipeline(torch_dtype=dtype, qie_model_paths=paths,
-                         tokenizer=Qwen2Tokenizer.from_pretrained(paths["tokenizer"][0]))
+                         tokenizer=AutoTokenizer.from_pretrained((paths.get("tokenizer") or paths["processor"])[0]))

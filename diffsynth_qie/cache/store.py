@@ -39,6 +39,11 @@ ones; kept so the trainer can pad and mask uniformly), latents ``[16, h, w]`` wi
 ``h, w`` = pixel size / 8, ``back_mask`` ``[1, h, w]`` float32 in [0, 1] (area
 average, so partly covered latent pixels are fractional).
 
+A Qwen-Image-2.1 cache (manifest ``"family": "qwen-image-2.1"``) differs where the model does: latents
+``[64, h, w]`` with ``h, w`` = pixel size / 16 (one DiT token each), and each prompt embedding has its
+references' slot mask ``prompt_pad.<k>`` / ``empty_prompt_pad`` ``[L]`` (bool: which positions the
+reference latents fill). A cache of one family is refused for the other.
+
 Readers: ``CacheStore.open(cache_dir)`` then ``len``, ``entry_ids``, ``meta(i)``
 (no tensor I/O) and ``load(i) -> CacheEntry`` (opens the shard lazily with
 ``safe_open``; safe in DataLoader workers, nothing is held open across calls).
@@ -107,6 +112,8 @@ class EntryMeta:
     sub_noise_ref_gt_key: Optional[str]
     dtype: str
     sources: dict[str, Any] = field(default_factory=dict)  # relative input paths, for humans/debugging
+    patch: int = 2  # latent pixels per DiT token side (2: Qwen-Image-Edit's 2x2 patches; 1: Qwen-Image-2.1)
+    has_prompt_pads: bool = False  # the references' slot masks per prompt (Qwen-Image-2.1)
     shard: str = ""  # shard file name under shards/, set by ShardWriter
     key: str = ""  # tensor key prefix inside the shard, set by ShardWriter
 
@@ -128,8 +135,8 @@ class EntryMeta:
 
     @property
     def image_tokens(self) -> int:
-        """DiT image tokens (2x2 latent patches) of the target plus all reference images."""
-        return sum((s[1] // 2) * (s[2] // 2) for s in [self.target_shape, *self.edit_shapes])
+        """DiT image tokens (``patch`` x ``patch`` latent pixels each) of the target plus all reference images."""
+        return sum((s[1] // self.patch) * (s[2] // self.patch) for s in [self.target_shape, *self.edit_shapes])
 
     @property
     def text_tokens(self) -> int:
@@ -176,6 +183,8 @@ class CacheEntry:
     ref_gt_latents: Optional["torch.Tensor"] = None
     sub_noise_ref_gt: Optional["torch.Tensor"] = None
     lbm_source_latents: Optional["torch.Tensor"] = None
+    prompt_pads: Optional[list["torch.Tensor"]] = None  # Qwen-Image-2.1: each prompt's reference-slot mask
+    empty_prompt_pad: Optional["torch.Tensor"] = None
 
     @property
     def n_edit(self) -> int:
@@ -190,6 +199,9 @@ class CacheEntry:
             out[f"prompt_mask.{k}"] = mask
         out["empty_prompt_emb"] = self.empty_prompt_emb
         out["empty_prompt_mask"] = self.empty_prompt_mask
+        if self.prompt_pads is not None:
+            out.update({f"prompt_pad.{k}": pad for k, pad in enumerate(self.prompt_pads)})
+            out["empty_prompt_pad"] = self.empty_prompt_pad
         out["target_latents"] = self.target_latents
         for j, lat in enumerate(self.edit_latents):
             out[f"edit_latents.{j}"] = lat
@@ -268,6 +280,11 @@ class CacheStore:
         return [m.entry_id for m in self._metas]
 
     @property
+    def family(self) -> str:
+        """The model family the cache was encoded for (caches from before families are Qwen-Image-Edit's)."""
+        return self.manifest.get("family", "qwen-image-edit")
+
+    @property
     def preset(self) -> str:
         return self.manifest["preset"]
 
@@ -318,6 +335,8 @@ class CacheStore:
                 ref_gt_latents=get("ref_gt_latents") if m.has_ref_gt else None,
                 sub_noise_ref_gt=self.shared(m.sub_noise_ref_gt_key) if m.sub_noise_ref_gt_key else None,
                 lbm_source_latents=lbm,
+                prompt_pads=[get(f"prompt_pad.{k}") for k in range(m.n_prompts)] if m.has_prompt_pads else None,
+                empty_prompt_pad=get("empty_prompt_pad") if m.has_prompt_pads else None,
             )
         return entry
 

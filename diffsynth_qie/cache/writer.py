@@ -168,17 +168,20 @@ def _encode_rows(pipe, config: CacheConfig, preset, todo: list[tuple[EditRow, st
     """Decode (threads, ahead) and encode (this thread) each row, queueing entries into ``writer``."""
     from tqdm import tqdm
 
+    from ..models.family_ops import ops_for
+
+    ops = ops_for(preset.family)
     ds = config.dataset
     base = Path(ds.dataset_base) if ds.dataset_base else Path(ds.dataset_metadata).parent
     hash_of = {r.row_id: h for r, h in todo}
     bar = tqdm(total=len(todo), unit="row", desc="qie cache", disable=not show_progress or not todo,
                dynamic_ncols=True)
     try:
-        for prep in prefetch(lambda rh: prepare_row(rh[0], config), todo, config.num_workers):
-            entry = encode_prepared(pipe, prep, preset.multi_image_prompt)
-            sub_key = white_key(pipe, writer, prep.target.size)
-            sub_ref = white_key(pipe, writer, prep.ref_gt.size) if prep.ref_gt is not None else None
-            meta = entry_meta(prep, entry, hash_of[prep.row.row_id], sub_key, sub_ref, base)
+        for prep in prefetch(lambda rh: prepare_row(rh[0], config, ops), todo, config.num_workers):
+            entry = encode_prepared(pipe, prep, preset.multi_image_prompt, ops)
+            sub_key = white_key(pipe, writer, prep.target.size, ops)
+            sub_ref = white_key(pipe, writer, prep.ref_gt.size, ops) if prep.ref_gt is not None else None
+            meta = entry_meta(prep, entry, hash_of[prep.row.row_id], sub_key, sub_ref, base, ops.family.patch)
             writer.add(entry, meta)
             bar.update(1)
             if on_entry is not None:
@@ -332,8 +335,11 @@ def _run_key(config: CacheConfig, settings: dict) -> str:
 
 
 def _manifest_fields(config: CacheConfig, settings: dict) -> dict:
+    from ..models.presets import get_preset
+
     return {
         "preset": settings["preset"],
+        "family": get_preset(settings["preset"]).family,
         "encoder_fingerprint": settings["encoder_fingerprint"],
         "resize": {"max_pixels": settings["max_pixels"], "edit_max_pixels": settings["edit_max_pixels"],
                    "divisor": settings["divisor"]},

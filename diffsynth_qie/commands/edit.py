@@ -12,19 +12,20 @@ import logging
 from pathlib import Path
 
 from ..data.images import MAX_IMAGE_PIXELS
-from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
+from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS, preset_names
 
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "file", "before_after": "file"}
 
-MODELS = ("edit", "2509", "2511", "tiny")
+MODELS = tuple(preset_names())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model")
     m.add_argument("--model", default="tiny", choices=MODELS,
-                   help="model preset (tiny is built on first use when --model_dir is not given)")
+                   help="model preset (tiny and tiny-2.1 are built on first use when --model_dir is not given; "
+                        "2.1 and 2.1-turbo are Qwen-Image-2.1, under a non-commercial licence)")
     m.add_argument("--model_dir", default=None, help="local directory with the model repo's layout")
     m.add_argument("--lora", action="append", default=[], metavar="PATH",
                    help="LoRA file to apply to the DiT (repeatable)")
@@ -54,9 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     io.add_argument("--out", required=True, metavar="PNG", help="output image (LBM also writes <out>_sub.png)")
     s = parser.add_argument_group("sampling")
     s.add_argument("--steps", type=int, default=None,
-                   help="flow-matching steps (default 40; with --scheduler lightning the LoRA's 4 or 8)")
+                   help="flow-matching steps (default 40; 2.1-turbo 8; with --scheduler lightning the LoRA's 4 or 8)")
     s.add_argument("--cfg", type=float, default=None,
-                   help="true CFG scale (1 = no negative pass; default 4; Lightning forces 1)")
+                   help="true CFG scale (1 = no negative pass; default 4, Qwen-Image-2.1 1; Lightning forces 1)")
     s.add_argument("--scheduler", default="auto", choices=("auto", "default", "lightning"),
                    help="flow-matching schedule: lightning = the few-step schedule the Lightning LoRAs were "
                         "distilled with (CFG 1); auto = lightning when a --lora's name or metadata says so")
@@ -146,8 +147,12 @@ def sub_path(out: str | Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     images, mask, loras = load_inputs(args)  # before any heavy import or model load
     from ..models.lightning import sampling_plan
+    from ..models.presets import family_of, get_preset
 
-    args.scheduler, args.steps, args.cfg = sampling_plan(args.scheduler, args.steps, args.cfg, [p for p, _ in loras])
+    preset, family = get_preset(args.model), family_of(args.model)
+    args.scheduler, args.steps, args.cfg = sampling_plan(
+        args.scheduler, args.steps, args.cfg, [p for p, _ in loras],
+        default_steps=len(preset.sigmas) if preset.sigmas else family.default_steps, default_cfg=family.default_cfg)
 
     from ..data.images import side_by_side
     from ..inference import EditRequest, Editor
@@ -165,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     check_request(request)  # every value, before a model loads
     check_device_name(args.device)
 
-    if args.model != "tiny" and not args.no_preflight:
+    if not preset.is_tiny and family.fullsize_verify and not args.no_preflight:
         from ..inference.verify import preflight
 
         preflight(args.model, images=len(images), fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap,

@@ -1,4 +1,5 @@
-"""`qie make-tiny`: build the tiny Qwen-Image-Edit on disk (see ``tiny/build.py``).
+"""`qie make-tiny`: build the tiny Qwen-Image-Edit (``tiny/build.py``) or, with ``--model tiny-2.1``, the tiny
+Qwen-Image-2.1 (``tiny/qwen21.py``) on disk.
 
 The result has the real repositories' layout, so every other command takes it via
 ``--model tiny --model_dir DIR``. Idempotent: an existing complete build from the
@@ -20,6 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", choices=("tiny", "tiny-2.1"),
+                        help="which tiny model: Qwen-Image-Edit (tiny) or Qwen-Image-2.1 (tiny-2.1)")
     parser.add_argument("--out", default=None,
                         help="output directory (the model's root; created if missing). Required without "
                              "--pretrained; with it, default $QIE_HOME/models/Qwen-Image-Edit-tiny-pretrained")
@@ -41,10 +44,14 @@ def run(args: argparse.Namespace) -> int:
 
     library_warnings_once()  # building the text encoder config warns about its RoPE keys (harmless)
     if args.pretrained:
+        if args.model != "tiny":
+            raise ValueError("--pretrained builds the pretrained tiny Qwen-Image-Edit; drop --model tiny-2.1")
         return _run_pretrained(args)
     if args.out is None:
         raise ValueError("--out is required (or pass --pretrained for the pretrained base's default directory)")
     out = Path(args.out)
+    if args.model == "tiny-2.1":
+        return _run_tiny21(out, args)
     if not looks_like_tiny_dir(out):
         raise ValueError(f"--out {out} exists and holds files that are not part of a tiny model; "
                          "pick an empty or new directory")
@@ -71,4 +78,20 @@ def _run_pretrained(args: argparse.Namespace) -> int:
     if args.write_shipped:
         log.info("shipped copy written to %s", tiny_pretrained.write_shipped(out, Path(args.write_shipped)))
     log.info("pretrained tiny base in %s (use it with: --model tiny --model_dir %s)", out, out)
+    return 0
+
+
+def _run_tiny21(out: Path, args: argparse.Namespace) -> int:
+    from ..tiny.qwen21 import ensure_tiny21, is_complete21, replaceable21
+
+    if not replaceable21(out):
+        raise ValueError(f"--out {out} exists and holds files that are not part of a tiny model; "
+                         "pick an empty or new directory")
+    if is_complete21(out, seed=args.seed) and not args.force:
+        log.info("tiny Qwen-Image-2.1 already complete in %s (seed %d); --force rebuilds it", out, args.seed)
+        return 0
+    if args.force and out.exists():
+        shutil.rmtree(out)  # safe: it holds only tiny-model files
+    ensure_tiny21(out, seed=args.seed)
+    log.info("tiny Qwen-Image-2.1 written to %s (use it with: --model tiny-2.1 --model_dir %s)", out, out)
     return 0

@@ -27,7 +27,6 @@ everything else is kept. Masks are binarised to exactly {0, 255}.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import warnings
 from pathlib import Path
@@ -35,6 +34,8 @@ from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
+
+from ..utils.sizes import fit_image, fit_to_budget  # noqa: F401 (part of this module's API)
 
 #: Gray level at and above which a mask pixel counts as "edit region".
 MASK_THRESHOLD = 128
@@ -182,40 +183,6 @@ def load_mask(path: str | os.PathLike) -> Image.Image:
         raise ValueError(f"cannot convert mask {path} to grayscale: {e}") from e
 
 
-def fit_to_budget(width: int, height: int, max_pixels: int, divisor: int = 16,
-                  *, upscale: bool = False) -> tuple[int, int]:
-    """Target size for a ``width`` x ``height`` image under a pixel budget.
-
-    Returns ``(w2, h2)`` with ``w2 * h2 <= max_pixels``, both sides multiples of
-    ``divisor`` and at least ``divisor``, and the aspect ratio kept as closely as
-    rounding *down* to the divisor allows (rounding down never breaks the
-    budget). Images already under the budget are not enlarged unless
-    ``upscale`` (they are only trimmed to the divisor), matching DiffSynth's
-    dynamic-resolution behaviour. Extreme aspect ratios are clamped: the short
-    side stays >= ``divisor`` and the long side shrinks to keep the budget.
-    """
-    if width <= 0 or height <= 0:
-        raise ValueError(f"image size must be positive, got {width}x{height}")
-    if divisor <= 0:
-        raise ValueError(f"divisor must be positive, got {divisor}")
-    if max_pixels < divisor * divisor:
-        raise ValueError(f"max_pixels={max_pixels} is smaller than one {divisor}x{divisor} block; "
-                         f"use max_pixels >= {divisor * divisor}")
-    scale = math.sqrt(max_pixels / (width * height))
-    if not upscale:
-        scale = min(scale, 1.0)
-    w2 = max(divisor, int(width * scale + 1e-9) // divisor * divisor)
-    h2 = max(divisor, int(height * scale + 1e-9) // divisor * divisor)
-    # Only reachable after clamping a side up to `divisor`: shrink the long side.
-    if w2 * h2 > max_pixels:
-        if w2 >= h2:
-            w2 = max(divisor, max_pixels // h2 // divisor * divisor)
-        else:
-            h2 = max(divisor, max_pixels // w2 // divisor * divisor)
-    assert w2 * h2 <= max_pixels and w2 % divisor == 0 and h2 % divisor == 0, (w2, h2)
-    return w2, h2
-
-
 MIN_SIDE = 16     # the resize divisor: a shorter side could only be met by enlarging
 MAX_ASPECT = 200  # Qwen2-VL's image processor (the text encoder's view of a reference) refuses longer strips
 
@@ -232,16 +199,6 @@ def check_geometry(size: tuple[int, int], source: str = "image") -> None:
     if aspect > MAX_ASPECT:
         raise ValueError(f"{source} is {width}x{height} pixels, an aspect ratio of {aspect:.0f}:1, beyond "
                          f"{MAX_ASPECT}:1 (the text encoder's image processor refuses it); crop it")
-
-
-def fit_image(size: tuple[int, int], max_pixels: int, divisor: int = 16, source: str = "image") -> tuple[int, int]:
-    """:func:`fit_to_budget` for a real image: refuses (``ValueError``) a side shorter than
-    ``divisor`` pixels, which could only be met by enlarging the image."""
-    width, height = size
-    if width < divisor or height < divisor:
-        raise ValueError(f"{source} is {width}x{height} pixels; images need at least {divisor} pixels per side "
-                         "(they are never enlarged). Use a larger image.")
-    return fit_to_budget(width, height, max_pixels, divisor)
 
 
 def resize_mask(mask: Image.Image, size: tuple[int, int], *, threshold: bool = True) -> Image.Image:

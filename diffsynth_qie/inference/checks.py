@@ -31,12 +31,13 @@ def check_request(request) -> None:
         raise ValueError(f"the prompt {request.prompt!r} says nothing (empty, spaces or invisible characters); "
                          "describe the edit")
     check_scheduler(request.scheduler)
-    if request.lbm_steps is None and request.steps < 1:
+    if request.lbm_steps is None and request.steps is not None and request.steps < 1:
         raise ValueError(f"steps must be >= 1, got {request.steps}")
     if request.lbm_steps is not None and (int(request.lbm_steps) != request.lbm_steps or request.lbm_steps < 1):
         raise ValueError(f"lbm_steps must be a positive integer (1-4 typical), got {request.lbm_steps!r}")
     for name in ("cfg", "lbm_cfg"):
-        _finite(name, getattr(request, name), 0)
+        if getattr(request, name) is not None:  # (None: the model's default)
+            _finite(name, getattr(request, name), 0)
     _finite("mask_feather", request.mask_feather, 0)
     _finite("lbm_noise", request.lbm_noise, 0)
     check_strength(request.mask_blend)

@@ -42,10 +42,11 @@ import torch
 from PIL import Image
 
 from ..data.images import MAX_IMAGE_PIXELS, fit_image, resize_to, to_rgb
-from ..models.encoding import (DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, decode_latents, encode_image,
-                               encode_prompt, white_latents)
+from ..models.encoding import DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, white_latents
+from ..models.family import EDIT, family_of_pipe
+from ..models.family_ops import ops_for, reference_size  # noqa: F401 (reference_size: public here)
 from ..models.forward import bound_rope_cache
-from ..models.sampling import Conditioning, dit_velocity, sample_bridge, sample_flow_match, seeded_noise, uses_cfg
+from ..models.sampling import sample_bridge, sample_flow_match, seeded_noise, uses_cfg
 from .checks import check_request
 from .masking import LatentMaskBlend, blend_pixels, latent_keep_weight
 
@@ -66,8 +67,9 @@ class EditRequest:
     prompt: str
     negative_prompt: str = ""
     mask: Optional[Image.Image] = None       # white (>=128) = may change; None = whole image
-    steps: int = 40                          # flow-matching steps (ignored with lbm_steps)
-    cfg: float = 4.0                         # true CFG scale (flow matching); 1 = no negative pass
+    steps: Optional[int] = None              # flow-matching steps (ignored with lbm_steps); None: the model's default
+    cfg: Optional[float] = None              # true CFG scale (flow matching); 1 = no negative pass; None: the model's
+                                             # default (4 for Qwen-Image-Edit, 1 for Qwen-Image-2.1)
     seed: int = 0
     height: Optional[int] = None             # default: first image fitted to max_pixels
     width: Optional[int] = None
@@ -142,28 +144,25 @@ def _module_device(module) -> torch.device | None:
 
 
 # --- sizes --------------------------------------------------------------------------
-def output_size(request: EditRequest, first: Image.Image) -> tuple[int, int]:
-    """(width, height): explicit (multiples of 16) or the first image fitted to ``max_pixels``."""
+def output_size(request: EditRequest, first: Image.Image, divisor: int = 16) -> tuple[int, int]:
+    """(width, height): explicit (multiples of ``divisor``: 16, or 32 for Qwen-Image-2.1) or the first image
+    fitted to ``max_pixels``."""
     if (request.height is None) != (request.width is None):
         raise ValueError(f"give both height and width or neither (got height={request.height}, "
                          f"width={request.width})")
     if request.height is None:
-        return fit_image(first.size, request.max_pixels, 16, "the first reference image")
+        return fit_image(first.size, request.max_pixels, divisor, "the first reference image")
     for name, value in (("height", request.height), ("width", request.width)):
-        if value < 16 or value % 16:
-            raise ValueError(f"{name}={value} must be a positive multiple of 16 (e.g. {max(16, value // 16 * 16)})")
+        if value < divisor or value % divisor:
+            raise ValueError(f"{name}={value} must be a positive multiple of {divisor} for this model "
+                             f"(e.g. {max(divisor, value // divisor * divisor)})")
     return int(request.width), int(request.height)
-
-
-def reference_size(image: Image.Image, ref_max_pixels: int | None) -> tuple[int, int]:
-    """A reference image's encoding size: fitted to the budget (downscale only), multiple of 16."""
-    budget = ref_max_pixels if ref_max_pixels is not None else image.size[0] * image.size[1]
-    return fit_image(image.size, max(budget, 256), 16, "a reference image")
 
 
 # --- the editor ---------------------------------------------------------------------
 class Editor:
-    """Edit images with a loaded ``QwenImagePipeline`` (text encoder + DiT + VAE)."""
+    """Edit images with a loaded pipeline (text encoder + DiT + VAE) of either family; what differs between
+    the families is in ``families.py``."""
 
     def __init__(self, pipe, device_map: Mapping[str, str] | str | None = None, cpu_offload: bool = False,
                  zero_cond_t: bool | None = None, offload_device: str = "cpu", lora_merge: bool = False,
@@ -173,6 +172,8 @@ class Editor:
         self.preset = getattr(pipe, "qie_preset", None)
         self.zero_cond_t = bool(self.preset.zero_cond_t if zero_cond_t is None and self.preset else zero_cond_t)
         self.multi_image_prompt = self.preset.multi_image_prompt if self.preset is not None else True
+        self.family = family_of_pipe(pipe) or EDIT
+        self.ops = ops_for(self.family)
         self.cpu_offload = bool(cpu_offload)
         self.offload_device = torch.device(offload_device)
         self.dtype = pipe.torch_dtype
@@ -265,7 +266,7 @@ class Editor:
         if self._loras is None:
             from ..lora.manager import LoraManager
 
-            self._loras = LoraManager(self.pipe.dit, merge=self.lora_merge)
+            self._loras = LoraManager(self.pipe.dit, merge=self.lora_merge, family=self.family.name)
         return self._loras.set_loras([(str(p), float(s)) for p, s in loras])
 
     @property
@@ -291,11 +292,12 @@ class Editor:
 
     def _encode_images(self, images: Sequence[Image.Image]) -> list[Tensor]:
         with self._running("vae"):
-            return [encode_image(self.pipe, im) for im in images]
+            return [self.ops.encode_image(self.pipe, im) for im in images]
 
-    def _encode_prompt(self, prompt: str, refs: Sequence[Image.Image], max_tokens: int | None) -> Tensor:
+    def _encode_prompt(self, prompt: str, refs: Sequence[Image.Image], ref_latents: Sequence[Tensor],
+                       max_tokens: int | None):
         with self._running("text_encoder"):
-            return encode_prompt(self.pipe, prompt, refs, multi_image=self.multi_image_prompt, max_tokens=max_tokens)
+            return self.ops.encode_prompt(self.pipe, prompt, refs, ref_latents, self.multi_image_prompt, max_tokens)
 
     def _white(self, width: int, height: int) -> Tensor:
         """LBM's sub-stream prior: VAE latents of a pure white image at the output size."""
@@ -304,7 +306,7 @@ class Editor:
 
     def _decode(self, latents: Tensor) -> Image.Image:
         with self._running("vae"):
-            return decode_latents(self.pipe, latents)
+            return self.ops.decode(self.pipe, latents)
 
     # --- editing ------------------------------------------------------------------
     @torch.no_grad()
@@ -316,18 +318,22 @@ class Editor:
         for prompt in (request.prompt, request.negative_prompt):  # before any encoder runs
             check_prompt_length(self.pipe, prompt, request.max_prompt_tokens)
         images = [to_rgb(im) for im in request.images]
-        width, height = output_size(request, images[0])
-        refs = [resize_to(im, reference_size(im, request.ref_max_pixels)) for im in images]
+        width, height = output_size(request, images[0], self.family.size_divisor)
+        refs = [resize_to(im, size) for im, size in
+                zip(images, self.ops.reference_sizes(self.pipe, images, width, height, request.ref_max_pixels))]
         lbm = request.lbm_steps is not None
-        cfg = request.lbm_cfg if lbm else request.cfg
+        if lbm and not self.ops.supports_lbm:
+            raise ValueError(f"LBM sampling is built for Qwen-Image-Edit; {self.family.label} has no LBM LoRAs "
+                             "(drop lbm_steps / --lbm_steps)")
+        cfg = request.lbm_cfg if lbm else (self.family.default_cfg if request.cfg is None else request.cfg)
         if not lbm and request.scheduler == "lightning" and uses_cfg(cfg):
             log.info("Lightning LoRAs were distilled for CFG 1: using cfg 1 instead of %g", cfg)
             cfg = 1.0
 
-        prompt_emb = self._encode_prompt(request.prompt, refs, request.max_prompt_tokens)
-        negative_emb = (self._encode_prompt(request.negative_prompt, refs, request.max_prompt_tokens)
-                        if uses_cfg(cfg) else None)
         edit_latents = self._encode_images(refs)
+        prompt_emb = self._encode_prompt(request.prompt, refs, edit_latents, request.max_prompt_tokens)
+        negative_emb = (self._encode_prompt(request.negative_prompt, refs, edit_latents, request.max_prompt_tokens)
+                        if uses_cfg(cfg) else None)
         need_source = lbm or (request.mask is not None and request.mask_blend > 0)
         z_src = None
         if need_source:  # the first reference at the output size
@@ -337,11 +343,9 @@ class Editor:
 
         dit_device = self.devices["dit"]
         to_dit = lambda t: t.to(device=dit_device, dtype=self.dtype)  # noqa: E731
-        cond = Conditioning(
-            prompt_embs=[to_dit(prompt_emb)], edit_latents=[[to_dit(e) for e in edit_latents]],
-            negative_embs=None if negative_emb is None else [to_dit(negative_emb)], zero_cond_t=self.zero_cond_t,
-        )
-        latents = self._sample(request, cond, cfg, z_src, z_white, (height // 8, width // 8))
+        cond = self.ops.conditioning([prompt_emb], None if negative_emb is None else [negative_emb], [edit_latents],
+                                     self.zero_cond_t, to_dit)
+        latents = self._sample(request, cond, cfg, z_src, z_white, self.family.latent_size(height, width))
         decoded = [self._decode(x) for x in latents]
         self.pipe.load_models_to_device([])
         if request.mask is not None and request.mask_blend > 0:
@@ -353,7 +357,7 @@ class Editor:
         return EditResult(image=decoded[0], sub_image=decoded[1] if lbm else None,
                           latents=latents.detach().float().cpu(), width=width, height=height, seconds=seconds)
 
-    def _sample(self, request: EditRequest, cond: Conditioning, cfg: float, z_src: Tensor | None,
+    def _sample(self, request: EditRequest, cond, cfg: float, z_src: Tensor | None,
                 z_white: Tensor | None, latent_hw: tuple[int, int]) -> Tensor:
         """Run the DiT sampler: flow matching from seeded noise, or LBM from [z_S, z_W]."""
         dit_device = self.devices["dit"]
@@ -362,21 +366,28 @@ class Editor:
             self.pipe.load_models_to_device(["dit"])  # DiffSynth VRAM management, else no-op
             if request.lbm_steps is not None:
                 prior = torch.stack([to_dit(z_src), to_dit(z_white)])  # main stream, sub-stream
-                velocity = dit_velocity(self.pipe.dit, cond.repeat(2), cfg)
+                velocity = self.ops.velocity(self.pipe.dit, cond.repeat(2), cfg)
                 keep = self._latent_blend(request, z_src=to_dit(z_src).expand_as(prior), prior=prior)
                 generator = torch.Generator("cpu").manual_seed(int(request.seed))
                 return sample_bridge(velocity, prior, int(request.lbm_steps), request.lbm_noise, generator, keep,
                                      request.progress)
-            noise = seeded_noise((1, 16, *latent_hw), request.seed, self.dtype, dit_device)
-            velocity = dit_velocity(self.pipe.dit, cond, cfg)
+            noise = seeded_noise((1, self.family.latent_channels, *latent_hw), request.seed, self.dtype, dit_device)
+            velocity = self.ops.velocity(self.pipe.dit, cond, cfg)
             keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
-            return sample_flow_match(velocity, noise, int(request.steps), keep, request.progress,
-                                     scheduler=request.scheduler)
+            steps = self.default_steps() if request.steps is None else int(request.steps)
+            return sample_flow_match(velocity, noise, steps, keep, request.progress, scheduler=request.scheduler,
+                                     schedule=self.ops.schedule(self.preset, steps, latent_hw, request.scheduler))
+
+    def default_steps(self) -> int:
+        """The model's own step count: a fixed grid's length (2.1-turbo), else the family's default (40)."""
+        sigmas = getattr(self.preset, "sigmas", None)
+        return len(sigmas) if sigmas else self.family.default_steps
 
     def _latent_blend(self, request: EditRequest, z_src: Tensor | None, prior: Tensor) -> LatentMaskBlend | None:
         if request.mask is None or request.mask_blend <= 0:
             return None
         assert z_src is not None
-        weight = latent_keep_weight(request.mask, tuple(prior.shape[-2:]), request.mask_blend)
+        weight = latent_keep_weight(request.mask, tuple(prior.shape[-2:]), request.mask_blend,
+                                    factor=self.family.vae_factor)
         return LatentMaskBlend(z_src=z_src, prior=prior, weight=weight.to(device=prior.device, dtype=prior.dtype))
 

@@ -45,11 +45,13 @@ def binary_mask(mask: Image.Image, size: tuple[int, int]) -> Image.Image:
     return resize_mask(mask, size)
 
 
-def latent_keep_weight(mask: Image.Image, latent_hw: tuple[int, int], strength: float = 1.0) -> Tensor:
-    """Keep weight ``[1, 1, h, w]`` at latent resolution: (1 − maxpool₈(m))·strength."""
+def latent_keep_weight(mask: Image.Image, latent_hw: tuple[int, int], strength: float = 1.0,
+                       factor: int = 8) -> Tensor:
+    """Keep weight ``[1, 1, h, w]`` at latent resolution: (1 − maxpool_f(m))·strength, ``f`` the VAE's factor
+    (8 for Qwen-Image-Edit, 16 for Qwen-Image-2.1)."""
     h, w = latent_hw
-    m = torch.from_numpy(np.asarray(binary_mask(mask, (w * 8, h * 8)), dtype=np.float32) / 255.0)
-    m_lat = torch.nn.functional.max_pool2d(m[None, None], kernel_size=8)
+    m = torch.from_numpy(np.asarray(binary_mask(mask, (w * factor, h * factor)), dtype=np.float32) / 255.0)
+    m_lat = torch.nn.functional.max_pool2d(m[None, None], kernel_size=factor)
     return (1.0 - m_lat) * check_strength(strength)
 
 

@@ -65,7 +65,7 @@ class _FakeEditor(Editor):
 
     prompt_tokens = 300
 
-    def _encode_prompt(self, prompt, refs, max_tokens):
+    def _encode_prompt(self, prompt, refs, ref_latents, max_tokens):
         te = self.pipe.text_encoder
         patches = [_vision_grid(im.size) for im in refs]
         image_tokens = sum(t * h * w for t, h, w in patches) // 4  # 2x2 patch merge

@@ -52,9 +52,10 @@ class LoraManager:
     """
 
     def __init__(self, model: torch.nn.Module, backup_device: str | torch.device = "cpu", cache_size: int = 8,
-                 merge: bool = False):
+                 merge: bool = False, family: str | None = None):
         self.model = model
         self.merge = bool(merge)
+        self.family = family  # the model's family (models/family.py): a LoRA trained for another is refused
         self.backup_device = torch.device(backup_device)
         self.cache_size = cache_size
         self._cache: OrderedDict[Path, tuple[tuple[int, int], LoraState]] = OrderedDict()
@@ -106,6 +107,8 @@ class LoraManager:
         """
         wanted = [(Path(p).expanduser().resolve(), float(s)) for p, s in loras]
         states = [self.load(p) for p, _ in wanted]
+        for (path, _), state in zip(wanted, states):
+            check_family(state, self.family, path)
         same_files = ([p for p, _ in wanted] == [p for p, _ in self._active]
                       and all(a is b for a, b in zip(states, self._states)))
         if same_files and wanted == self._active:
@@ -168,3 +171,19 @@ class LoraManager:
         self._adapters.clear()
         self._backup.clear()
         self._active, self._reports, self._states = [], [], []
+
+
+def lora_family(state: LoraState) -> str | None:
+    """The model family a LoRA was trained for, from its ``preset`` metadata (ours); None when unknown."""
+    from ..models.presets import PRESETS, family_of
+
+    preset = state.metadata.get("preset")
+    return family_of(preset).name if preset in PRESETS else None
+
+
+def check_family(state: LoraState, family: str | None, path) -> None:
+    """Refuse a LoRA trained for another model family, naming both (an unknown origin is left to key matching)."""
+    trained = lora_family(state)
+    if family is not None and trained is not None and trained != family:
+        raise ValueError(f"LoRA {path} was trained for {trained} (preset {state.metadata.get('preset')}), but this model "
+                         f"is {family}: a LoRA works only on the family it was trained on; pick a {family} LoRA")

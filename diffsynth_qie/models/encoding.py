@@ -18,9 +18,11 @@ Tensor = torch.Tensor
 
 def prompt_token_count(pipe, prompt: str) -> int:
     """Tokens of ``prompt`` alone (the template and image tokens not counted)."""
-    if getattr(pipe, "tokenizer", None) is None:
+    # Qwen-Image-2.1's processor holds its tokenizer; Qwen-Image-Edit loads one beside the processor
+    tokenizer = getattr(pipe, "tokenizer", None) or getattr(getattr(pipe, "processor", None), "tokenizer", None)
+    if tokenizer is None:
         raise ValueError("the pipeline has no tokenizer loaded; load it with components including 'text_encoder'")
-    return len(pipe.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
 def check_prompt_length(pipe, prompt: str, max_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS) -> int:

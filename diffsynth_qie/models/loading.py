@@ -1,6 +1,7 @@
-"""Build DiffSynth ``QwenImagePipeline``s from a preset, from the hub or a local directory.
+"""Build DiffSynth pipelines from a preset, from the hub or a local directory.
 
-Why a layer over ``QwenImagePipeline.from_pretrained``: DiffSynth silently downloads
+The preset's family (``models/family.py``) names the pipeline class: ``QwenImagePipeline`` for
+Qwen-Image-Edit, ``QwenImage21Pipeline`` for Qwen-Image-2.1. Why a layer over ``from_pretrained``: DiffSynth silently downloads
 whatever it cannot find (and falls back to ModelScope ``Qwen/Qwen-Image`` for an
 omitted tokenizer), retrying for ~20 s when the hub is unreachable. Here every file
 is checked *before* DiffSynth runs: local files are used by path; files missing
@@ -159,12 +160,12 @@ def _required_components(components: Iterable[str]) -> list[str]:
     needed = [c for c in MODEL_COMPONENTS if c in components]
     if "text_encoder" in needed:  # prompts need the tokenizer (text-only) and the processor (with images)
         needed += ["tokenizer", "processor"]
-    return needed
+    return needed  # (a family without a tokenizer folder has no source for it: skipped by the caller)
 
 
 def _download_hint(preset: Preset, model_dir: str | os.PathLike | None) -> str:
     if preset.is_tiny:
-        return f"Build it with: qie make-tiny --out {model_dir or default_tiny_dir()}"
+        return f"Build it with: qie make-tiny --model {preset.name} --out {model_dir or default_tiny_dir()}"
     target = model_dir or f"./models/{preset.repo_id}"
     return (f"Download it with: modelscope download --model {preset.repo_id} --local_dir {target}\n"
             f"then pass --model_dir {target} (model_dir=... in Python)")
@@ -188,6 +189,8 @@ def resolve_model_configs(preset: str | Preset, model_dir: str | os.PathLike | N
     missing: list[str] = []
     for name in needed:
         source = preset.source(name)
+        if source is None:  # not a separate component in this family (2.1's processor holds its tokenizer)
+            continue
         if model_dir is not None:
             paths = _find_local(Path(model_dir), source)
             if paths is None:
@@ -315,7 +318,7 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
                   torch_dtype=None, zero_cond_t: bool | None = None,
                   model_config_kwargs: dict[str, dict] | None = None, vram_limit: float | None = None,
                   map_weights: bool = False):
-    """A ``QwenImagePipeline`` for the preset, built by DiffSynth's own ``from_pretrained``.
+    """The preset family's DiffSynth pipeline, built by DiffSynth's own ``from_pretrained``.
 
     ``components`` picks the weights: ``("dit",)`` loads only the DiT (training phase 2),
     leaving ``pipe.text_encoder``/``pipe.vae``/tokenizer/processor ``None``.
@@ -332,9 +335,10 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
     if preset.provider:
         model_dir = provider_of(preset)(model_dir)
     resolved = resolve_model_configs(preset, model_dir=model_dir, components=components)
-    from diffsynth.pipelines.qwen_image import QwenImagePipeline
-
+    from .family import get_family
     from .host_weights import map_host_weights
+
+    family = get_family(preset.family)
 
     device = device or default_device()
     torch_dtype = torch_dtype or default_dtype(device)
@@ -344,11 +348,11 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
         with prints_to_log("diffsynth"):
             if map_weights and str(device) == "cpu":
                 map_host_weights(resolved.model_configs, torch_dtype)
-            pipe = QwenImagePipeline.from_pretrained(
+            # Explicit None (not DiffSynth's default) so nothing falls back to a hub download.
+            tokenizer = {"tokenizer_config": resolved.tokenizer_config} if family.has_tokenizer else {}
+            pipe = family.pipeline_type().from_pretrained(
                 torch_dtype=torch_dtype, device=device, model_configs=resolved.model_configs,
-                # Explicit None (not DiffSynth's default) so nothing falls back to a hub download.
-                tokenizer_config=resolved.tokenizer_config, processor_config=resolved.processor_config,
-                vram_limit=vram_limit,
+                processor_config=resolved.processor_config, vram_limit=vram_limit, **tokenizer,
             )
     except ValueError as e:
         if "Cannot detect the model type" not in str(e):

@@ -1,4 +1,4 @@
-"""Registry of the Qwen-Image-Edit models we support, with their per-model flags.
+"""Registry of the Qwen image-editing models we support, with their per-model flags.
 
 A preset says where each component comes from (a ModelScope model id + file pattern,
 mirroring DiffSynth-Studio's own examples, or the same relative path inside a local
@@ -10,6 +10,9 @@ mirroring DiffSynth-Studio's own examples, or the same relative path inside a lo
   template ("Picture 1: ..."), i.e. ``edit_image`` is passed as a list even for one
   image; the original Edit takes a single image.
 - ``lora_target_modules``: default LoRA targets on the DiT.
+- ``family``: the model family (``models/family.py``): Qwen-Image-Edit or Qwen-Image-2.1, which differ in
+  architecture, not in a flag.
+- ``sigmas``: a distilled variant's fixed sampling schedule (Qwen-Image-2.1-Turbo).
 
 This module is pure data (no torch, no diffsynth) so the CLI can list presets fast.
 """
@@ -17,12 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
-# DiffSynth's usual Qwen-Image LoRA targets (examples/qwen_image/model_training/lora/*.sh).
-DEFAULT_LORA_TARGETS: tuple[str, ...] = (
-    "to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
-    "img_mlp.net.2", "img_mod.1", "txt_mlp.net.2", "txt_mod.1",
-)
+from .family import EDIT, EDIT_LORA_TARGETS, QWEN21, Family, get_family
+
+DEFAULT_LORA_TARGETS: tuple[str, ...] = EDIT_LORA_TARGETS
 # The 2511 default also adapts the DiT's input/output projections: the nn.Linear
 # modules QwenImageDiT.img_in, .txt_in and .proj_out (top-level, so each matches once).
 LORA_TARGETS_2511: tuple[str, ...] = DEFAULT_LORA_TARGETS + ("img_in", "txt_in", "proj_out")
@@ -63,8 +65,10 @@ class Preset:
     dit: Source
     text_encoder: Source
     vae: Source
-    tokenizer: Source
+    tokenizer: Optional[Source]  # None: the processor holds the tokenizer (Qwen-Image-2.1)
     processor: Source
+    family: str = EDIT.name
+    sigmas: Optional[tuple[float, ...]] = None  # a distilled variant's fixed schedule (without the final 0)
     zero_cond_t: bool = False
     multi_image_prompt: bool = False
     lora_target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
@@ -73,8 +77,9 @@ class Preset:
     # directory (``fn(model_dir or None) -> Path``). Named by dotted path, as DiffSynth's
     # MODEL_CONFIGS name their classes, so that ``models/`` never imports the builders above it.
     provider: str = ""
+    licence: str = "Apache-2.0"
 
-    def source(self, component: str) -> Source:
+    def source(self, component: str) -> Optional[Source]:
         if component not in COMPONENTS:
             raise ValueError(f"unknown component {component!r}; valid: {', '.join(COMPONENTS)}")
         return getattr(self, component)
@@ -95,6 +100,22 @@ def _real(name: str, repo_id: str, description: str, **flags) -> Preset:
     )
 
 
+def _qwen21(name: str, repo_id: str, description: str, **flags) -> Preset:
+    # Every component from the model's own repo, in the layout diffusers' QwenImage21Pipeline uses.
+    return Preset(
+        name=name, description=description, repo_id=repo_id, family=QWEN21.name, licence=QWEN21.licence,
+        dit=Source(repo_id, "transformer/diffusion_pytorch_model*.safetensors"),
+        text_encoder=Source(repo_id, "text_encoder/model*.safetensors"),
+        vae=Source(repo_id, "vae/diffusion_pytorch_model.safetensors"),
+        tokenizer=None, processor=Source(repo_id, "processor/"),
+        multi_image_prompt=True, lora_target_modules=QWEN21.lora_targets, **flags,
+    )
+
+
+# The 8-step grid published for Qwen-Image-2.1's distilled checkpoints (the scheduler appends the final 0);
+# a checkpoint's own ``model_index.json`` ``sample_sigmas``, when present, take precedence.
+TURBO_SIGMAS: tuple[float, ...] = (1.0, 14 / 15, 6 / 7, 10 / 13, 2 / 3, 6 / 11, 0.4, 2 / 9)
+
 PRESETS: dict[str, Preset] = {
     "edit": _real("edit", "Qwen/Qwen-Image-Edit", "Qwen-Image-Edit (original, single reference image)"),
     "2509": _real("2509", "Qwen/Qwen-Image-Edit-2509", "Qwen-Image-Edit-2509 (multi-image)",
@@ -114,6 +135,14 @@ PRESETS: dict[str, Preset] = {
         processor=Source("", "processor/"),
         multi_image_prompt=True, is_tiny=True, provider="diffsynth_qie.tiny.build:prepare_tiny",
     ),
+    "2.1": _qwen21("2.1", "Qwen/Qwen-Image-2.1", "Qwen-Image-2.1 (up to 10 references, CFG 1; non-commercial)"),
+    "2.1-turbo": _qwen21("2.1-turbo", "Qwen/Qwen-Image-2.1-Turbo",
+                         "Qwen-Image-2.1-Turbo (8 fixed steps; non-commercial)", sigmas=TURBO_SIGMAS),
+    # The tiny 2.1 (tiny/qwen21.py): DiffSynth's real 2.1 classes at small sizes; a local directory only.
+    "tiny-2.1": dataclasses.replace(
+        _qwen21("tiny-2.1", "", "tiny random Qwen-Image-2.1 for tests and CPU demos"),
+        repo_id="(built locally by `qie make-tiny --model tiny-2.1`)", is_tiny=True, licence="Apache-2.0",
+        provider="diffsynth_qie.tiny.qwen21:prepare_tiny21"),
 }
 
 ALIASES: dict[str, str] = {
@@ -121,6 +150,9 @@ ALIASES: dict[str, str] = {
     "qwen-image-edit-2509": "2509", "qwen/qwen-image-edit-2509": "2509", "edit-2509": "2509",
     "qwen-image-edit-2511": "2511", "qwen/qwen-image-edit-2511": "2511", "edit-2511": "2511",
     "qwen-image-edit-tiny": "tiny",
+    "qwen-image-2.1": "2.1", "qwen/qwen-image-2.1": "2.1", "21": "2.1",
+    "qwen-image-2.1-turbo": "2.1-turbo", "qwen/qwen-image-2.1-turbo": "2.1-turbo", "turbo": "2.1-turbo",
+    "qwen-image-2.1-tiny": "tiny-2.1", "tiny21": "tiny-2.1",
 }
 
 
@@ -146,3 +178,8 @@ def get_preset(name: str | Preset, zero_cond_t: bool | None = None) -> Preset:
     if zero_cond_t is not None and bool(zero_cond_t) != preset.zero_cond_t:
         preset = dataclasses.replace(preset, zero_cond_t=bool(zero_cond_t))
     return preset
+
+
+def family_of(preset: str | Preset) -> Family:
+    """The model family of a preset (or of a preset name or alias)."""
+    return get_family(get_preset(preset).family)

@@ -150,14 +150,17 @@ def flow_match_scheduler(steps: int, latent_h: int, latent_w: int):
 
 @torch.no_grad()
 def sample_flow_match(velocity: VelocityFn, noise: Tensor, steps: int, keep: KeepFn | None = None,
-                      progress: ProgressFn | None = None, scheduler: str = "default") -> Tensor:
-    """Integrate from ``noise`` [B, 16, h, w] (σ = 1) to σ = 0 with DiffSynth's schedule and Euler step.
+                      progress: ProgressFn | None = None, scheduler: str = "default", schedule=None) -> Tensor:
+    """Integrate from ``noise`` [B, C, h, w] (σ = 1) to σ = 0 with DiffSynth's schedule and Euler step.
 
     ``keep(x, σ)`` runs on the initial latents and after every step with the σ the
     latents are now at (the mask's latent blend). ``scheduler="lightning"`` uses the
     schedule the Lightning few-step LoRAs were distilled with (``models/lightning.py``).
+    ``schedule``: a ready DiffSynth ``FlowMatchScheduler`` instead (a model family's own set-up).
     """
-    if check_scheduler(scheduler) == "lightning":
+    if schedule is not None:
+        scheduler = schedule
+    elif check_scheduler(scheduler) == "lightning":
         scheduler = lightning_scheduler(steps, noise.shape[-2], noise.shape[-1])
     else:
         scheduler = flow_match_scheduler(steps, noise.shape[-2], noise.shape[-1])

@@ -263,20 +263,26 @@ def ensure_tiny(out_dir: str | os.PathLike, seed: int | None = None) -> Path:
     a killed build or two processes racing never leave a half-written model behind.
     A directory holding anything but tiny-model files is never replaced (ValueError).
     """
-    out_dir = Path(out_dir)
     if is_complete(out_dir, seed=seed):
         register_tiny_model_configs()
-        return out_dir
-    if not looks_like_tiny_dir(out_dir):
-        raise ValueError(f"{out_dir} exists and holds files that are not part of a tiny model; "
+        return Path(out_dir)
+    return ensure_built(out_dir, seed, build_tiny, is_complete, looks_like_tiny_dir, "tiny Qwen-Image-Edit")
+
+
+def ensure_built(out_dir: str | os.PathLike, seed: int | None, build, complete, replaceable, what: str) -> Path:
+    """:func:`ensure_tiny` for any locally built model: ``build(dir, seed=)`` writes it, ``complete(dir, seed=)``
+    says a directory holds a finished build, ``replaceable(dir)`` that it holds nothing else."""
+    out_dir = Path(out_dir)
+    if not replaceable(out_dir):
+        raise ValueError(f"{out_dir} exists and holds files that are not part of a {what}; "
                          "refusing to replace it — pass an empty or new directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     os.chmod(tmp, default_mode(directory=True))  # mkdtemp makes it 0700; the final dir should look like a normal one
     try:
-        build_tiny(tmp, seed=0 if seed is None else seed)
+        build(tmp, seed=0 if seed is None else seed)
         if out_dir.exists():
-            if is_complete(out_dir, seed=seed):  # another process finished first
+            if complete(out_dir, seed=seed):  # another process finished first
                 return out_dir
             # Move the old one aside first: os.replace can't replace a non-empty directory.
             stale = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stale.", dir=out_dir.parent))
@@ -285,12 +291,12 @@ def ensure_tiny(out_dir: str | os.PathLike, seed: int | None = None) -> Path:
         try:
             os.replace(tmp, out_dir)
         except OSError:
-            if not is_complete(out_dir, seed=seed):  # lost a race to a concurrent builder: fine if done
+            if not complete(out_dir, seed=seed):  # lost a race to a concurrent builder: fine if done
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    log.info("tiny Qwen-Image-Edit ready in %s", out_dir)
+    log.info("%s ready in %s", what, out_dir)
     return out_dir
 
 
@@ -341,17 +347,23 @@ def register_tiny_model_configs() -> None:
     object, so rebinding the name would do nothing. Also maps our subclasses to
     their parents' VRAM-management module maps so CPU offload treats them alike.
     """
-    from diffsynth.configs import MODEL_CONFIGS, VRAM_MANAGEMENT_MODULE_MAPS
-
     from .vae import register_tiny_vae_config
 
     register_tiny_vae_config()  # the pretrained base's conv VAE (tiny/vae.py)
+    register_model_configs(tiny_model_configs(), {
+        _DIT_CLASS: "diffsynth.models.qwen_image_dit.QwenImageDiT",
+        _TEXT_ENCODER_CLASS: "diffsynth.models.qwen_image_text_encoder.QwenImageTextEncoder"})
+
+
+def register_model_configs(entries, parents: dict[str, str]) -> None:
+    """Append ``entries`` to DiffSynth's ``MODEL_CONFIGS`` list object (idempotent), and give each of our
+    subclasses (``parents``: ours -> DiffSynth's class) its parent's VRAM-management module map."""
+    from diffsynth.configs import MODEL_CONFIGS, VRAM_MANAGEMENT_MODULE_MAPS
+
     known = {(c["model_hash"], c["model_class"]) for c in MODEL_CONFIGS}
-    for entry in tiny_model_configs():
+    for entry in entries:
         if (entry["model_hash"], entry["model_class"]) not in known:
             MODEL_CONFIGS.append(dict(entry))
-    parents = {_DIT_CLASS: "diffsynth.models.qwen_image_dit.QwenImageDiT",
-               _TEXT_ENCODER_CLASS: "diffsynth.models.qwen_image_text_encoder.QwenImageTextEncoder"}
     for ours, parent in parents.items():
         if ours not in VRAM_MANAGEMENT_MODULE_MAPS and parent in VRAM_MANAGEMENT_MODULE_MAPS:
             VRAM_MANAGEMENT_MODULE_MAPS[ours] = VRAM_MANAGEMENT_MODULE_MAPS[parent]

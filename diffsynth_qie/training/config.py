@@ -124,7 +124,8 @@ class TrainConfig:
         "first directory", metavar="[NAME=]DIR"))
     output_dir: Optional[str] = field(default=None, metadata=_help(
         "where checkpoints, lora.safetensors, loss.jsonl and validation images go", metavar="DIR"))
-    model: str = field(default="2511", metadata=_help("model preset: edit, 2509, 2511 or tiny"))
+    model: str = field(default="2511", metadata=_help(
+        "model preset: edit, 2509, 2511, tiny, or Qwen-Image-2.1's 2.1, 2.1-turbo, tiny-2.1 (non-commercial licence)"))
     model_dir: Optional[str] = field(default=None, metadata=_help(
         "local model directory (the preset's repo layout); only the DiT is loaded", metavar="DIR"))
     zero_cond_t: Optional[bool] = field(default=None, metadata=_help(
@@ -200,6 +201,15 @@ class RunConfig:
         sampling = dataclasses.replace(self.sampling, batch_size=train.batch_size, seed=train.seed)
         sampling.validate()
         if preset is not None:
+            from ..models.family_ops import ops_for
+
+            ops = ops_for(preset.family)
+            if self.loss.loss == "lbm" and not ops.supports_lbm:
+                raise ValueError(f"--loss lbm is built for Qwen-Image-Edit; --model {preset.name} is {preset.family}, "
+                                 "which has no LBM path yet: train it with --loss sft")
+            if train.zero_cond_t and not ops.supports_zero_cond_t:
+                raise ValueError(f"--zero_cond_t is a Qwen-Image-Edit-2511 flag; --model {preset.name} conditions its "
+                                 "references at t=0 by design: drop the flag")
             if train.zero_cond_t is None:
                 train = dataclasses.replace(train, zero_cond_t=preset.zero_cond_t)
             if lora.lora_target_modules is None:

@@ -132,11 +132,12 @@ class CacheDataset(torch.utils.data.Dataset):
         entry = part.store.load(store_index)
         rng_key = store_index if part_index == 0 else f"{part_index}:{store_index}"
         dropped = self.cfg_dropout > 0 and sample_rng(self.seed, key.epoch, rng_key, "cfg").random() < self.cfg_dropout
+        pads = entry.prompt_pads  # Qwen-Image-2.1: which prompt positions the reference latents fill
         if dropped:
-            prompt_index, prompt = -1, entry.empty_prompt_emb
+            prompt_index, prompt, pad = -1, entry.empty_prompt_emb, entry.empty_prompt_pad
         else:
             prompt_index = sample_rng(self.seed, key.epoch, rng_key, "prompt").randrange(len(entry.prompt_embs))
-            prompt = entry.prompt_embs[prompt_index]
+            prompt, pad = entry.prompt_embs[prompt_index], None if pads is None else pads[prompt_index]
         return {
             "index": store_index,
             "position": key.index,
@@ -146,6 +147,7 @@ class CacheDataset(torch.utils.data.Dataset):
             "prompt_index": prompt_index,
             "dropped": dropped,
             "prompt_emb": prompt,
+            "prompt_pad": pad,
             "empty_prompt_emb": entry.empty_prompt_emb,
             "target_latents": entry.target_latents,
             "edit_latents": list(entry.edit_latents),
@@ -239,6 +241,11 @@ def open_cache(cache_dir: str, preset) -> CacheStore:
     if len(store) == 0:
         raise ValueError(f"cache {cache_dir} has no entries; check `qie cache`'s skipped.jsonl")
     cached = store.manifest.get("preset")
+    if store.family != preset.family:
+        raise ValueError(f"cache {cache_dir} was encoded for {store.family} (preset {cached!r}), but --model "
+                         f"{preset.name} is {preset.family}: the two families' latents and prompt embeddings do not "
+                         f"mix; re-run `qie cache --model {preset.name}` into another --cache_dir, or train with a "
+                         f"{store.family} preset")
     multi = store.manifest.get("multi_image_prompt")
     if multi is not None and bool(multi) != preset.multi_image_prompt:
         raise ValueError(f"cache {cache_dir} was encoded for preset {cached!r} with the "

@@ -95,30 +95,35 @@ class _Job:
 
 
 # --- sampling through models.sampling -------------------------------------------------
-def runner_velocity(run_dit: DiTRunner, cond, cfg: float):
-    """The samplers' ``dit_velocity`` with every DiT call made by ``run_dit`` (the wrapped module).
+def runner_velocity(run_dit: DiTRunner, cond, cfg: float, ops=None):
+    """The model family's sampler velocity (``ops.velocity``) with every DiT call made by ``run_dit`` (the
+    wrapped module).
 
     The velocity is cast to the latents' dtype: accelerate's mixed-precision wrapper
     returns fp32, the Editor's DiT the pipeline dtype; sampling stays in the latents' dtype.
     """
-    from ..models.sampling import dit_velocity
+    from ..models.family_ops import ops_for
+
+    ops = ops or ops_for("qwen-image-edit")
 
     def velocity(x: Tensor, timesteps: Tensor) -> Tensor:
-        return run_dit(lambda dit: dit_velocity(dit, cond, cfg)(x, timesteps)).to(x.dtype)
+        return run_dit(lambda dit: ops.velocity(dit, cond, cfg)(x, timesteps)).to(x.dtype)
 
     return velocity
 
 
-def _conditioning(entries: Sequence[CacheEntry], cfg: float, zero_cond_t: bool, device, dtype):
-    from ..models.sampling import Conditioning, uses_cfg
+def _conditioning(entries: Sequence[CacheEntry], cfg: float, zero_cond_t: bool, device, dtype, ops):
+    from ..models.sampling import uses_cfg
 
     def to(t: Tensor) -> Tensor:
         return t.to(device=device, dtype=dtype)
 
-    return Conditioning(prompt_embs=[to(e.prompt_embs[0]) for e in entries],
-                        edit_latents=[[to(x) for x in e.edit_latents] for e in entries],
-                        negative_embs=[to(e.empty_prompt_emb) for e in entries] if uses_cfg(cfg) else None,
-                        zero_cond_t=zero_cond_t)
+    def pad(pads, k):
+        return None if pads is None else pads[k]
+
+    prompts = [ops.join_prompt(e.prompt_embs[0], pad(e.prompt_pads, 0)) for e in entries]
+    negatives = [ops.join_prompt(e.empty_prompt_emb, e.empty_prompt_pad) for e in entries] if uses_cfg(cfg) else None
+    return ops.conditioning(prompts, negatives, [e.edit_latents for e in entries], zero_cond_t, to)
 
 
 def _by_shape(jobs: Sequence[_Job]) -> list[list[_Job]]:
@@ -130,10 +135,10 @@ def _by_shape(jobs: Sequence[_Job]) -> list[list[_Job]]:
 
 
 def flow_match_jobs(entries: Sequence[CacheEntry], names: Sequence[str], dtype: torch.dtype) -> list[_Job]:
-    """One job per entry, starting from ``seeded_noise`` at the target's latent size."""
+    """One job per entry, starting from ``seeded_noise`` at the target's latent shape."""
     from ..models.sampling import seeded_noise
 
-    return [_Job(name, k, None, seeded_noise((16, *e.target_latents.shape[-2:]), entry_seed(k), dtype),
+    return [_Job(name, k, None, seeded_noise(tuple(e.target_latents.shape), entry_seed(k), dtype),
                  e.target_latents) for k, (e, name) in enumerate(zip(entries, names))]
 
 
@@ -159,20 +164,27 @@ def lbm_jobs(entries: Sequence[CacheEntry], names: Sequence[str], sub_target: st
 @torch.no_grad()
 def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequence[_Job], *, lbm: bool, steps: int,
                 cfg: float, zero_cond_t: bool, bridge_noise: float = 0.0, device=None,
-                dtype: torch.dtype = torch.float32) -> list[Render]:
-    """Sample every job (flow matching, or LBM when ``lbm``), one sampler call per shape group."""
+                dtype: torch.dtype = torch.float32, preset=None) -> list[Render]:
+    """Sample every job (flow matching, or LBM when ``lbm``), one sampler call per shape group, the way the
+    ``preset``'s model family samples (default: Qwen-Image-Edit)."""
+    from ..models.family_ops import ops_for
     from ..models.sampling import sample_bridge, sample_flow_match
 
+    from ..models.presets import get_preset
+
+    preset = get_preset(preset) if preset is not None else None
+    ops = ops_for(preset.family if preset is not None else "qwen-image-edit")
     renders = {}
     for group in _by_shape(jobs):
-        cond = _conditioning([entries[j.entry] for j in group], cfg, zero_cond_t, device, dtype)
-        velocity = runner_velocity(run_dit, cond, cfg)
+        cond = _conditioning([entries[j.entry] for j in group], cfg, zero_cond_t, device, dtype, ops)
+        velocity = runner_velocity(run_dit, cond, cfg, ops)
         prior = torch.stack([j.prior for j in group]).to(device=device, dtype=dtype)
         if lbm:
             generator = torch.Generator("cpu").manual_seed(entry_seed(group[0].entry))
             out = sample_bridge(velocity, prior, LBM_STEPS, bridge_noise, generator)
         else:
-            out = sample_flow_match(velocity, prior, steps)
+            out = sample_flow_match(velocity, prior, steps,
+                                    schedule=ops.schedule(preset, steps, tuple(prior.shape[-2:]), "default"))
         for job, lat in zip(group, out):
             renders[job.name] = Render(job.name, job.entry, job.stream, job.target, lat)
     return [renders[j.name] for j in jobs]
@@ -240,7 +252,7 @@ class Validator:
         try:
             return sample_jobs(run_dit, entries, jobs, lbm=is_lbm, steps=self.num_steps, cfg=self.cfg_scale,
                                zero_cond_t=self.zero_cond_t, bridge_noise=lbm.lbm_bridge_noise, device=device,
-                               dtype=dtype)
+                               dtype=dtype, preset=self.preset)
         finally:
             wrapped_module.train(was_training)
 
@@ -252,15 +264,13 @@ class Validator:
         images = {}
         zero3 = self._zero3()
         if self.accelerator.is_main_process or zero3:
-            from ..models.encoding import decode_latents
-
             pipe = self._pipe()
             scores = []
             with _gathered(pipe.vae) if zero3 else contextlib.nullcontext():
                 for r in renders:
                     entry = entries[r.entry]
                     which = "target" if r.target is entry.target_latents else "ref_gt"
-                    panels = [self._panel(pipe, (r.entry, which), r.target), decode_latents(pipe, r.latents)]
+                    panels = [self._panel(pipe, (r.entry, which), r.target), self._decode(pipe, r.latents)]
                     if self.accelerator.is_main_process:
                         mask = entry.back_mask if which == "target" else None
                         scores.append((r.stream, output_metrics(panels[1], panels[0], mask, self._lpips_model())))
@@ -285,11 +295,16 @@ class Validator:
             self._lpips = load_lpips() or False
         return self._lpips or None
 
-    def _panel(self, pipe, key: tuple[int, str], latents: Tensor) -> Image.Image:
-        from ..models.encoding import decode_latents
+    def _decode(self, pipe, latents: Tensor) -> Image.Image:
+        from ..models.family_ops import ops_for
 
+        from ..models.presets import family_of
+
+        return ops_for(family_of(self.preset)).decode(pipe, latents)
+
+    def _panel(self, pipe, key: tuple[int, str], latents: Tensor) -> Image.Image:
         if key not in self._panels:
-            self._panels[key] = decode_latents(pipe, latents)
+            self._panels[key] = self._decode(pipe, latents)
         return self._panels[key]
 
 

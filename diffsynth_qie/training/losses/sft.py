@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ...models.forward import dit_forward
+from ...models.family_ops import ops_for
+from ...models.presets import family_of
 from ..config import RunConfig
 from .common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
 from ..timesteps import Strata, draw_timesteps
@@ -53,9 +54,11 @@ def flow_match_sft_loss(dit, batch: dict, config: RunConfig, generator: torch.Ge
         draws.append(d)
     timesteps = torch.cat([d.timesteps for d in draws])
     weights = torch.cat([d.weights for d in draws])
-    pred = dit_forward(
-        dit, noisy, timesteps.to(targets[0].device), batch["prompt_emb"], batch["edit_latents"],
-        zero_cond_t=bool(config.train.zero_cond_t),
+    ops = ops_for(family_of(config.train.model))  # the model family's DiT call (models/family_ops.py)
+    pads = batch.get("prompt_pad") or [None] * n
+    pred = ops.forward(
+        dit, noisy, timesteps.to(targets[0].device), [ops.join_prompt(e, p) for e, p in zip(batch["prompt_emb"], pads)],
+        batch["edit_latents"], zero_cond_t=bool(config.train.zero_cond_t),
         use_gradient_checkpointing=config.train.gradient_checkpointing and torch.is_grad_enabled(),
     )
     pixel_w = [None] * n
