@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_dataclass_args(parser, UIConfig)
-    parser.add_argument("--log_level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument("--log_level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), help="logging level (default: INFO)")
     args = check_numbers(parser).parse_args(argv)
     setup_logging(args.log_level)
     try:

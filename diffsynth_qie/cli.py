@@ -39,7 +39,8 @@ VERBOSE_HELP = "debug logging, including what DiffSynth and ModelScope print whi
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qie", description=__doc__.splitlines()[0])
-    parser.add_argument("--log_level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument("--log_level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), help="logging level (default: INFO)")
     parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():

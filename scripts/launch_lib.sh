@@ -4,7 +4,8 @@
 # (`qie cache`, `qie train`, `qie edit`); this file only picks defaults.
 #
 # Environment (all optional):
-#   MODEL             tiny (default) | edit | 2509 | 2511, or a local directory holding the script's model
+#   MODEL             tiny (default; tiny-2.1 for Qwen-Image-2.1.sh) | edit | 2509 | 2511 | 2.1 | 2.1-turbo, or a
+#                     local directory holding the script's model
 #                     in the repo layout (transformer/ text_encoder/ vae/ tokenizer/ processor/)
 #   DATASET_BASE      base directory of the dataset's relative paths (default: the metadata file's directory)
 #   DATASET_METADATA  metadata .json/.jsonl/.csv (default with MODEL=tiny: generated demo data)
@@ -71,27 +72,34 @@ free_port() {
   "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
 }
 
-# launch_defaults RUN_NAME PRESET : fills MODEL, OUTPUT_DIR, CACHE_DIR, dataset, launcher settings.
+# is_tiny NAME: the tiny presets, which run the CPU demo when no dataset is given.
+is_tiny() { [ "$1" = tiny ] || [ "$1" = tiny-2.1 ]; }
+
+# launch_defaults RUN_NAME PRESET [DEMO_MODEL] : fills MODEL (default DEMO_MODEL, else tiny), OUTPUT_DIR,
+# CACHE_DIR, dataset, launcher settings.
 launch_defaults() {
-  local run_name="$1" preset="$2"
-  MODEL="${MODEL:-tiny}"
+  local run_name="$1" preset="$2" demo_model="${3:-tiny}"
+  MODEL="${MODEL:-$demo_model}"
   DEMO_DATA=""
   OUTPUT_DIR="${OUTPUT_DIR:-$ROOT/outputs/$run_name}"
   CACHE_DIR="${CACHE_DIR:-$OUTPUT_DIR/cache}"
   MODEL_ARGS=(--model "$MODEL")
   if [ -d "$MODEL" ]; then MODEL_ARGS=(--model "$preset" --model_dir "$MODEL"); fi
   if [ -z "${DATASET_METADATA:-}" ]; then
-    if [ "$MODEL" != tiny ]; then
+    if ! is_tiny "$MODEL"; then
       echo "$run_name: set DATASET_METADATA (and DATASET_BASE) to train $MODEL; see README 'Your own data'." >&2
       exit 2
     fi
-    # CPU demo: the pretrained tiny base (built once, in $QIE_HOME) learns one edit, "make the red circle blue".
+    # CPU demo: a tiny model learns one edit, "make the red circle blue": the pretrained tiny base (built once,
+    # in $QIE_HOME) for Qwen-Image-Edit; the random tiny 2.1 (no pretrained 2.1 base is shipped) for 2.1.
     DEMO_DATA="$ROOT/outputs/demo-red-circle-blue"
     DATASET_METADATA="$DEMO_DATA/metadata.json"
     [ -f "$DATASET_METADATA" ] || "$PY" -m diffsynth_qie.cli make-demo-data --task red_circle_blue --out "$DEMO_DATA"
-    local base="${QIE_HOME:-$HOME/.cache/diffsynth-qie}/models/Qwen-Image-Edit-tiny-pretrained"
-    "$PY" -m diffsynth_qie.cli --log_level WARNING make-tiny --pretrained --out "$base"
-    MODEL_ARGS=(--model tiny --model_dir "$base")
+    if [ "$MODEL" = tiny ]; then
+      local base="${QIE_HOME:-$HOME/.cache/diffsynth-qie}/models/Qwen-Image-Edit-tiny-pretrained"
+      "$PY" -m diffsynth_qie.cli --log_level WARNING make-tiny --pretrained --out "$base"
+      MODEL_ARGS=(--model tiny --model_dir "$base")
+    fi
   fi
   DATASET_ARGS=(--dataset_metadata "$DATASET_METADATA")
   [ -z "${DATASET_BASE:-}" ] || DATASET_ARGS+=(--dataset_base "$DATASET_BASE")
@@ -175,7 +183,7 @@ after_training() {
 # DEMO_TRAIN (the tiny CPU demo's `qie train` sizes); arguments go to `qie train` last, so they win.
 split_training() {
   local demo_cache=() demo_train=() demo_edit=()
-  if [ "$MODEL" = tiny ]; then   # CPU demo sizes
+  if is_tiny "$MODEL"; then   # CPU demo sizes
     demo_cache=(--max_pixels 16384); demo_train=("${DEMO_TRAIN[@]}"); demo_edit=(--steps 8 --cfg 1)
   fi
   qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" \

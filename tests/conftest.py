@@ -89,6 +89,14 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny21_dir(tmp_path_factory):
+    """Path of a tiny Qwen-Image-2.1 built once per session (real repo layout, DiffSynth's real 2.1 classes)."""
+    from diffsynth_qie.tiny.qwen21 import build_tiny21
+
+    return build_tiny21(tmp_path_factory.mktemp("tiny21") / "Qwen-Image-2.1-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
 def demo_data_dir(tmp_path_factory):
     """A small synthetic editing dataset (DiffSynth metadata.json + images + masks)."""
     from diffsynth_qie.data.demo import make_demo_data

@@ -10,13 +10,6 @@ from PIL import Image
 
 
 @pytest.fixture(scope="module")
-def tiny21_dir(tmp_path_factory):
-    from diffsynth_qie.tiny.qwen21 import build_tiny21
-
-    return build_tiny21(tmp_path_factory.mktemp("tiny21") / "Qwen-Image-2.1-tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
 def pipe21(tiny21_dir):
     from diffsynth_qie.models.loading import load_pipeline
 
@@ -185,3 +178,23 @@ def test_qie_edit_and_make_tiny_run_the_21_model(tiny21_dir, tmp_path, capsys):
     from diffsynth_qie.tiny.qwen21 import is_complete21
 
     assert is_complete21(tmp_path / "m", seed=0)
+
+
+def test_the_web_ui_edits_with_the_21_model_and_keeps_the_unmasked_pixels(tiny21_dir, tmp_path):
+    import numpy as np
+
+    from diffsynth_qie.ui.config import UIConfig
+    from diffsynth_qie.ui.handlers import GenerateInputs, UIHandlers
+
+    handlers = UIHandlers(UIConfig(model="tiny-2.1", model_dir=str(tiny21_dir), device="cpu", lora_dir=str(tmp_path)))
+    image = np.full((64, 96, 3), 230, np.uint8)
+    image[16:48, 24:72, 0] = 200
+    layer = np.zeros((64, 96, 4), np.uint8)
+    layer[16:48, 24:72] = 255
+    out = handlers.generate(GenerateInputs(editor={"background": image, "layers": [layer], "composite": image},
+                                           prompt="make it blue", steps=3, cfg=1.0))
+    result = np.asarray(out.result.image)
+    assert result.shape == image.shape and "3 steps, CFG 1" in out.status
+    outside = np.ones(image.shape[:2], bool)
+    outside[16:48, 24:72] = False
+    assert (result[outside] == image[outside]).all() and (result[~outside] != image[~outside]).any()

@@ -48,7 +48,12 @@ class FileHasher:
         self._memo: dict[str, str] = {}
         self._stat: dict[str, list] = {}
         self._known = dict(known or {})
-        self.hashed = 0  # files actually read
+        self._read: set[str] = set()  # files actually read (a set: threads may hash one path at once)
+
+    @property
+    def hashed(self) -> int:
+        """How many distinct files were read (the rest came from the record of the last run)."""
+        return len(self._read)
 
     def __call__(self, path: str | os.PathLike) -> str:
         key = str(path)
@@ -60,7 +65,7 @@ class FileHasher:
                 self._memo[key] = known[2]
             else:
                 self._memo[key] = self._hash_fn(path)
-                self.hashed += 1
+                self._read.add(key)
             self._stat[key] = stat
         return self._memo[key]
 

@@ -211,6 +211,11 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
         raise ValueError("no dataset given; pass --dataset_metadata FILE (e.g. from `qie make-demo-data`)")
     if config.shard_size < 1:
         raise ValueError(f"--shard_size must be >= 1, got {config.shard_size}")
+    if config.divisor < 16 or config.divisor % 16:  # the DiT's 2x2 patches of the VAE's 8x latents
+        raise ValueError(f"--divisor {config.divisor}: image sides must be multiples of 16 (the VAE's 8x times the "
+                         "DiT's 2x2 patch); use 16, 32, 64, ...")
+    if not Path(config.dataset.dataset_metadata).is_file():  # before anything is created in --cache_dir
+        raise FileNotFoundError(f"metadata file not found: {config.dataset.dataset_metadata} (--dataset_metadata)")
     cache_dir = Path(config.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     if dist.state is not None:  # launched ranks; rank 0 finalises every rank's shards: one directory for all

@@ -135,6 +135,15 @@ def load_inputs(args: argparse.Namespace):
             raise FileNotFoundError(f"LoRA file not found: {path} (--lora takes a .safetensors file)")
     if args.out is None or Path(args.out).suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
         raise ValueError(f"--out {args.out} needs an image extension (.png, .jpg, .webp)")
+    from ..utils.atomic import check_output_file
+
+    for flag, path in (("--out", args.out), ("--before_after", args.before_after)):
+        if path:
+            check_output_file(path, flag)
+    if mask is not None and abs(mask.size[0] / mask.size[1] - images[0].size[0] / images[0].size[1]) > 0.01 * (
+            images[0].size[0] / images[0].size[1]):
+        log.warning("--mask %s is %dx%d but the image is %dx%d: the mask is stretched to the image's shape; check "
+                    "that it belongs to this image", args.mask, *mask.size, *images[0].size)
     return images, mask, loras
 
 

@@ -40,9 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..inference import Editor
     from ..inference.evaluate import compare_grid, evaluate, load_cases
-    from ..utils.atomic import atomic_path
+    from ..utils.atomic import atomic_path, check_output_file
     from .edit import lora_pairs
 
+    if args.grid:
+        check_output_file(args.grid, "--grid")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit {args.limit}: evaluate at least one row (or leave --limit out for all)")
     cases = load_cases(args.dataset_metadata, args.dataset_base, args.limit)
     for path in args.lora:
         if not Path(path).is_file():

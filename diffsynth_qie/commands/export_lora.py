@@ -31,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..lora.export import export_lora
 
+    from pathlib import Path
+
+    from ..utils.atomic import check_output_file
+
+    if Path(args.in_path).resolve() == Path(args.out_path).resolve():
+        raise ValueError(f"OUT {args.out_path} is the input LoRA itself; write the export to another file")
+    check_output_file(args.out_path, "OUT")
     if args.drop_full_weights and args.fmt != "diffusers":
         raise ValueError("--drop_full_weights only applies to --format diffusers "
                          "(ComfyUI loads full module weights as .set_weight patches)")

@@ -12,9 +12,11 @@ import argparse
 import dataclasses
 import logging
 
+from ..models.presets import preset_names
+
 log = logging.getLogger(__name__)
 
-MODELS = ("edit", "2509", "2511", "tiny")
+MODELS = tuple(preset_names())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +58,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..memory.plan import PlanOptions, describe, format_plan, predict, recommend
 
+    from ..models.presets import family_of
+
+    family = family_of(args.model)
+    if args.verify and not family.fullsize_verify:
+        raise ValueError(f"--verify runs Qwen-Image-Edit's training step and edit on the fake device; {family.label} "
+                         "is not covered yet: drop --verify")
     census = _census(args)
+    if not family.fullsize_verify:
+        log.warning("%s: weights, LoRA and optimizer state are counted exactly; activations use the constants "
+                    "fitted on Qwen-Image-Edit's blocks, an estimate for this family", family.label)
     base = PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
                        prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
                        optimizer=args.optimizer, gradient_checkpointing=args.gradient_checkpointing,
@@ -87,7 +98,7 @@ def run(args) -> int:
 
 def _census(args):
     from ..memory.census import census_from_files, dit_files, preset_census
-    from ..models.presets import get_preset
+    from ..models.presets import family_of, get_preset
 
     if args.model_dir is None:
         return preset_census(args.model, with_encoders=args.task == "edit")
@@ -96,7 +107,7 @@ def _census(args):
     if not files:
         raise ValueError(f"--model_dir {args.model_dir} has no {preset.dit.pattern}; "
                          f"pass the model repository's folder (it contains transformer/)")
-    census = census_from_files(files, preset.lora_target_modules)
+    census = census_from_files(files, preset.lora_target_modules, family_of(preset).streams)
     if args.task == "edit":  # encoders' sizes are the preset's own (identical in every Edit repo)
         enc = preset_census(args.model, with_encoders=True)
         census = dataclasses.replace(census, text_encoder_params=enc.text_encoder_params, vae_params=enc.vae_params)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from ..utils.atomic import is_temp_name
+from .formats import read_utf8
 from .images import MAX_IMAGE_PIXELS, open_image
 from .rows import SkippedRow
 
@@ -121,7 +122,7 @@ def read_prompts(path: Path) -> dict[str, dict[str, str]]:
     """``{stem: {"prompt": ..., "instruction_cn": ..., ...}}`` from a CSV or JSONL prompts file."""
     if not path.is_file():
         raise ValueError(f"prompts file {path} not found; pass a CSV or JSONL with stem and prompt columns")
-    text = path.read_text(encoding="utf-8-sig")
+    text = read_utf8(path, "prompts file")
     if path.suffix.lower() == ".csv":
         records = list(csv.DictReader(io.StringIO(text, newline="")))  # quoted newlines stay in their cell
     else:
@@ -154,6 +155,10 @@ def match_folders(spec: FolderSpec) -> FolderScan:
         raise ValueError("give --prompt (one prompt for all) or --prompts FILE, not both")
     if not spec.sources:
         raise ValueError("no --source folder given; pass --source DIR (several for multi-image edits)")
+    same = [str(d) for d in spec.sources if Path(d).resolve() == Path(spec.target).resolve()]
+    if same:  # every pair would be an image and itself: an edit that teaches nothing
+        raise ValueError(f"--source {same[0]} is the --target folder itself; the sources are the images before "
+                         "the edit, the target the images after it: give two different folders")
     scan = FolderScan()
     targets, ambiguous = list_images(spec.target)
     if not targets and not ambiguous:
@@ -202,7 +207,7 @@ def _match_one(spec, key, target, others, prompts, scan) -> Optional[SkippedRow]
         texts = prompts.get(key, {})
     else:
         txt = spec.target / f"{key}.txt"
-        texts = {"prompt": txt.read_text(encoding="utf-8-sig").strip()} if txt.is_file() else {}
+        texts = {"prompt": read_utf8(txt, "prompt file").strip()} if txt.is_file() else {}
     if not texts.get("prompt"):
         where = (f"--prompts {spec.prompts_file}" if prompts is not None
                  else f"{spec.target / (key + '.txt')}" if spec.prompt is None else "--prompt")

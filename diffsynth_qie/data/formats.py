@@ -111,6 +111,10 @@ def _read_csv(path: Path, text: str) -> list[tuple[int, Any]]:
     reader = csv.DictReader(io.StringIO(text, newline=""))  # quoted newlines stay in their cell
     if not reader.fieldnames:
         raise ValueError(f"{path}: CSV has no header row; the first line must name the columns")
+    repeated = sorted({name for name in reader.fieldnames if reader.fieldnames.count(name) > 1})
+    if repeated:  # csv.DictReader would keep the last column of a name and silently drop the others
+        raise ValueError(f"{path}: the header names column(s) {', '.join(map(repr, repeated))} more than once; "
+                         "rename or remove the duplicates (only one column per field is read)")
     out = []
     for i, rec in enumerate(reader):
         if None in rec:
@@ -120,12 +124,17 @@ def _read_csv(path: Path, text: str) -> list[tuple[int, Any]]:
     return out
 
 
+def read_utf8(path: Path, what: str = "metadata file") -> str:
+    """A text file's content (UTF-8, a byte-order mark dropped); ValueError naming the file when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e}); save the {what} as UTF-8") from e
+
+
 def _load_records(path: Path) -> tuple[list[tuple[int, Any]], bool]:
     """``(records, from_csv)``: (index, record) pairs, and whether cells are CSV strings."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e}); save the metadata file as UTF-8") from e
+    text = read_utf8(path)
     suffix = path.suffix.lower()
     stripped = text.lstrip()
     if suffix == ".csv":

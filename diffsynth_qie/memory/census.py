@@ -49,8 +49,9 @@ def _matches(name: str, targets: Sequence[str]) -> bool:
 
 
 def census_from_shapes(shapes: Mapping[str, Sequence[int]], linears: Iterable[str],
-                       targets: Sequence[str], **extra) -> DiTCensus:
-    """A census from parameter name -> shape and the names of the linear modules."""
+                       targets: Sequence[str], streams: int = 2, **extra) -> DiTCensus:
+    """A census from parameter name -> shape and the names of the linear modules (``streams``: token streams
+    per block with their own targets: 2 for Qwen-Image-Edit's image and text, 1 for Qwen-Image-2.1)."""
     linears = set(linears)
     blocks: dict[int, int] = {}
     for name, shape in shapes.items():
@@ -74,17 +75,17 @@ def census_from_shapes(shapes: Mapping[str, Sequence[int]], linears: Iterable[st
         linear_weight_params=sum(_numel(s) for s in lin_w.values()),
         linear_out_features=sum(int(s[0]) for s in lin_w.values()),
         lora_features=sum(int(s[0]) + int(s[1]) for s in targeted.values()),
-        # both streams have the same targets (to_q / add_q_proj, ...): per stream, half of them
-        lora_token_targets=per_block_tokens // 2 if per_block_tokens > 1 else per_block_tokens,
+        # each stream has the same targets (to_q / add_q_proj, ...): per stream, a share of them
+        lora_token_targets=per_block_tokens // streams if per_block_tokens > 1 else per_block_tokens,
         **extra)
 
 
-def census_from_module(module, targets: Sequence[str], **extra) -> DiTCensus:
+def census_from_module(module, targets: Sequence[str], streams: int = 2, **extra) -> DiTCensus:
     import torch
 
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     linears = [n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
-    return census_from_shapes(shapes, linears, targets, **extra)
+    return census_from_shapes(shapes, linears, targets, streams, **extra)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -101,7 +102,7 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
-def census_from_files(files: Sequence[str | Path], targets: Sequence[str]) -> DiTCensus:
+def census_from_files(files: Sequence[str | Path], targets: Sequence[str], streams: int = 2) -> DiTCensus:
     """A census from a checkpoint's safetensors headers (no tensor is read)."""
     if not files:
         raise ValueError("no DiT weight files given; pass --model_dir with a transformer/ folder")
@@ -111,7 +112,7 @@ def census_from_files(files: Sequence[str | Path], targets: Sequence[str]) -> Di
     # 2-D weights are linears in this DiT (no embeddings or convolutions); diffusers' key names
     # differ from DiffSynth's only in ways that keep the suffixes the targets use.
     linears = [k[: -len(".weight")] for k, s in shapes.items() if k.endswith(".weight") and len(s) == 2]
-    return census_from_shapes(shapes, linears, targets)
+    return census_from_shapes(shapes, linears, targets, streams)
 
 
 def dit_files(model_dir: str | Path, pattern: str) -> list[Path]:
@@ -123,37 +124,37 @@ def preset_census(preset_name: str, with_encoders: bool = True) -> DiTCensus:
     """The census of a preset's DiT, built on the ``meta`` device (the tiny model at its real sizes)."""
     import torch
 
-    from ..models.presets import get_preset
+    from ..models.presets import family_of, get_preset
 
     preset = get_preset(preset_name)
+    family = family_of(preset)
     with torch.device("meta"):
         dit = build_dit(preset)
-        extra = _encoder_params() if with_encoders and not preset.is_tiny else {}
-    return census_from_module(dit, preset.lora_target_modules, **extra)
+        extra = _encoder_params(family) if with_encoders and not preset.is_tiny else {}
+    return census_from_module(dit, preset.lora_target_modules, family.streams, **extra)
 
 
 def build_dit(preset, num_layers: int | None = None):
-    """The preset's DiT class at its real sizes (DiffSynth registers every Qwen-Image-Edit DiT with
-    default arguments), built on the current default device and dtype. ``num_layers`` overrides the
-    depth (a shallower copy of the same blocks)."""
+    """The preset's DiT class at its real sizes (DiffSynth registers every Qwen DiT with default
+    arguments), built on the current default device and dtype. ``num_layers`` overrides the
+    depth (a shallower copy of the same blocks). A tiny preset's builder module gives its own."""
+    import importlib
+
+    from ..models.presets import family_of
+
     depth = {} if num_layers is None else {"num_layers": num_layers}
     if preset.is_tiny:
-        from ..tiny.build import DIT_SIZES, TinyQwenImageDiT
-        return TinyQwenImageDiT(**{**DIT_SIZES, **depth})
-    from diffsynth.models.qwen_image_dit import QwenImageDiT
-    return QwenImageDiT(**depth)
+        return importlib.import_module(preset.provider.partition(":")[0]).tiny_dit(num_layers)
+    return family_of(preset).component_type("dit")(**depth)
 
 
-def _encoder_params() -> dict[str, int]:
+def _encoder_params(family) -> dict[str, int]:
     import torch
 
     from ..utils.logging import library_warnings_once
 
     library_warnings_once()  # the Qwen2.5-VL config's RoPE warnings are not news
-    from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
-    from diffsynth.models.qwen_image_vae import QwenImageVAE
-
     with torch.device("meta"):
-        te, vae = QwenImageTextEncoder(), QwenImageVAE()
+        te, vae = family.component_type("text_encoder")(), family.component_type("vae")()
     return {"text_encoder_params": sum(p.numel() for p in te.parameters()),
             "vae_params": sum(p.numel() for p in vae.parameters())}

@@ -42,6 +42,11 @@ class Family:
     has_tokenizer: bool                  # a tokenizer folder beside the processor (the Edit family)
     lora_targets: tuple[str, ...]        # default LoRA target module names
     fullsize_verify: bool = False        # ``qie plan --verify`` and the preflight run this family at full size
+    # DiffSynth's classes at their real sizes (default arguments), for ``qie plan``'s census on the meta device
+    dit_class: str = ""
+    text_encoder_class: str = ""
+    vae_class: str = ""
+    streams: int = 2                     # token streams per block with their own LoRA targets (image, text)
     # Fixed sampling sigmas of a distilled variant are a preset's, not the family's: ``Preset.sigmas``.
     notes: dict = field(default_factory=dict)
 
@@ -60,10 +65,18 @@ class Family:
 
     def pipeline_type(self):
         """DiffSynth's pipeline class (imports diffsynth)."""
-        import importlib
+        return _resolve(self.pipeline_class)
 
-        module, _, name = self.pipeline_class.rpartition(".")
-        return getattr(importlib.import_module(module), name)
+    def component_type(self, component: str):
+        """DiffSynth's class of ``dit``, ``text_encoder`` or ``vae`` (imports diffsynth)."""
+        return _resolve(getattr(self, f"{component}_class"))
+
+
+def _resolve(dotted: str):
+    import importlib
+
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 # DiffSynth's usual Qwen-Image LoRA targets (examples/qwen_image/model_training/lora/*.sh).
@@ -82,7 +95,9 @@ EDIT = Family(
     model_names={"dit": "qwen_image_dit", "text_encoder": "qwen_image_text_encoder", "vae": "qwen_image_vae"},
     latent_channels=16, vae_factor=8, token_pixels=16, size_divisor=16, default_steps=40, default_cfg=4.0,
     max_references=3, licence="Apache-2.0", has_tokenizer=True, lora_targets=EDIT_LORA_TARGETS,
-    fullsize_verify=True,
+    fullsize_verify=True, dit_class="diffsynth.models.qwen_image_dit.QwenImageDiT",
+    text_encoder_class="diffsynth.models.qwen_image_text_encoder.QwenImageTextEncoder",
+    vae_class="diffsynth.models.qwen_image_vae.QwenImageVAE", streams=2,
 )
 QWEN21 = Family(
     name="qwen-image-2.1", label="Qwen-Image-2.1",
@@ -91,7 +106,9 @@ QWEN21 = Family(
                  "vae": "qwen_image_21_vae"},
     latent_channels=64, vae_factor=16, token_pixels=16, size_divisor=32, default_steps=40, default_cfg=1.0,
     max_references=10, licence="Qwen Research License (non-commercial use only)", has_tokenizer=False,
-    lora_targets=QWEN21_LORA_TARGETS,
+    lora_targets=QWEN21_LORA_TARGETS, dit_class="diffsynth.models.qwen_image_21_dit.QwenImage21DiT",
+    text_encoder_class="diffsynth.models.qwen_image_21_text_encoder.QwenImage21TextEncoder",
+    vae_class="diffsynth.models.qwen_image_21_vae.QwenImage21VAE", streams=1,
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in (EDIT, QWEN21)}
 

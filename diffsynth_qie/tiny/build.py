@@ -92,6 +92,11 @@ class TinyQwenImageDiT(QwenImageDiT):
         self.proj_out = torch.nn.Linear(dim, in_channels)
 
 
+def tiny_dit(num_layers: int | None = None) -> TinyQwenImageDiT:
+    """The tiny DiT at its sizes (``num_layers`` overrides the depth), on the current default device."""
+    return TinyQwenImageDiT(**{**DIT_SIZES, **({} if num_layers is None else {"num_layers": num_layers})})
+
+
 def tiny_text_encoder_config():
     """The tiny ``Qwen2_5_VLConfig`` (text + vision tower), special-token ids from the tokenizer."""
     from transformers import Qwen2_5_VLConfig

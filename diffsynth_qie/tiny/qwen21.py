@@ -69,6 +69,13 @@ CHAT_TEMPLATE = (
 _SEED_OFFSETS = {"dit": 10, "text_encoder": 11, "vae": 12}
 
 
+def tiny_dit(num_layers: int | None = None):
+    """The tiny 2.1 DiT (DiffSynth's ``QwenImage21DiT``; ``num_layers`` overrides the depth)."""
+    from diffsynth.models.qwen_image_21_dit import QwenImage21DiT
+
+    return QwenImage21DiT(**{**DIT_KWARGS, **({} if num_layers is None else {"num_layers": num_layers})})
+
+
 def text_encoder_config():
     from transformers import Qwen3VLConfig
 

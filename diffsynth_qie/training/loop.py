@@ -126,24 +126,29 @@ class _Run:
 
 
 def setup(config: RunConfig) -> _Run:
-    """Accelerator, output-directory lock, then the run (:func:`_build_run`); the lock is released if that fails."""
+    """Accelerator, the checked config, the output-directory lock, then the run (:func:`_build_run`); the lock
+    is released if that fails. (A bad flag fails before the lock: nothing is written into --output_dir.)"""
+    from ..models.presets import get_preset
+
     accelerator = make_accelerator(config)  # first: under ZeRO-3 the DiT must be built partitioned
     ds_config = deepspeed_config(accelerator)
+    preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
+    cfg = config.resolved(preset)
     lock = TrainLock(config.train.output_dir).acquire_for_ranks(accelerator)  # one run per --output_dir
     try:
-        return _build_run(config, accelerator, ds_config, lock)
+        return _build_run(cfg, preset, accelerator, ds_config, lock)
     except BaseException:
         lock.release()
         raise
 
 
-def _build_run(config: RunConfig, accelerator, ds_config: Optional[dict], lock) -> _Run:
+def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lock) -> _Run:
     """Cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
     from accelerate.utils import set_seed
 
     from ..models.compile import compile_blocks
     from ..models.devices import check_device_for
-    from ..models.presets import get_preset
+    from ..models.presets import family_of
     from ..utils.shared_dir import check_shared_dir
     from . import checkpoint as ckpt
     from .data import build_training_data
@@ -155,8 +160,6 @@ def _build_run(config: RunConfig, accelerator, ds_config: Optional[dict], lock) 
     from .tracking import Tracker
     from .validation import Validator
 
-    preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
-    cfg = config.resolved(preset)
     check_clipping(cfg.optim, ds_config)
     check_schedule_free_sharding(cfg.optim, ds_config, accelerator.num_processes)
     t = cfg.train
@@ -175,7 +178,7 @@ def _build_run(config: RunConfig, accelerator, ds_config: Optional[dict], lock) 
     check_device_for(preset, accelerator.device, explicit_cpu=t.device == "cpu")
     check_fp8_base(cfg, ds_config)
     check_block_swap(cfg, ds_config)  # both before the (long) load
-    if not preset.is_tiny and not t.no_preflight:
+    if not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:
         from .verify import preflight
 
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load

@@ -27,16 +27,27 @@ WANDB_ID_FILE = "wandb_run_id"
 
 
 def read_loss_log(path: str | os.PathLike) -> list[dict]:
-    """Records of a ``loss.jsonl`` (skips a torn last line)."""
-    records = []
+    """Records of a ``loss.jsonl``: JSON objects with an integer ``step``. Anything else (a torn last line,
+    a line some other tool appended, bytes that are not UTF-8) is skipped with one warning naming the file,
+    so a damaged log never stops ``qie report`` or a resume."""
+    records, bad = [], 0
     p = Path(path)
     if not p.is_file():
         return records
-    for line in p.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+    for line in p.read_bytes().decode("utf-8", errors="replace").split("\n"):
+        if not line.strip():
             continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool):
+            records.append(record)
+        else:
+            bad += 1
+    if bad:
+        log.warning("%s: skipped %d line(s) that are not loss records (a torn write or another tool's lines)",
+                    p, bad)
     return records
 
 

@@ -21,7 +21,8 @@ class UIConfig:
     share: bool = field(default=False, metadata={
         "help": "also open a public gradio.live tunnel (opt-in: anyone with the link can use your GPU)"})
     model: str = field(default="tiny", metadata={
-        "help": "model preset: tiny, edit, 2509, 2511 (see `qie edit --help`)"})
+        "help": "model preset: tiny, edit, 2509, 2511, or Qwen-Image-2.1's tiny-2.1, 2.1, 2.1-turbo (see `qie edit "
+                "--help`)"})
     model_dir: str | None = field(default=None, metadata={
         "help": "local directory holding the model in its repo layout; for the tiny preset it is "
                 "built there if missing (default: the preset's usual location)"})

@@ -229,11 +229,7 @@ class UIHandlers:
         from ..inference.editor import Editor
         from ..models.presets import get_preset
 
-        preset = get_preset(self.config.model)
-        if preset.is_tiny and self.config.model_dir:
-            from ..tiny.build import ensure_tiny
-
-            ensure_tiny(self.config.model_dir)
+        get_preset(self.config.model)  # (an explicit --model_dir is used as it is, never written, as `qie edit` does)
         return Editor.from_preset(model=self.config.model, model_dir=self.config.model_dir,
                                   device=self.config.device, lora_merge=self.config.lora_merge,
                                   fp8_base=self.config.fp8_base, blocks_to_swap=self.config.blocks_to_swap)

@@ -164,6 +164,19 @@ def clean_leftovers(directory: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def check_output_file(path: str | os.PathLike, flag: str) -> None:
+    """Refuse, before any work, an output file path that cannot be written: an existing directory, or a
+    path below something that is a file. ``flag`` names the option for the message."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {path}: {parent} is a file, not a directory; choose another path")
+            break
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)

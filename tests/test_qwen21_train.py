@@ -1,0 +1,161 @@
+"""Qwen-Image-2.1 through the cache and the trainer: the family's cache layout, family checks, real mixed-shape
+batches (equal to single samples), exact resume, and a LoRA refused by a model of the other family."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import fresh_accelerate  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each train() builds its own Accelerator."""
+    with fresh_accelerate():
+        yield
+
+
+@pytest.fixture(scope="module")
+def cache21(tiny21_dir, tmp_path_factory):
+    """The mixed-size demo (masks, one row with two references), cached for the tiny 2.1."""
+    from diffsynth_qie.cache.writer import CacheConfig, write_cache
+    from diffsynth_qie.data.demo import make_demo_data
+    from diffsynth_qie.data.formats import DatasetConfig
+
+    data = make_demo_data(tmp_path_factory.mktemp("demo21"), num_pairs=4, seed=2, mixed_sizes=True)
+    out = tmp_path_factory.mktemp("cache21")
+    write_cache(CacheConfig(cache_dir=str(out), model="tiny-2.1", model_dir=str(tiny21_dir), max_pixels=128 * 128,
+                            num_workers=1, device="cpu", dtype="float32",
+                            dataset=DatasetConfig(dataset_metadata=str(data / "metadata.json"))), rank=0, world_size=1)
+    return out
+
+
+def _config(cache, out, model_dir, loss=None, **train):
+    from diffsynth_qie.training import config as tc
+
+    t = dict(model="tiny-2.1", model_dir=str(model_dir), batch_size=2, max_steps=4, mixed_precision="no",
+             gradient_checkpointing=False, save_every=0, seed=0, device="cpu")
+    t.update(train)
+    return tc.RunConfig(train=tc.TrainConfig(cache_dir=str(cache), output_dir=str(out), **t),
+                        lora=tc.LoRAConfig(lora_rank=4), optim=tc.OptimConfig(learning_rate=1e-2),
+                        loss=tc.LossConfig(**(loss or {})))
+
+
+def test_the_21_cache_holds_the_familys_tensors(cache21):
+    from diffsynth_qie.cache.store import CacheStore
+
+    store = CacheStore.open(cache21)
+    assert store.family == "qwen-image-2.1" and store.manifest["resize"]["divisor"] == 32 and len(store) == 4
+    assert any(store.meta(i).n_edit == 2 for i in range(len(store)))
+    for i in range(len(store)):
+        meta, entry = store.meta(i), store.load(i)
+        h, w = meta.target_size
+        assert h % 32 == 0 and w % 32 == 0 and entry.target_latents.shape == (64, h // 16, w // 16)
+        assert meta.patch == 1 and meta.image_tokens == sum(s[1] * s[2] for s in [meta.target_shape, *meta.edit_shapes])
+        assert entry.lbm_source_latents is None  # (no LBM for 2.1)
+        # each reference slot of the prompt takes a 2x2 block of the reference's latents (Qwen3-VL merges 2x2)
+        ref_tokens = sum(z.shape[1] * z.shape[2] for z in entry.edit_latents)
+        for emb, pad in zip(entry.prompt_embs + [entry.empty_prompt_emb], entry.prompt_pads + [entry.empty_prompt_pad]):
+            assert pad.dtype == torch.bool and pad.shape == emb.shape[:1] and 4 * int(pad.sum()) == ref_tokens
+        if entry.back_mask is not None:
+            assert entry.back_mask.shape == (1, *entry.target_latents.shape[1:])
+
+
+def test_a_cache_of_one_family_is_refused_for_the_other(cache21, cache_dir):
+    from diffsynth_qie.models.presets import get_preset
+    from diffsynth_qie.training.data import open_cache
+
+    with pytest.raises(ValueError, match="encoded for qwen-image-2.1 .* --model tiny is qwen-image-edit"):
+        open_cache(str(cache21), get_preset("tiny"))
+    with pytest.raises(ValueError, match="encoded for qwen-image-edit .* --model tiny-2.1 is qwen-image-2.1"):
+        open_cache(str(cache_dir), get_preset("tiny-2.1"))
+
+
+def test_a_mixed_batch_equals_its_samples_one_by_one(cache21, tiny21_dir, tmp_path):
+    """Different target and reference shapes in one batch: the same loss and gradients as single samples."""
+    from diffsynth_qie.cache.store import CacheStore
+    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.presets import get_preset
+    from diffsynth_qie.training.data import CacheDataset, SampleKey, collate
+    from diffsynth_qie.training.module import QIETrainingModule
+
+    cfg = _config(cache21, tmp_path, tiny21_dir, loss={"mask_loss_weights": (2.0, 0.5)}).resolved(get_preset("tiny-2.1"))
+    dit = load_pipeline("tiny-2.1", model_dir=tiny21_dir, components=("dit",), device="cpu",
+                        torch_dtype=torch.float32).dit
+    module = QIETrainingModule(dit, cfg, "tiny-2.1")
+    with torch.no_grad():
+        for n, p in module.trainable_named_parameters():
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    ds = CacheDataset(CacheStore.open(cache21))
+    samples = [ds[SampleKey(i, 0)] for i in range(len(ds))]
+    assert len({(tuple(s["target_latents"].shape), len(s["edit_latents"])) for s in samples}) >= 3
+
+    def grads():
+        return {n: p.grad.detach().clone() for n, p in module.trainable_named_parameters() if p.grad is not None}
+
+    module.zero_grad()
+    loss_all, _ = module(collate(samples), torch.Generator().manual_seed(5))
+    loss_all.backward()
+    g_all = grads()
+    module.zero_grad()
+    gen, singles = torch.Generator().manual_seed(5), []
+    for s in samples:
+        one, _ = module(collate([s]), gen)
+        (one / len(samples)).backward()
+        singles.append(float(one.detach()))
+    g_one = grads()
+    assert float(loss_all.detach()) == pytest.approx(sum(singles) / len(samples), rel=1e-5)
+    assert set(g_all) == set(g_one) and len(g_all) == 2 * 7 * 2  # A and B of 7 targets in 2 blocks
+    for n in g_all:
+        assert torch.allclose(g_all[n], g_one[n], rtol=1e-4, atol=1e-7), n
+
+
+def test_21_training_resumes_exactly(cache21, tiny21_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from diffsynth_qie.training.loop import Hooks, train
+
+    ref = train(_config(cache21, tmp_path / "ref", tiny21_dir))
+    out = tmp_path / "run"
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_3(step, record):
+        if step == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(_config(cache21, out, tiny21_dir, save_every=2), Hooks(on_step_end=crash_at_3))
+    with fresh_accelerate():
+        resumed = train(_config(cache21, out, tiny21_dir, save_every=2, resume="latest"))
+    assert resumed.losses == pytest.approx(ref.losses[2:], rel=1e-6)
+    a, b = load_file(str(out / "lora.safetensors")), load_file(str(ref.lora_path))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-8) for k in a)
+    assert min(ref.losses) < ref.losses[0] or len(set(ref.losses)) > 1  # it trains (the losses move)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"loss": {"loss": "lbm"}}, "--loss lbm is built for Qwen-Image-Edit"),
+    ({"zero_cond_t": True}, "--zero_cond_t is a Qwen-Image-Edit-2511 flag"),
+])
+def test_what_21_training_cannot_do_is_refused_by_name(cache21, tiny21_dir, tmp_path, flags, message):
+    from diffsynth_qie.models.presets import get_preset
+
+    flags = dict(flags)
+    cfg = _config(cache21, tmp_path, tiny21_dir, loss=flags.pop("loss", None), **flags)
+    with pytest.raises(ValueError, match=message):
+        cfg.resolved(get_preset("tiny-2.1"))
+
+
+def test_a_lora_of_the_other_family_is_refused_naming_it(cache21, tiny21_dir, tiny_pipe, tmp_path):
+    from diffsynth_qie.inference import Editor
+    from diffsynth_qie.training.loop import train
+
+    lora = train(_config(cache21, tmp_path / "run", tiny21_dir, max_steps=1)).lora_path
+    with pytest.raises(ValueError, match=r"was trained for qwen-image-2.1 \(preset tiny-2.1\), but this model is "
+                                         r"qwen-image-edit"):
+        Editor(tiny_pipe).set_loras([(str(lora), 1.0)])
+    assert Path(lora).is_file()
