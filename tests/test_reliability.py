@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -433,3 +434,74 @@ def test_a_write_failure_on_one_rank_ends_the_save_on_every_rank(monkeypatch):
     monkeypatch.setattr(accelerate.utils, "gather_object", lambda mine: [None, ("rank 1: bad value", None)])
     with pytest.raises(RuntimeError, match="another rank failed \\(rank 1: bad value\\)"):
         raise_on_every_rank(Rank(0), None)
+
+
+# --- found by a second attack pass ---------------------------------------------------------------------------
+def test_a_damaged_loss_log_is_skipped_line_by_line_by_report_and_resume(tmp_path, caplog):
+    from diffsynth_qie.training.report import build_report
+    from diffsynth_qie.training.tracking import read_loss_log
+
+    log_file = tmp_path / "loss.jsonl"
+    log_file.write_bytes(b'{"step": 1, "loss": 1.0}\n[1, 2]\n\xff\xfe garbage\n{"step": "x", "loss": 2.0}\n'
+                         b'{"step": 2, "loss": 0.5}\n{"step": 3, "lo')
+    with caplog.at_level(logging.WARNING):
+        records = read_loss_log(log_file)
+    assert [r["step"] for r in records] == [1, 2]
+    assert f"{log_file}: skipped 4 line(s)" in caplog.text
+    assert "loss" in build_report(tmp_path)  # the report page renders from the two good records
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["export-lora", "{d}/a.safetensors", "{d}/a.safetensors", "--format", "comfyui"], "is the input LoRA itself"),
+    (["export-lora", "{d}/a.safetensors", "{d}/file.png/o.safetensors", "--format", "comfyui"], "is a file, not a directory"),
+    (["edit", "--image", "{d}/file.png", "--prompt", "x", "--out", "{d}/file.png/o.png"], "is a file, not a directory"),
+    (["eval-edits", "--dataset_metadata", "{d}/m.json", "--grid", "{d}"], "--grid .* is a directory"),
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, argv, message, capsys):
+    Image.new("RGB", (32, 32)).save(tmp_path / "file.png")
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    (tmp_path / "m.json").write_text("[]")
+    assert main([a.format(d=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err
+    assert (tmp_path / "a.safetensors").read_bytes() == b"x"
+
+
+def test_duplicate_csv_columns_and_a_source_that_is_the_target_are_refused(tmp_path):
+    from diffsynth_qie.data.folders import FolderSpec, match_folders
+    from diffsynth_qie.data.formats import read_rows
+
+    (tmp_path / "m.csv").write_text("prompt,image,edit_image,prompt\nmake it pink,a.png,a.png,\n")
+    with pytest.raises(ValueError, match=r"m\.csv: the header names column\(s\) 'prompt' more than once"):
+        read_rows(tmp_path / "m.csv", tmp_path)
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    with pytest.raises(ValueError, match="is the --target folder itself"):
+        match_folders(FolderSpec(target=tmp_path, sources=[tmp_path], prompt="x"))
+    (tmp_path / "p.csv").write_bytes("stem,prompt\na,caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"p\.csv: not UTF-8 text .* save the prompts file as UTF-8"):
+        from diffsynth_qie.data.folders import read_prompts
+
+        read_prompts(tmp_path / "p.csv")
+
+
+def test_a_cache_divisor_the_dit_cannot_take_is_refused_and_a_missing_metadata_file_writes_nothing(tmp_path):
+    from diffsynth_qie.cache.writer import CacheConfig, write_cache
+    from diffsynth_qie.data.formats import DatasetConfig
+
+    (tmp_path / "m.json").write_text("[]")
+    with pytest.raises(ValueError, match="--divisor 7: image sides must be multiples of 16"):
+        write_cache(CacheConfig(cache_dir=str(tmp_path / "c"), model="tiny", divisor=7,
+                                dataset=DatasetConfig(dataset_metadata=str(tmp_path / "m.json"))))
+    with pytest.raises(FileNotFoundError, match="metadata file not found"):
+        write_cache(CacheConfig(cache_dir=str(tmp_path / "c2"), model="tiny",
+                                dataset=DatasetConfig(dataset_metadata=str(tmp_path / "typo.json"))))
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c2").exists()
+
+
+def test_a_bad_train_flag_leaves_no_output_directory(cache_dir, tiny_model_dir, tmp_path):
+    from diffsynth_qie.training.loop import train
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError):
+        train(_train_config(cache_dir, tiny_model_dir, out, lora_rank=0))
+    assert not out.exists()
