@@ -159,3 +159,20 @@ def test_a_lora_of_the_other_family_is_refused_naming_it(cache21, tiny21_dir, ti
                                          r"qwen-image-edit"):
         Editor(tiny_pipe).set_loras([(str(lora), 1.0)])
     assert Path(lora).is_file()
+
+
+def test_the_web_uis_lora_picker_lists_only_the_models_family(cache21, tiny21_dir, cache_dir, tiny_model_dir, tmp_path):
+    from diffsynth_qie.training.loop import train
+    from diffsynth_qie.training.config import LoRAConfig, RunConfig, TrainConfig
+    from diffsynth_qie.ui.config import UIConfig
+    from diffsynth_qie.ui.handlers import UIHandlers
+
+    train(_config(cache21, tmp_path / "loras" / "q21", tiny21_dir, max_steps=1))
+    with fresh_accelerate():
+        train(RunConfig(train=TrainConfig(cache_dir=str(cache_dir), output_dir=str(tmp_path / "loras" / "edit"),
+                                          model="tiny", model_dir=str(tiny_model_dir), device="cpu", max_steps=1),
+                        lora=LoRAConfig(lora_rank=4)))
+    pick = {m: UIHandlers(UIConfig(model=m, lora_dir=str(tmp_path / "loras"))).lora_choices()
+            for m in ("tiny", "tiny-2.1")}
+    assert "edit/lora.safetensors" in pick["tiny"] and "q21/lora.safetensors" not in pick["tiny"]
+    assert "q21/lora.safetensors" in pick["tiny-2.1"] and "edit/lora.safetensors" not in pick["tiny-2.1"]

@@ -173,11 +173,22 @@ class LoraManager:
         self._active, self._reports, self._states = [], [], []
 
 
-def lora_family(state: LoraState) -> str | None:
-    """The model family a LoRA was trained for, from its ``preset`` metadata (ours); None when unknown."""
+def lora_family(state: LoraState | str | os.PathLike) -> str | None:
+    """The model family a LoRA (a loaded state, or a file: only its header is read) was trained for, from its
+    ``preset`` metadata (ours); None when unknown."""
     from ..models.presets import PRESETS, family_of
 
-    preset = state.metadata.get("preset")
+    if isinstance(state, LoraState):
+        metadata = state.metadata
+    else:
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(state), framework="pt", device="cpu") as f:
+                metadata = f.metadata() or {}
+        except Exception:  # not a readable safetensors file: its loading will say so
+            return None
+    preset = metadata.get("preset")
     return family_of(preset).name if preset in PRESETS else None
 
 

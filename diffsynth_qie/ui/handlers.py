@@ -295,7 +295,12 @@ class UIHandlers:
 
     # LoRAs ------------------------------------------------------------------------------
     def lora_choices(self) -> list[str]:
-        return [NO_LORA] + list_loras(self.config.lora_dir)
+        """The LoRA files under the folder, without those trained for the other model family (by metadata)."""
+        from ..lora.manager import lora_family
+        from ..models.presets import family_of
+
+        family, root = family_of(self.config.model).name, Path(self.config.lora_dir).expanduser()
+        return [NO_LORA] + [n for n in list_loras(root) if lora_family(root / n) in (None, family)]
 
     def lora_status(self) -> str:
         root = Path(self.config.lora_dir).expanduser()
