@@ -46,13 +46,18 @@ EXPORT_FORMATS = ("comfyui", "diffusers")
 ExportFormat = Literal["comfyui", "diffusers"]
 
 
-def _default_module_names(state: LoraState) -> list[str]:
-    """Module names of DiffSynth's ``QwenImageDiT`` (built on the meta device), for
+def _default_module_names(state: LoraState, family: str = "qwen-image-edit") -> list[str]:
+    """Module names of a family's DiT (DiffSynth's class, one block, built on the meta device), for
     resolving kohya names when no model is at hand; as many blocks as the LoRA uses."""
-    from diffsynth.models.qwen_image_dit import QwenImageDiT
+    import inspect
 
+    from ..models.family import get_family
+
+    cls = get_family(family).component_type("dit")
+    # every optional module too (Qwen-Image-Edit-2511's additional timestep embedding)
+    kwargs = {"use_additional_t_cond": True} if "use_additional_t_cond" in inspect.signature(cls).parameters else {}
     with torch.device("meta"):
-        dit = QwenImageDiT(num_layers=1, use_additional_t_cond=True)
+        dit = cls(num_layers=1, **kwargs)
     names = [n for n, _ in dit.named_modules() if n]
     blocks = [int(m.group(1)) for k in state.modules for m in [re.match(r"transformer_blocks_(\d+)_", k)] if m]
     out = [n for n in names if not n.startswith("transformer_blocks")]
@@ -63,7 +68,18 @@ def _default_module_names(state: LoraState) -> list[str]:
 
 
 def _resolved(state: LoraState) -> LoraState:
-    return state.resolve(_default_module_names(state)) if state.underscore_names else state
+    """Kohya names resolved against the DiT of the family whose module names they all match."""
+    if not state.underscore_names:
+        return state
+    from ..models.family import FAMILIES
+
+    errors = []
+    for family in FAMILIES:
+        try:
+            return state.resolve(_default_module_names(state, family))
+        except ValueError as e:
+            errors.append(e)
+    raise errors[0]
 
 
 def _cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -182,8 +182,33 @@ def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapp
             ("rank-0 pairs (lora_A with no rows)", rank_zero), counted=False))
     if not modules and not full:
         raise ValueError(f"LoRA {source} holds no LoRA tensors")
+    modules = split_fused_gate_up(modules)
     return LoraState(modules=modules, full=full, format=_format_name(formats, metadata), metadata=metadata,
                      source=source, underscore_names=underscore == {True})
+
+
+# ComfyUI's Qwen-Image-2.1 may hold the feed-forward's two input projections as one fused weight,
+# ``img_mlp.gate_up`` = [gate_layer; proj] stacked by rows (comfy/ldm/qwen_image21/model.py, SwiGLUFeedForward);
+# DiffSynth's and diffusers' DiT keep ``gate_layer`` and ``proj`` apart.
+_FUSED_GATE_UP = ("img_mlp.gate_up", "img_mlp_gate_up")
+
+
+def split_fused_gate_up(modules: dict[str, LoraModule]) -> dict[str, LoraModule]:
+    """A LoRA pair on a fused ``gate_up`` as the exact pairs of ``gate_layer`` (the first half of B's rows) and
+    ``proj`` (the second half), sharing A; other modules unchanged."""
+    out = {}
+    for name, mod in modules.items():
+        suffix = next((s for s in _FUSED_GATE_UP if name.endswith(s)), None)
+        if suffix is None:
+            out[name] = mod
+            continue
+        if mod.B.shape[0] % 2:
+            raise ValueError(f"LoRA module {name}: a fused gate_up needs an even number of output rows, "
+                             f"got {mod.B.shape[0]}")
+        half, stem, sep = mod.B.shape[0] // 2, name[: -len(suffix)], suffix[len("img_mlp")]
+        out[f"{stem}img_mlp{sep}gate_layer"] = LoraModule(A=mod.A, B=mod.B[:half], alpha=mod.alpha)
+        out[f"{stem}img_mlp{sep}proj"] = LoraModule(A=mod.A, B=mod.B[half:], alpha=mod.alpha)
+    return out
 
 
 def adapter_config(metadata: Mapping[str, str], source: str = "<memory>") -> dict[str, Any] | None:
