@@ -176,3 +176,24 @@ def test_the_web_uis_lora_picker_lists_only_the_models_family(cache21, tiny21_di
             for m in ("tiny", "tiny-2.1")}
     assert "edit/lora.safetensors" in pick["tiny"] and "q21/lora.safetensors" not in pick["tiny"]
     assert "q21/lora.safetensors" in pick["tiny-2.1"] and "edit/lora.safetensors" not in pick["tiny-2.1"]
+
+
+def test_the_cached_slot_mask_reaches_the_dit_on_the_latents_device(monkeypatch):
+    """The cache keeps the mask on the host; on a GPU DiffSynth concatenates it with a mask on the latents'
+    device, so it must move there (the meta device stands in for the GPU)."""
+    import diffsynth.pipelines.qwen_image_21 as pipeline21
+
+    from diffsynth_qie.models.qwen21 import Prompt21, forward21
+
+    seen = {}
+
+    def model_fn(dit, latents, edit_image_pad_mask, **kwargs):
+        seen["devices"] = (latents.device, edit_image_pad_mask.device)
+        return latents
+
+    monkeypatch.setattr(pipeline21, "model_fn_qwen_image_21", model_fn)
+    dit = torch.nn.Linear(2, 2).to("meta")
+    x = torch.empty(64, 2, 2, device="meta")
+    prompt = Prompt21(emb=torch.empty(5, 32, device="meta"), pad_mask=torch.tensor([0, 1, 1, 0, 0], dtype=torch.bool))
+    forward21(dit, [x], torch.zeros(1, device="meta"), [prompt], [[]])
+    assert seen["devices"] == (torch.device("meta"), torch.device("meta"))

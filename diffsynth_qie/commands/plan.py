@@ -63,7 +63,8 @@ def run(args) -> int:
     family = family_of(args.model)
     if args.verify and not family.fullsize_verify:
         raise ValueError(f"--verify runs Qwen-Image-Edit's training step and edit on the fake device; {family.label} "
-                         "is not covered yet: drop --verify")
+                         "is not covered: DiffSynth's 2.1 DiT reads its token masks on the host (nonzero, "
+                         "repeat_interleave by mask), values a fake device does not have. Drop --verify")
     census = _census(args)
     if not family.fullsize_verify:
         log.warning("%s: weights, LoRA and optimizer state are counted exactly; activations use the constants "

@@ -141,7 +141,9 @@ def forward21(dit, latents: Sequence[Tensor], timesteps: Tensor, prompts: Sequen
         prompt = prompts[b]
         v = model_fn_qwen_image_21(
             dit, latents=x[None], timestep=timesteps[b].reshape(1).to(dtype),
-            prompt_embeds=prompt.emb[None], prompt_embeds_mask=None, edit_image_pad_mask=prompt.pad_mask[None],
+            prompt_embeds=prompt.emb[None], prompt_embeds_mask=None,
+            # (the mask comes from the cache on the host; DiffSynth concatenates it with a mask on the latents' device)
+            edit_image_pad_mask=prompt.pad_mask[None].to(x.device),
             edit_latents=[z[None] for z in ref_latents[b]] or None,
             kv_cache=None if caches is None else caches[b], use_gradient_checkpointing=use_gradient_checkpointing)
         out.append(v[0])
