@@ -84,6 +84,7 @@ def test_scan_reports_unmatched_stems_and_ignores_temp_files(folders):
     assert sorted(r.key for r in scan.rows) == ["a", "g"]
     assert scan.images_checked == 12  # a, b, c, f, g with their sources, and the masks of a and b (d, e: no match)
     assert "1 file(s) in" in scan.summary() and "z" in scan.summary()
+    assert "1 row(s) written without a mask (none has this stem): g" in scan.summary()  # (c..f: not written)
     # a pixel budget below the images' 64x48 skips them all
     tight = validate(match_folders(FolderSpec(target=folders / "target", sources=[folders / "source"])),
                      max_pixels=64 * 48 - 1, workers=0)

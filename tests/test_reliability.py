@@ -505,3 +505,35 @@ def test_a_bad_train_flag_leaves_no_output_directory(cache_dir, tiny_model_dir, 
     with pytest.raises(ValueError):
         train(_train_config(cache_dir, tiny_model_dir, out, lora_rank=0))
     assert not out.exists()
+
+
+def test_the_web_ui_refuses_a_missing_lightning_lora_at_startup(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import app_gradio
+
+    with pytest.raises(SystemExit) as e:
+        app_gradio.main(["--lightning_lora", str(tmp_path / "missing.safetensors")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--lightning_lora {tmp_path / 'missing.safetensors'} is not a file" in err
+
+
+def test_plan_and_export_say_when_the_files_are_not_what_the_flags_claim(tiny_model_dir, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    assert main(["plan", "--model", "2511", "--model_dir", str(tiny_model_dir)]) == 0
+    assert (f"--model_dir {tiny_model_dir} holds a DiT of width 64 with 2 blocks, but 2511 has width 3072 with 60 "
+            "blocks") in capsys.readouterr().err
+    save_file({"foo.bar.lora_A.weight": torch.zeros(2, 8), "foo.bar.lora_B.weight": torch.zeros(8, 2)},
+              str(tmp_path / "other.safetensors"))
+    assert main(["export-lora", str(tmp_path / "other.safetensors"), str(tmp_path / "o.safetensors"),
+                 "--format", "diffusers"]) == 0
+    assert "names 1 module(s) that no Qwen-Image DiT has (another model's LoRA?): foo.bar" in capsys.readouterr().err
+
+
+def test_the_same_cache_twice_is_refused(cache_dir, tiny_model_dir, tmp_path):
+    from diffsynth_qie.training.loop import train
+
+    cfg = _train_config(cache_dir, tiny_model_dir, tmp_path / "run", max_steps=1)
+    cfg.train.cache_dir = [str(cache_dir), f"again={cache_dir}"]
+    with pytest.raises(ValueError, match=r"--cache_dir names .* twice .* --dataset_weights"):
+        train(cfg)

@@ -109,6 +109,11 @@ def _census(args):
         raise ValueError(f"--model_dir {args.model_dir} has no {preset.dit.pattern}; "
                          f"pass the model repository's folder (it contains transformer/)")
     census = census_from_files(files, preset.lora_target_modules, family_of(preset).streams)
+    expected = preset_census(args.model, with_encoders=False)
+    if (census.dim, census.num_layers) != (expected.dim, expected.num_layers):
+        log.warning("--model_dir %s holds a DiT of width %d with %d blocks, but %s has width %d with %d blocks: "
+                    "the plan below is for the files, not for %s; check --model", args.model_dir, census.dim,
+                    census.num_layers, args.model, expected.dim, expected.num_layers, args.model)
     if args.task == "edit":  # encoders' sizes are the preset's own (identical in every Edit repo)
         enc = preset_census(args.model, with_encoders=True)
         census = dataclasses.replace(census, text_encoder_params=enc.text_encoder_params, vae_params=enc.vae_params)

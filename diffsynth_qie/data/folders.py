@@ -84,6 +84,7 @@ class FolderScan:
     rows: list[FolderRow] = field(default_factory=list)
     skipped: list[SkippedRow] = field(default_factory=list)
     unmatched: dict[str, list[str]] = field(default_factory=dict)  # folder -> keys with no target
+    without: dict[str, list[str]] = field(default_factory=dict)  # "mask" / "ref_gt" -> keys written without one
     images_checked: int = 0
 
     def summary(self) -> str:
@@ -95,6 +96,12 @@ class FolderScan:
         parts += [f"  skipped {n}: {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])]
         parts += [f"  {len(keys)} file(s) in {folder} match no target: {', '.join(keys[:5])}"
                   f"{' ...' if len(keys) > 5 else ''}" for folder, keys in self.unmatched.items() if keys]
+        kept = {k for r in self.rows for k in [r.key]}
+        for name, keys in self.without.items():
+            keys = [k for k in keys if k in kept]
+            if keys:
+                parts.append(f"  {len(keys)} row(s) written without a {name} (none has this stem): "
+                             f"{', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}")
         return "\n".join(parts)
 
 
@@ -201,6 +208,8 @@ def _match_one(spec, key, target, others, prompts, scan) -> Optional[SkippedRow]
                 return SkippedRow(key, "back_mask" if name == "mask" else name, _folder(spec, name),
                                   f"several {name} files share this stem")
             optional[name] = files.get(key)
+            if optional[name] is None:  # allowed (the row trains without it), but said in the summary
+                scan.without.setdefault(name, []).append(key)
     if spec.prompt is not None:
         texts = {"prompt": spec.prompt.strip()}
     elif prompts is not None:

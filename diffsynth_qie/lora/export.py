@@ -82,6 +82,19 @@ def _resolved(state: LoraState) -> LoraState:
     raise errors[0]
 
 
+def _warn_unknown_modules(state: LoraState) -> None:
+    """Say so when a LoRA names modules that neither family's DiT has (another model's LoRA, or a damaged file):
+    the export still writes them, and no Qwen DiT would load them."""
+    from ..models.family import FAMILIES
+
+    known = set().union(*(_default_module_names(state, family) for family in FAMILIES))
+    names = set(state.modules) | {n.rsplit(".", 1)[0] for n in state.full}  # (full weights: "<module>.weight")
+    unknown = sorted(names - known)
+    if unknown:
+        log.warning("LoRA %s names %d module(s) that no Qwen-Image DiT has (another model's LoRA?): %s", state.source,
+                    len(unknown), listing(unknown))
+
+
 def _cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous().clone()
 
@@ -170,6 +183,7 @@ def export_lora(in_path: str | os.PathLike, out_path: str | os.PathLike, fmt: Ex
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
     state = load_lora_state(in_path)
+    _warn_unknown_modules(_resolved(state))
     if fmt == "comfyui":
         tensors = comfyui_state_dict(state)
     else:

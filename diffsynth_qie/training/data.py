@@ -279,6 +279,12 @@ def build_training_data(cache_dirs: "str | Sequence[str]", preset, sampling: Sam
     if not cache_dirs:
         raise ValueError("no cache given; pass --cache_dir DIR (made by `qie cache`)")
     specs = [parse_cache_spec(c) for c in cache_dirs]
+    seen: dict[Path, str] = {}
+    for _, d in specs:  # twice the same cache would silently count every sample twice
+        if Path(d).resolve() in seen:
+            raise ValueError(f"--cache_dir names {d} twice (also as {seen[Path(d).resolve()]}); give each cache once, "
+                             "and weigh datasets with --dataset_weights NAME=W")
+        seen[Path(d).resolve()] = d
     stores = [open_cache(d, preset) for _, d in specs]
     fingerprints = {d: s.manifest.get("encoder_fingerprint") for (_, d), s in zip(specs, stores)}
     if len({f for f in fingerprints.values() if f}) > 1:

@@ -61,6 +61,9 @@ class UIConfig:
         from ..models.presets import get_preset  # pure data: fails fast on a typo, before any loading
 
         get_preset(self.model)
+        if self.lightning_lora and not Path(self.lightning_lora).expanduser().is_file():
+            raise ValueError(f"--lightning_lora {self.lightning_lora} is not a file; give the Lightning LoRA's "
+                             ".safetensors path (or leave the flag out)")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port; give 1..65535")
         if not self.max_upload_mb > 0:
