@@ -21,6 +21,7 @@ and no LBM source is stored (LBM is built for Qwen-Image-Edit only).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +55,10 @@ def _fit(img, max_pixels: int, divisor: int, path):
     return resize_to(img, fit_image(img.size, max_pixels, divisor, f"image {path}"))
 
 
-def prepare_row(row: EditRow, config: CacheConfig, ops=None) -> _Prepared:
+def prepare_row(row: EditRow, config: CacheConfig, ops=None, augment=None) -> _Prepared:
     """Decode and resize a row's images as documented in the module docstring (``ops``: the model family's,
-    ``models.family_ops.ops_for``; default Qwen-Image-Edit's)."""
+    ``models.family_ops.ops_for``; default Qwen-Image-Edit's). ``augment(image)``, when given, transforms every
+    image of the row the same way (``live.augmenter``), the mask before it is pooled to latent resolution."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -65,19 +67,23 @@ def prepare_row(row: EditRow, config: CacheConfig, ops=None) -> _Prepared:
 
     ops = ops or ops_for("qwen-image-edit")
     divisor = max(config.divisor, ops.family.size_divisor)
-    target = _fit(load_rgb(row.target), config.max_pixels, divisor, row.target)
+    same = augment or (lambda im: im)
+    target = same(_fit(load_rgb(row.target), config.max_pixels, divisor, row.target))
     originals = [load_rgb(p) for p in row.edit_images]
-    edits = [resize_to(im, ops.cache_reference_size(im.size, target.size, config.resolved_edit_max_pixels(), divisor,
-                                                    f"image {p}")) for im, p in zip(originals, row.edit_images)]
+    edits = [same(resize_to(im, ops.cache_reference_size(im.size, target.size, config.resolved_edit_max_pixels(),
+                                                         divisor, f"image {p}")))
+             for im, p in zip(originals, row.edit_images)]
     lbm = None
     if originals and ops.supports_lbm:
-        lbm = edits[0] if edits[0].size == target.size else resize_to(originals[0], target.size)
+        lbm = edits[0] if edits[0].size == target.size else same(resize_to(originals[0], target.size))
     mask = None
     if row.back_mask is not None:
-        m = resize_to(load_mask(row.back_mask), target.size)
+        m = same(resize_to(load_mask(row.back_mask), target.size))
         t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
         mask = F.avg_pool2d(t, ops.family.vae_factor)[0]
-    ref_gt = _fit(load_rgb(row.ref_gt), config.max_pixels, divisor, row.ref_gt) if row.ref_gt is not None else None
+    ref_gt = None
+    if row.ref_gt is not None:
+        ref_gt = same(_fit(load_rgb(row.ref_gt), config.max_pixels, divisor, row.ref_gt))
     return _Prepared(row, target, edits, lbm, mask, ref_gt)
 
 
@@ -125,7 +131,8 @@ def vae_encode_many(pipe, images: list, ops) -> list:
 
 
 def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops=None) -> CacheEntry:
-    """The tensors of one row (``sub_noise`` left to the caller: it is shared per size)."""
+    """The tensors of one row (``sub_noise`` left to the caller: it is shared per size); the VAE and the text
+    encoder each run where their weights are (:func:`placed`)."""
     import torch
 
     from ..models.family_ops import ops_for
@@ -138,15 +145,17 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops=None) -> Cache
         images.append(prep.lbm_source)
     if prep.ref_gt is not None:
         images.append(prep.ref_gt)
-    lat = vae_encode_many(pipe, images, ops)
+    with placed(pipe, "vae"):
+        lat = vae_encode_many(pipe, images, ops)
     target, edits = lat[0], lat[1:1 + len(prep.edits)]
     rest = lat[1 + len(prep.edits):]
     lbm = rest.pop(0) if own_lbm else (edits[0] if prep.lbm_source is not None else None)
     ref_gt = rest.pop(0) if prep.ref_gt is not None else None
 
     prompts = [p for p in row.prompts if not is_empty_prompt(p)]
-    encoded = [ops.split_prompt(ops.encode_prompt(pipe, p, prep.edits, edits, multi_image, None)) for p in prompts]
-    empty, empty_pad = ops.split_prompt(ops.encode_prompt(pipe, "", prep.edits, edits, multi_image, None))
+    with placed(pipe, "text_encoder"):
+        encoded = [ops.split_prompt(ops.encode_prompt(pipe, p, prep.edits, edits, multi_image, None)) for p in prompts]
+        empty, empty_pad = ops.split_prompt(ops.encode_prompt(pipe, "", prep.edits, edits, multi_image, None))
     embs = [e for e, _ in encoded]
 
     def ones(emb):
@@ -163,13 +172,29 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops=None) -> Cache
     )
 
 
+@contextlib.contextmanager
+def placed(pipe, component: str):
+    """While ``component`` (``text_encoder`` or ``vae``) runs, the pipeline's device is the one that component's
+    weights are on, so DiffSynth's units send their inputs there (the encoders may sit on two devices)."""
+    module = getattr(pipe, component, None)
+    param = next(iter(module.parameters()), None) if module is not None else None
+    saved = pipe.device
+    if param is not None:
+        pipe.device = param.device
+    try:
+        yield
+    finally:
+        pipe.device = saved
+
+
 def white_key(pipe, writer: ShardWriter, size: tuple[int, int], ops=None) -> str:
     """Key of the white latents for a (W, H) pixel size, computing them once per cache."""
     from ..models.family_ops import ops_for
 
     key = store.sub_noise_key(size[1], size[0])
     if not writer.has_shared(key):
-        writer.add_shared(key, (ops or ops_for("qwen-image-edit")).white(pipe, size[0], size[1]))
+        with placed(pipe, "vae"):
+            writer.add_shared(key, (ops or ops_for("qwen-image-edit")).white(pipe, size[0], size[1]))
     return key
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..data.rows import EditRow, SkippedRow, log_skip
 from . import store
 from .config import CacheConfig
 from ..models.family import get_family
@@ -85,3 +86,20 @@ def light_pipeline(config: CacheConfig, device):
     # (Qwen-Image-2.1 keeps its tokenizer in the processor's folder)
     return LightPipeline(torch_dtype=dtype, qie_model_paths=paths,
                          tokenizer=AutoTokenizer.from_pretrained((paths.get("tokenizer") or paths["processor"])[0]))
+
+
+def skip_long_prompts(rows: list[EditRow], pipe, max_tokens: int) -> tuple[list[EditRow], list[SkippedRow]]:
+    """``rows`` split into those whose prompts fit ``max_tokens`` tokens and the skips (logged) of the rest."""
+    from ..models.encoding import prompt_token_count
+
+    good, skipped = [], []
+    for row in rows:
+        longest = max(prompt_token_count(pipe, p) for p in row.prompts)
+        if longest > max_tokens:
+            s = SkippedRow(row.row_id, "prompts", None,
+                           f"prompt of {longest} tokens, more than --max_prompt_tokens {max_tokens}")
+            log_skip(s)
+            skipped.append(s)
+        else:
+            good.append(row)
+    return good, skipped

@@ -310,7 +310,9 @@ class CacheStore:
                 self._shared[key] = f.get_tensor(key)
         return self._shared[key]
 
-    def load(self, i: int) -> CacheEntry:
+    def load(self, i: int, epoch: Optional[int] = None) -> CacheEntry:
+        """Entry ``i`` (``epoch`` is for stores that change per epoch, ``live.LiveStore``; a cache holds one
+        encoding per row)."""
         from safetensors import safe_open
 
         m = self._metas[i]

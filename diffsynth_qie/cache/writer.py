@@ -30,7 +30,7 @@ from . import shards, store
 from .config import CacheConfig, CacheSummary
 from .encode import encode_prepared, entry_meta, prefetch, prepare_row, white_key
 from .fingerprint import FileHasher, read_hash_memo, row_content_hash, write_hash_memo
-from .settings import cache_settings, light_pipeline, load_encoders
+from .settings import cache_settings, light_pipeline, load_encoders, skip_long_prompts
 from ..utils.dir_lock import CacheLock, UnwritableDirectory
 from .shards import ShardWriter
 from .store import EntryMeta
@@ -148,19 +148,8 @@ def _rank_rows(config: CacheConfig, preset, rank: int, world_size: int) -> _Rank
 
 def _skip_long_prompts(share: _RankRows, pipe, max_tokens: int) -> None:
     """Move rows with a prompt over ``max_tokens`` tokens from ``share.good`` to ``share.skipped``."""
-    from ..models.encoding import prompt_token_count
-
-    good = []
-    for row in share.good:
-        longest = max(prompt_token_count(pipe, p) for p in row.prompts)
-        if longest > max_tokens:
-            s = SkippedRow(row.row_id, "prompts", None,
-                           f"prompt of {longest} tokens, more than --max_prompt_tokens {max_tokens}")
-            log_skip(s)
-            share.skipped.append(s)
-        else:
-            good.append(row)
-    share.good = good
+    share.good, skipped = skip_long_prompts(share.good, pipe, max_tokens)
+    share.skipped.extend(skipped)
 
 
 def _encode_rows(pipe, config: CacheConfig, preset, todo: list[tuple[EditRow, str]], writer: ShardWriter,

@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     d.add_argument("--device_map", default=None, metavar="SPEC",
                    help="per-component devices, e.g. text_encoder=cuda:1,dit=cuda:0,vae=cuda:0")
+    for name, what in (("text_encoder", "the text encoder"), ("vae", "the VAE"), ("dit", "the DiT")):
+        d.add_argument(f"--{name}_device", default=None, metavar="DEVICE",
+                       help=f"device of {what} (default: --device); the same as {name}=DEVICE in --device_map")
     d.add_argument("--cpu_offload", action="store_true",
                    help="keep components on the CPU, move each to the GPU only while it runs")
     d.add_argument("--blocks_to_swap", type=int, default=0, metavar="N",
@@ -166,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data.images import side_by_side
     from ..inference import EditRequest, Editor
     from ..inference.checks import check_request
+    from ..inference.editor import device_map_with
     from ..models.devices import check_device_name
     from ..utils.atomic import atomic_path
 
@@ -185,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
         preflight(args.model, images=len(images), fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap,
                   lora_rank=32 if loras else 0, lbm_steps=args.lbm_steps, cfg=args.cfg)
     editor = Editor.from_preset(args.model, model_dir=args.model_dir, device=args.device, torch_dtype=args.dtype,
-                                device_map=args.device_map, cpu_offload=args.cpu_offload,
+                                device_map=device_map_with(args.device_map, text_encoder=args.text_encoder_device,
+                                                           vae=args.vae_device, dit=args.dit_device),
+                                cpu_offload=args.cpu_offload,
                                 zero_cond_t=args.zero_cond_t, lora_merge=args.lora_merge,
                                 fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap)
     if args.compile:

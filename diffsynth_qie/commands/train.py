@@ -28,15 +28,19 @@ GROUPS = (
     ("LossConfig", "loss", "loss"),
     ("SamplingConfig", "sampling", "batching and sampling (buckets, token budget, weighted datasets)"),
     ("LBMConfig", "lbm", "latent bridge matching (--loss lbm)"),
+    ("OnTheFlyConfig", "onthefly", "training without a cache (--on_the_fly)"),
+    ("DatasetConfig", "dataset", "--on_the_fly: the dataset (as `qie cache`)"),
+    ("FieldNames", "fields", "--on_the_fly: metadata field names (as `qie cache`)"),
 )
 
 
 def _dataclass(cls_name: str):
     """A config dataclass by name: training/config.py, or LBMConfig from training/losses/lbm.py (torch-free)."""
+    from ..data import formats
     from ..training import config as tc
     from ..training.losses import lbm
 
-    return getattr(tc, cls_name, None) or getattr(lbm, cls_name)
+    return getattr(tc, cls_name, None) or getattr(lbm, cls_name, None) or getattr(formats, cls_name)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -96,6 +96,18 @@ def open_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.
     return im
 
 
+_SWAPS_SIDES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
+
+
+def image_size(path: str | os.PathLike) -> tuple[int, int]:
+    """``(width, height)`` of an image as :func:`open_image` returns it (EXIF orientation applied), read from
+    the header alone: nothing is decoded."""
+    with Image.open(path) as im:
+        width, height = im.size
+        orientation = im.getexif().get(0x0112, 1)
+    return (height, width) if orientation in _SWAPS_SIDES else (width, height)
+
+
 def _to_8bit_gray(im: Image.Image) -> Image.Image:
     """Single-channel high-bit-depth or float image -> mode "L".
 

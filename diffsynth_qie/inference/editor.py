@@ -48,15 +48,13 @@ from ..models.family_ops import ops_for, reference_size  # noqa: F401 (reference
 from ..models.forward import bound_rope_cache
 from ..models.sampling import sample_bridge, sample_flow_match, seeded_noise, uses_cfg
 from .checks import check_request
+from .devices import COMPONENTS, _module_device, device_map_with, parse_device_map, parse_dtype  # noqa: F401
 from .masking import LatentMaskBlend, blend_pixels, latent_keep_weight
 
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-COMPONENTS = ("text_encoder", "dit", "vae")
 DEFAULT_MAX_PIXELS = 1024 * 1024
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
 
 
 @dataclass
@@ -94,53 +92,6 @@ class EditResult:
     width: int
     height: int
     seconds: float
-
-
-# --- devices ------------------------------------------------------------------------
-def parse_device_map(spec: str | Mapping[str, str] | None) -> dict[str, str]:
-    """``"text_encoder=cuda:1,dit=cuda:0,vae=cuda:0"`` (or a dict) -> validated dict (partial allowed)."""
-    if spec is None or spec == "":
-        return {}
-    if isinstance(spec, str):
-        items = {}
-        for part in spec.split(","):
-            if not part.strip():
-                continue
-            if "=" not in part:
-                raise ValueError(f"device_map entry {part!r} is not component=device "
-                                 "(e.g. text_encoder=cuda:1,dit=cuda:0,vae=cuda:0)")
-            name, dev = (s.strip() for s in part.split("=", 1))
-            items[name] = dev
-        spec = items
-    out = {}
-    for name, dev in spec.items():
-        if name not in COMPONENTS:
-            raise ValueError(f"device_map names unknown component {name!r}; valid: {', '.join(COMPONENTS)}")
-        try:
-            device = torch.device(dev)
-        except RuntimeError as e:
-            raise ValueError(f"device_map[{name!r}] = {dev!r} is not a torch device ({e})") from e
-        if device.type == "cuda":
-            count = torch.cuda.device_count()
-            if (device.index or 0) >= count:
-                raise ValueError(f"device_map[{name!r}] = {dev!r} but {count} CUDA device(s) are visible")
-        out[name] = str(device)
-    return out
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return None
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def _module_device(module) -> torch.device | None:
-    param = next(iter(module.parameters()), None) if module is not None else None
-    return param.device if param is not None else None
 
 
 # --- sizes --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from ..data.formats import DatasetConfig, FieldNames
 from ..data.sampling import SamplingConfig
 from ..utils.config_cli import cli_help as _help
 from .losses.lbm import LBMConfig
@@ -177,6 +178,30 @@ class TrainConfig:
 
 
 @dataclass
+class OnTheFlyConfig:
+    """Training without a cache: the metadata is read directly (the dataset and field-name flags of `qie cache`)
+    and every batch is encoded as training asks for it (``cache/live.py``)."""
+
+    on_the_fly: bool = field(default=False, metadata=_help(
+        "encode each batch during training instead of reading a `qie cache` directory (--dataset_metadata "
+        "instead of --cache_dir): for datasets too large to cache, augmentation, or quick experiments"))
+    max_pixels: int = field(default=1024 * 1024, metadata=_help(
+        "--on_the_fly: pixel budget of target and ref_gt images (as `qie cache --max_pixels`)"))
+    edit_max_pixels: Optional[int] = field(default=None, metadata=_help(
+        "--on_the_fly: pixel budget of each reference image (default: --max_pixels)"))
+    text_encoder_device: Optional[str] = field(default=None, metadata=_help(
+        "--on_the_fly: device of the text encoder (default: the training device; cpu runs it beside the DiT step)"))
+    vae_device: Optional[str] = field(default=None, metadata=_help(
+        "--on_the_fly: device of the VAE encoder (default: the training device); its decoder loads only for validation"))
+    augment: bool = field(default=False, metadata=_help(
+        "--on_the_fly: per sample and epoch, a random crop-and-resize (80-100 %% of the side) of target, "
+        "references and mask together, and a horizontal flip of all of them with probability 0.5; seeded by "
+        "(seed, epoch, sample), so a resume repeats it"))
+    prefetch: int = field(default=2, metadata=_help(
+        "--on_the_fly: batches encoded ahead in a background thread while the DiT trains (0: encode inline)"))
+
+
+@dataclass
 class RunConfig:
     """Everything `qie train` needs: the area configs side by side."""
 
@@ -188,6 +213,9 @@ class RunConfig:
     # Bucketing / weighted sampling. Its batch_size and seed are always TrainConfig's (copied by resolved()).
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     lbm: LBMConfig = field(default_factory=LBMConfig)  # used with --loss lbm
+    onthefly: OnTheFlyConfig = field(default_factory=OnTheFlyConfig)  # --on_the_fly, with the two below
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    fields: FieldNames = field(default_factory=FieldNames)
 
     def resolved(self, preset=None) -> "RunConfig":
         """Check values and fill the defaults that depend on other choices.
@@ -235,8 +263,15 @@ def cache_dirs(value: "str | list[str] | tuple[str, ...] | None") -> list[str]:
 def validate(cfg: RunConfig) -> None:
     """Raise ``ValueError`` naming the bad flag and the fix."""
     t, lo, o, ts, ls = cfg.train, cfg.lora, cfg.optim, cfg.timesteps, cfg.loss
-    if not cache_dirs(t.cache_dir):
-        raise ValueError("no cache given; pass --cache_dir DIR (made by `qie cache`)")
+    if cfg.onthefly.on_the_fly:
+        if cache_dirs(t.cache_dir):
+            raise ValueError("--on_the_fly reads --dataset_metadata directly; drop --cache_dir (or drop --on_the_fly "
+                             "to train from the cache)")
+        if not cfg.dataset.dataset_metadata:
+            raise ValueError("--on_the_fly needs --dataset_metadata FILE (the same formats `qie cache` reads)")
+    elif not cache_dirs(t.cache_dir):
+        raise ValueError("no cache given; pass --cache_dir DIR (made by `qie cache`), or --on_the_fly "
+                         "--dataset_metadata FILE to encode during training")
     if not t.output_dir:
         raise ValueError("no output directory given; pass --output_dir DIR")
     positive = {"batch_size": t.batch_size, "gradient_accumulation_steps": t.gradient_accumulation_steps,

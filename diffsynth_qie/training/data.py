@@ -129,7 +129,7 @@ class CacheDataset(torch.utils.data.Dataset):
             key = SampleKey(int(key), 0)
         part_index, store_index = self.items[key.index]
         part = self.parts[part_index]
-        entry = part.store.load(store_index)
+        entry = part.store.load(store_index, epoch=key.epoch)
         rng_key = store_index if part_index == 0 else f"{part_index}:{store_index}"
         dropped = self.cfg_dropout > 0 and sample_rng(self.seed, key.epoch, rng_key, "cfg").random() < self.cfg_dropout
         pads = entry.prompt_pads  # Qwen-Image-2.1: which prompt positions the reference latents fill
@@ -257,6 +257,21 @@ def open_cache(cache_dir: str, preset) -> CacheStore:
     return store
 
 
+def _open_caches(cache_dirs: "str | Sequence[str]", preset) -> tuple[list, list[CacheStore]]:
+    cache_dirs = [cache_dirs] if isinstance(cache_dirs, str) else list(cache_dirs)
+    if not cache_dirs:
+        raise ValueError("no cache given; pass --cache_dir DIR (made by `qie cache`)")
+    specs = [parse_cache_spec(c) for c in cache_dirs]
+    seen: set = set()
+    for name, d in specs:  # the same cache twice as the same dataset would silently count every sample twice
+        if (name, Path(d).resolve()) in seen:
+            raise ValueError(f"--cache_dir names {d} twice as {'dataset ' + repr(name) if name else 'one dataset'}; "
+                             "give each cache once and weigh datasets with --dataset_weights NAME=W (or name the "
+                             "copies apart, NAME=DIR)")
+        seen.add((name, Path(d).resolve()))
+    return specs, [open_cache(d, preset) for _, d in specs]
+
+
 @dataclass
 class TrainingData:
     """What :func:`build_training_data` returns."""
@@ -269,23 +284,17 @@ class TrainingData:
 
 def build_training_data(cache_dirs: "str | Sequence[str]", preset, sampling: SamplingConfig, *, seed: int = 0,
                         cfg_dropout: float = 0.0, num_validation: int = 0, num_replicas: int = 1,
-                        rank: int = 0) -> TrainingData:
+                        rank: int = 0, live=None) -> TrainingData:
     """Open every cache (``[NAME=]DIR``), hold out validation entries of the first, build dataset and sampler.
 
     Caches must come from the same encoders (equal ``encoder_fingerprint``). Caches whose
-    entries have the same dataset name are sampled as one dataset (logged).
+    entries have the same dataset name are sampled as one dataset (logged). ``live``: train on this
+    ``cache.live.LiveStore`` (``--on_the_fly``) instead of caches.
     """
-    cache_dirs = [cache_dirs] if isinstance(cache_dirs, str) else list(cache_dirs)
-    if not cache_dirs:
-        raise ValueError("no cache given; pass --cache_dir DIR (made by `qie cache`)")
-    specs = [parse_cache_spec(c) for c in cache_dirs]
-    seen: dict[Path, str] = {}
-    for _, d in specs:  # twice the same cache would silently count every sample twice
-        if Path(d).resolve() in seen:
-            raise ValueError(f"--cache_dir names {d} twice (also as {seen[Path(d).resolve()]}); give each cache once, "
-                             "and weigh datasets with --dataset_weights NAME=W")
-        seen[Path(d).resolve()] = d
-    stores = [open_cache(d, preset) for _, d in specs]
+    if live is not None:
+        specs, stores = [(None, str(live.config.dataset.dataset_metadata))], [live]
+    else:
+        specs, stores = _open_caches(cache_dirs, preset)
     fingerprints = {d: s.manifest.get("encoder_fingerprint") for (_, d), s in zip(specs, stores)}
     if len({f for f in fingerprints.values() if f}) > 1:
         raise ValueError(f"the caches were encoded by different text encoders / VAEs (encoder_fingerprint per "

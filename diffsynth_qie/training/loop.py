@@ -155,6 +155,7 @@ def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], l
     from .module import check_fp8_base
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
                         configure_deepspeed)
+    from .onthefly import check_on_the_fly, live_store
     from .placement import build_module, check_block_swap, device_placement
     from .resume import apply_schedule, cache_identity, check_resume, warn_data_order
     from .tracking import Tracker
@@ -168,9 +169,11 @@ def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], l
              if ds_config else _DISTRIBUTION.get(accelerator.distributed_type.value, accelerator.distributed_type.value),
              accelerator.mixed_precision)
 
+    check_on_the_fly(cfg, ds_config)
+    live = live_store(cfg, preset, accelerator) if cfg.onthefly.on_the_fly else None  # the encoders, loaded
     data = build_training_data(t.cache_dir, preset, cfg.sampling, seed=t.seed, cfg_dropout=t.cfg_dropout,
                                num_validation=t.num_validation if t.validate_every > 0 else 0,
-                               num_replicas=accelerator.num_processes, rank=accelerator.process_index)
+                               num_replicas=accelerator.num_processes, rank=accelerator.process_index, live=live)
     dataset, sampler, store, val_idx = data.dataset, data.sampler, data.validation_store, data.validation_indices
     total_steps = total_optimizer_steps(cfg, len(sampler.epoch_batches(0)))
 
@@ -203,7 +206,7 @@ def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], l
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
                               gradient_accumulation_steps=t.gradient_accumulation_steps,
                               extra={"total_steps": total_steps, "config": cfg.to_json(),
-                                     "cache": cache_identity(t.cache_dir)})
+                                     "cache": [live.identity()] if live else cache_identity(t.cache_dir)})
     if accelerator.num_processes > 1:  # every rank writes here, rank 0 renames: one directory for all nodes
         check_shared_dir(t.output_dir, accelerator.is_main_process, accelerator.wait_for_everyone)
     if accelerator.is_main_process:
@@ -254,12 +257,15 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
     from . import checkpoint as ckpt
     from .accumulation import micro_loss_scale, step_sample_count
     from .data import batch_image_tokens, iterate_batches
+    from .onthefly import prefetched
 
     t, acc, state = run.cfg.train, run.accelerator, run.state
     # DeepSpeed clips itself (setup wrote --max_grad_norm into its config)
     max_norm = run.cfg.optim.resolved().max_grad_norm if run.engine is None else 0.0
     result = TrainResult(lora_path=Path(t.output_dir) / ckpt.LORA_NAME, steps=state.step, total_steps=run.total_steps)
     stream = iterate_batches(run.dataset, run.sampler, state.position, t.num_workers)
+    if run.cfg.onthefly.on_the_fly:  # encoding the next batches while the DiT trains on this one
+        stream = prefetched(stream, run.cfg.onthefly.prefetch)
     bar = tqdm(total=run.total_steps, initial=state.step, disable=not acc.is_main_process, unit="step",
                desc="qie train", dynamic_ncols=True)
     last_saved = state.step if run.resumed else -1

@@ -44,6 +44,9 @@ class UIConfig:
         "help": "keep the UI's temporary files under this many megabytes; the oldest are removed first"})
     device: str | None = field(default=None, metadata={
         "help": "torch device (default: cuda if available, else cpu)"})
+    text_encoder_device: str | None = field(default=None, metadata={"help": "device of the text encoder (default: --device)"})
+    vae_device: str | None = field(default=None, metadata={"help": "device of the VAE (default: --device)"})
+    dit_device: str | None = field(default=None, metadata={"help": "device of the DiT (default: --device)"})
     lora_merge: bool = field(default=False, metadata={
         "help": "merge the chosen LoRA into the weights (slightly faster steps, but a host copy of every weight it "
                 "touches); default: an unmerged adapter branch, so switching costs only the LoRA's own size"})

@@ -230,8 +230,13 @@ class UIHandlers:
         from ..models.presets import get_preset
 
         get_preset(self.config.model)  # (an explicit --model_dir is used as it is, never written, as `qie edit` does)
-        return Editor.from_preset(model=self.config.model, model_dir=self.config.model_dir,
-                                  device=self.config.device, lora_merge=self.config.lora_merge,
+        from ..inference.editor import device_map_with
+
+        c = self.config
+        return Editor.from_preset(model=c.model, model_dir=c.model_dir, device=c.device,
+                                  device_map=device_map_with(None, text_encoder=c.text_encoder_device,
+                                                             vae=c.vae_device, dit=c.dit_device) or None,
+                                  lora_merge=self.config.lora_merge,
                                   fp8_base=self.config.fp8_base, blocks_to_swap=self.config.blocks_to_swap)
 
     @property
