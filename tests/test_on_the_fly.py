@@ -177,3 +177,39 @@ def test_edit_device_flags_place_each_component(tiny_model_dir):
     assert {p.device.type for p in editor.pipe.dit.parameters()} == {"cpu"}
     with pytest.raises(ValueError, match="--dit_device cpu and --device_map's dit=meta disagree"):
         device_map_with("dit=meta", dit="cpu")
+
+
+def test_qie_cache_places_each_encoder_and_drops_the_vae_decoder(tiny_model_dir):
+    from diffsynth_qie.cache.config import CacheConfig
+    from diffsynth_qie.cache.settings import load_encoders
+    from diffsynth_qie.cli import build_parser
+    from diffsynth_qie.commands.cache import config_from_args
+
+    args = build_parser().parse_args(["cache", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--device", "cpu",
+                                      "--text_encoder_device", "meta", "--dataset_metadata", "m.json",
+                                      "--cache_dir", "c"])
+    config = config_from_args(args)
+    assert isinstance(config, CacheConfig) and (config.text_encoder_device, config.vae_device) == ("meta", None)
+    pipe = load_encoders(config, "cpu")
+    assert {p.device.type for p in pipe.text_encoder.parameters()} == {"meta"}
+    assert {p.device.type for p in pipe.vae.parameters()} == {"cpu"} and pipe.vae.decoder is None
+
+
+def test_the_lora_starts_from_the_seed_whatever_drew_from_the_global_rng_before(cache_dir, tiny_model_dir, tmp_path):
+    """A process's first model load draws from the global RNG and a later one does not: the LoRA's initial values
+    must come from --seed alone (the on-the-fly encoders load before the DiT; a fresh CLI run loads nothing)."""
+    from types import SimpleNamespace
+
+    from diffsynth_qie.models.presets import get_preset
+    from diffsynth_qie.training.placement import build_module
+
+    cfg = _config(tmp_path / "run", tiny_model_dir, None, False, cache_dir).resolved(get_preset("tiny"))
+    accelerator = SimpleNamespace(device=torch.device("cpu"), mixed_precision="no", num_processes=1,
+                                  local_process_index=0)
+    inits = []
+    for draws in (0, 1000):
+        torch.manual_seed(99)
+        torch.rand(draws)
+        module, _ = build_module(cfg, get_preset("tiny"), accelerator, None)
+        inits.append({n: p.detach().clone() for n, p in module.trainable_named_parameters()})
+    assert inits[0].keys() == inits[1].keys() and all(torch.equal(inits[0][k], inits[1][k]) for k in inits[0])

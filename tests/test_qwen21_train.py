@@ -38,7 +38,7 @@ def _config(cache, out, model_dir, loss=None, **train):
     t = dict(model="tiny-2.1", model_dir=str(model_dir), batch_size=2, max_steps=4, mixed_precision="no",
              gradient_checkpointing=False, save_every=0, seed=0, device="cpu")
     t.update(train)
-    return tc.RunConfig(train=tc.TrainConfig(cache_dir=str(cache), output_dir=str(out), **t),
+    return tc.RunConfig(train=tc.TrainConfig(cache_dir=None if cache is None else str(cache), output_dir=str(out), **t),
                         lora=tc.LoRAConfig(lora_rank=4), optim=tc.OptimConfig(learning_rate=1e-2),
                         loss=tc.LossConfig(**(loss or {})))
 
@@ -197,3 +197,18 @@ def test_the_cached_slot_mask_reaches_the_dit_on_the_latents_device(monkeypatch)
     prompt = Prompt21(emb=torch.empty(5, 32, device="meta"), pad_mask=torch.tensor([0, 1, 1, 0, 0], dtype=torch.bool))
     forward21(dit, [x], torch.zeros(1, device="meta"), [prompt], [[]])
     assert seen["devices"] == (torch.device("meta"), torch.device("meta"))
+
+
+def test_21_on_the_fly_gives_the_cached_runs_losses(cache21, tiny21_dir, tmp_path):
+    from diffsynth_qie.cache.store import CacheStore
+    from diffsynth_qie.data.formats import DatasetConfig
+    from diffsynth_qie.training.config import OnTheFlyConfig
+    from diffsynth_qie.training.loop import train
+
+    cached = train(_config(cache21, tmp_path / "cached", tiny21_dir, max_steps=6, cfg_dropout=0.3))
+    cfg = _config(None, tmp_path / "live", tiny21_dir, max_steps=6, cfg_dropout=0.3)
+    cfg.onthefly = OnTheFlyConfig(on_the_fly=True, max_pixels=128 * 128)
+    cfg.dataset = DatasetConfig(dataset_metadata=CacheStore.open(cache21).manifest["metadata"])
+    with fresh_accelerate():
+        live = train(cfg)
+    assert live.losses == pytest.approx(cached.losses, rel=1e-5)

@@ -29,27 +29,52 @@ def torchrun(args: list[str], port: int) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-def test_ddp_two_processes_train_and_resume_exactly(cache_dir, tiny_model_dir, tmp_path):
+def _common(tiny_model_dir) -> list[str]:
+    return ["--model", "tiny", "--model_dir", str(tiny_model_dir), "--device", "cpu", "--batch_size", "2",
+            "--gradient_accumulation_steps", "2", "--max_steps", "4", "--lora_rank", "4", "--learning_rate", "5e-3",
+            "--save_every", "2", "--cfg_dropout", "0.3", "--no-gradient_checkpointing"]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(cache_dir, tiny_model_dir, tmp_path_factory) -> Path:
+    """4 steps of two-process DDP from the cache."""
+    ref = tmp_path_factory.mktemp("ddp") / "ref"
+    torchrun(["--cache_dir", str(cache_dir), *_common(tiny_model_dir), "--output_dir", str(ref)], port=free_port())
+    return ref
+
+
+def test_ddp_two_processes_train_and_resume_exactly(ddp_reference, cache_dir, tiny_model_dir, tmp_path):
     import torch
     from safetensors.torch import load_file
 
     from diffsynth_qie.training.checkpoint import STATE_DIR, list_checkpoints
     from diffsynth_qie.training.tracking import read_loss_log
 
-    common = ["--cache_dir", str(cache_dir), "--model", "tiny", "--model_dir", str(tiny_model_dir), "--device", "cpu",
-              "--batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "4", "--lora_rank", "4",
-              "--learning_rate", "5e-3", "--save_every", "2", "--cfg_dropout", "0.3", "--no-gradient_checkpointing"]
-    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
-    torchrun([*common, "--output_dir", str(ref)], port=free_port())
+    ref, resumed = ddp_reference, tmp_path / "resumed"
     assert [p.name for p in list_checkpoints(ref)] == ["checkpoint-2", "checkpoint-4"]
     state = ref / "checkpoint-2" / STATE_DIR
     assert (state / "random_states_0.pkl").is_file() and (state / "random_states_1.pkl").is_file()
     ref_log = read_loss_log(ref / "loss.jsonl")
     assert [r["step"] for r in ref_log] == [1, 2, 3, 4]
 
-    torchrun([*common, "--output_dir", str(resumed), "--resume", str(ref / "checkpoint-2")], port=free_port())
+    torchrun(["--cache_dir", str(cache_dir), *_common(tiny_model_dir), "--output_dir", str(resumed), "--resume",
+              str(ref / "checkpoint-2")], port=free_port())
     log = read_loss_log(resumed / "loss.jsonl")
     assert [r["step"] for r in log] == [3, 4]
     assert [r["loss"] for r in log] == pytest.approx([r["loss"] for r in ref_log[2:]], rel=1e-6, abs=1e-7)
     a, b = load_file(str(resumed / "lora.safetensors")), load_file(str(ref / "lora.safetensors"))
     assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_ddp_on_the_fly_each_rank_encodes_its_share_with_the_cached_numbers(ddp_reference, demo_data_dir,
+                                                                           tiny_model_dir, tmp_path):
+    """Two ranks train on the fly from the metadata: the step losses (averaged over both ranks) of the cached run."""
+    from diffsynth_qie.training.tracking import read_loss_log
+
+    live = tmp_path / "live"
+    torchrun(["--on_the_fly", "--dataset_metadata", str(Path(demo_data_dir) / "metadata.json"), "--max_pixels",
+              str(curve_script.CACHE_MAX_PIXELS), *_common(tiny_model_dir), "--output_dir", str(live)],
+             port=free_port())
+    got, ref = read_loss_log(live / "loss.jsonl"), read_loss_log(ddp_reference / "loss.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)

@@ -27,6 +27,10 @@ class CacheConfig:
         "help": "entries per shard file; an interrupted run loses at most this many entries per rank"})
     device: Optional[str] = field(default=None, metadata={
         "help": "encoding device (default: this rank's GPU, else CPU)"})
+    text_encoder_device: Optional[str] = field(default=None, metadata={
+        "help": "device of the text encoder (default: --device); e.g. a second GPU, or cpu"})
+    vae_device: Optional[str] = field(default=None, metadata={
+        "help": "device of the VAE (default: --device)"})
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = field(default=None, metadata={
         "help": "encoder and storage dtype (default: bfloat16 on GPU, float32 on CPU)"})
     num_workers: int = field(default=4, metadata={"help": "threads decoding and resizing images ahead of the encoders"})

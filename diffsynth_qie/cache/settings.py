@@ -44,12 +44,32 @@ def _device_and_dtype(config: CacheConfig, device):
 
 
 def load_encoders(config: CacheConfig, device):
-    """The text encoder, VAE, tokenizer and processor, loaded (phase 1's models)."""
+    """The text encoder, VAE, tokenizer and processor, loaded (phase 1's models), each on its device
+    (``--text_encoder_device`` / ``--vae_device``, default ``--device``)."""
     from ..models.loading import load_pipeline
 
     device, dtype = _device_and_dtype(config, device)
-    return load_pipeline(config.model, model_dir=config.model_dir, components=("text_encoder", "vae"),
-                         device=device, torch_dtype=dtype)
+    return load_encoder_pipeline(config.model, config.model_dir, dtype, device, config.text_encoder_device,
+                                 config.vae_device)
+
+
+def load_encoder_pipeline(model: str, model_dir, dtype, device, text_encoder_device=None, vae_device=None):
+    """A text encoder + VAE pipeline with each component on its own device (loaded on the host first when they
+    differ). The VAE's decoder is freed: encoding never uses it."""
+    import torch
+
+    from ..models.loading import load_pipeline
+
+    devices = {"text_encoder": torch.device(text_encoder_device or device), "vae": torch.device(vae_device or device)}
+    one = len(set(devices.values())) == 1
+    pipe = load_pipeline(model, model_dir=model_dir, components=("text_encoder", "vae"),
+                         device=str(devices["vae"]) if one else "cpu", torch_dtype=dtype)
+    if not one:
+        pipe.text_encoder.to(devices["text_encoder"])
+        pipe.vae.to(devices["vae"])
+    pipe.device = devices["text_encoder"]
+    pipe.vae.decoder = None  # (an encoder-only pipeline: about half the VAE's memory)
+    return pipe
 
 
 @dataclass

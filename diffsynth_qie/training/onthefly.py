@@ -27,25 +27,19 @@ def check_on_the_fly(cfg, ds_config: Optional[dict]) -> None:
 def live_store(cfg, preset, accelerator):
     """The text encoder and VAE loaded on ``--text_encoder_device`` / ``--vae_device`` (default: the training
     device), wrapped in a :class:`~..cache.live.LiveStore` over ``--dataset_metadata``."""
-    import torch
-
     from ..cache.config import CacheConfig
     from ..cache.live import LiveStore
-    from ..models.loading import default_dtype, load_pipeline
+    from ..cache.settings import load_encoder_pipeline
+    from ..models.loading import default_dtype
 
     o, t = cfg.onthefly, cfg.train
     here = "cpu" if accelerator.device.type == "cpu" else str(accelerator.device)
-    devices = {"text_encoder": torch.device(o.text_encoder_device or here), "vae": torch.device(o.vae_device or here)}
-    dtype = default_dtype(str(devices["text_encoder"]))
-    pipe = load_pipeline(preset, model_dir=t.model_dir, components=("text_encoder", "vae"), device="cpu",
-                         torch_dtype=dtype)
-    pipe.text_encoder.to(devices["text_encoder"])
-    pipe.vae.to(devices["vae"])
-    pipe.device = devices["text_encoder"]
+    dtype = default_dtype(o.text_encoder_device or here)
+    pipe = load_encoder_pipeline(preset, t.model_dir, dtype, here, o.text_encoder_device, o.vae_device)
     config = CacheConfig(model=preset.name, model_dir=t.model_dir, max_pixels=o.max_pixels,
                          edit_max_pixels=o.edit_max_pixels, dataset=cfg.dataset, fields=cfg.fields)
-    log.info("on the fly: text encoder on %s, VAE encoder on %s (%s); batches encoded %d ahead",
-             devices["text_encoder"], devices["vae"], str(dtype).replace("torch.", ""), o.prefetch)
+    log.info("on the fly: text encoder on %s, VAE encoder on %s (%s, decoder not kept); batches encoded %d ahead",
+             o.text_encoder_device or here, o.vae_device or here, str(dtype).replace("torch.", ""), o.prefetch)
     return LiveStore(config, pipe, preset, t.output_dir, seed=t.seed, augment=o.augment,
                      write_skipped=accelerator.is_main_process)
 

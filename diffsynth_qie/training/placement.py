@@ -113,7 +113,14 @@ def build_module(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict])
     t = cfg.train
 
     def build():
-        module = QIETrainingModule(load_dit(preset, cfg, accelerator, ds_config), cfg, preset.name)
+        from accelerate.utils import set_seed
+
+        dit = load_dit(preset, cfg, accelerator, ds_config)
+        # The LoRA's initial values come from the seed alone: reseeded here, after the load, because the first
+        # model load of a process draws from the global RNG and a later one does not (so a run would otherwise
+        # start from another LoRA depending on what loaded before it: the encoders of --on_the_fly, a test's).
+        set_seed(t.seed)
+        module = QIETrainingModule(dit, cfg, preset.name)
         if t.fp8_base:  # quantised on the GPU layer by layer; the swapped blocks' layers go back to the host
             module.quantize_frozen_base(accelerator.device, t.blocks_to_swap)
             if not t.blocks_to_swap:
