@@ -213,3 +213,21 @@ def test_the_lora_starts_from_the_seed_whatever_drew_from_the_global_rng_before(
         module, _ = build_module(cfg, get_preset("tiny"), accelerator, None)
         inits.append({n: p.detach().clone() for n, p in module.trainable_named_parameters()})
     assert inits[0].keys() == inits[1].keys() and all(torch.equal(inits[0][k], inits[1][k]) for k in inits[0])
+
+
+def test_plan_prices_the_encoders_where_they_run():
+    """qie plan --on_the_fly adds the encoders' weights to the GPU, or to the host (fp32) with --*_device cpu;
+    --task edit prices each encoder on its own device."""
+    from diffsynth_qie.memory.census import preset_census
+    from diffsynth_qie.memory.plan import PlanOptions, predict
+
+    c = preset_census("2511", with_encoders=True)
+    base = predict(c, PlanOptions())
+    live = predict(c, PlanOptions(on_the_fly=True))
+    assert live.gpu_peak - base.gpu_peak == (c.text_encoder_params + c.vae_params) * 2
+    te_cpu = predict(c, PlanOptions(on_the_fly=True, text_encoder_on_gpu=False))
+    assert live.gpu_peak - te_cpu.gpu_peak == c.text_encoder_params * 2
+    assert te_cpu.host["on the fly: text encoder (fp32, on the CPU)"] == c.text_encoder_params * 4
+    edit = predict(c, PlanOptions(task="edit", vae_on_gpu=False))
+    assert "VAE" not in edit.gpu and edit.gpu["text encoder"] == c.text_encoder_params * 2
+    assert edit.host["VAE (fp32, on the CPU)"] == c.vae_params * 4

@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero_stage", type=int, default=0, choices=(0, 2, 3))
     parser.add_argument("--num_gpus", type=int, default=1)
     parser.add_argument("--no_cfg", action="store_true", help="edit: --cfg 1 (no negative pass)")
+    parser.add_argument("--on_the_fly", action="store_true",
+                        help="train: the text encoder and VAE run beside the DiT (qie train --on_the_fly)")
+    for name in ("text_encoder", "vae"):
+        parser.add_argument(f"--{name}_device", default="gpu", choices=("gpu", "cpu"),
+                            help=f"edit / --on_the_fly: where the {name.replace('_', ' ')} runs (cpu: host RAM, fp32)")
     parser.add_argument("--gpu_memory_gb", type=float, default=None,
                         help="also print the cheapest options (least slowdown) predicted to fit this many GiB")
     parser.add_argument("--distribution", action="store_true",
@@ -73,7 +78,8 @@ def run(args) -> int:
                        prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
                        optimizer=args.optimizer, gradient_checkpointing=args.gradient_checkpointing,
                        fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
-                       num_gpus=args.num_gpus, cfg=not args.no_cfg)
+                       num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
+                       text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu")
     log.info("DiT: %.3f B parameters, %d blocks of %.3f B, width %d; LoRA rank %d: %.1f M parameters",
              census.params / 1e9, census.num_layers, census.block_params / 1e9, census.dim,
              base.lora_rank, census.lora_params(base.lora_rank) / 1e6)
@@ -101,8 +107,9 @@ def _census(args):
     from ..memory.census import census_from_files, dit_files, preset_census
     from ..models.presets import family_of, get_preset
 
+    encoders = args.task == "edit" or args.on_the_fly
     if args.model_dir is None:
-        return preset_census(args.model, with_encoders=args.task == "edit")
+        return preset_census(args.model, with_encoders=encoders)
     preset = get_preset(args.model)
     files = dit_files(args.model_dir, preset.dit.pattern)
     if not files:
@@ -114,7 +121,7 @@ def _census(args):
         log.warning("--model_dir %s holds a DiT of width %d with %d blocks, but %s has width %d with %d blocks: "
                     "the plan below is for the files, not for %s; check --model", args.model_dir, census.dim,
                     census.num_layers, args.model, expected.dim, expected.num_layers, args.model)
-    if args.task == "edit":  # encoders' sizes are the preset's own (identical in every Edit repo)
+    if encoders:  # encoders' sizes are the preset's own (identical in every Edit repo)
         enc = preset_census(args.model, with_encoders=True)
         census = dataclasses.replace(census, text_encoder_params=enc.text_encoder_params, vae_params=enc.vae_params)
     return census

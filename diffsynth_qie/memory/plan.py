@@ -72,6 +72,9 @@ class PlanOptions:
     zero_stage: int = 0
     num_gpus: int = 1
     cfg: bool = True  # edit: true CFG adds a pass with the negative prompt
+    on_the_fly: bool = False  # train: the encoders run beside the DiT (qie train --on_the_fly)
+    text_encoder_on_gpu: bool = True  # edit / --on_the_fly: False = on the host (--text_encoder_device cpu)
+    vae_on_gpu: bool = True
     dtype_bytes: int = 2  # bf16 on GPUs; the CPU calibration runs fp32 (4)
     overhead_bytes: int = CUDA_OVERHEAD
 
@@ -166,11 +169,13 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         plan.gpu["LoRA weights"] = lw
         plan.gpu["LoRA gradients + optimizer state"] = rest
         plan.gpu["activations" + (" (checkpointed)" if o.gradient_checkpointing else "")] = activation_bytes(c, o)
+        if o.on_the_fly:  # the encoders' weights where they run (their working set is transient, not counted)
+            _place_encoders(plan, c, o, "on the fly: ")
     else:
         # true CFG: on a GPU the positive and the (shorter) negative prompt run as two passes of batch_size
         # (models/sampling.py: split_cfg), so one pass's working set is what peaks
         batch = o.batch_size
-        plan.gpu["text encoder + VAE"] = (c.text_encoder_params + c.vae_params) * o.dtype_bytes
+        _place_encoders(plan, c, o)
         if o.lora_rank:  # unmerged LoRA branches (qie edit's default), bf16
             plan.gpu["LoRA branches"] = c.lora_params(o.lora_rank) * o.dtype_bytes
         # no graph is kept: one block's working set at a time, or the VAE's while it encodes / decodes
@@ -187,6 +192,17 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
     if o.fp8_base or o.blocks_to_swap:
         plan.shared["DiT files mapped while loading (page cache)"] = c.params * o.dtype_bytes
     return plan
+
+
+def _place_encoders(plan: Plan, c: DiTCensus, o: PlanOptions, prefix: str = "") -> None:
+    """The text encoder's and the VAE's weights on the GPU or, with their device flag at cpu, in host RAM
+    (fp32 there: the CPU runs fp32)."""
+    for name, params, on_gpu in (("text encoder", c.text_encoder_params, o.text_encoder_on_gpu),
+                                 ("VAE", c.vae_params, o.vae_on_gpu)):
+        if on_gpu:
+            plan.gpu[prefix + name] = params * o.dtype_bytes
+        else:
+            plan.host[prefix + name + " (fp32, on the CPU)"] = params * 4
 
 
 def candidates(c: DiTCensus, base: PlanOptions) -> list[PlanOptions]:
