@@ -231,3 +231,19 @@ def test_plan_prices_the_encoders_where_they_run():
     edit = predict(c, PlanOptions(task="edit", vae_on_gpu=False))
     assert "VAE" not in edit.gpu and edit.gpu["text encoder"] == c.text_encoder_params * 2
     assert edit.host["VAE (fp32, on the CPU)"] == c.vae_params * 4
+
+
+def test_on_the_fly_is_refused_under_zero3_and_without_metadata(tmp_path, tiny_model_dir):
+    from diffsynth_qie.models.presets import get_preset
+    from diffsynth_qie.training.onthefly import check_on_the_fly
+
+    cfg = _config(tmp_path, tiny_model_dir, tmp_path, True)
+    check_on_the_fly(cfg, {"zero_optimization": {"stage": 2}})  # ZeRO-2: each rank encodes its share
+    with pytest.raises(ValueError, match="--on_the_fly is refused under DeepSpeed ZeRO-3"):
+        check_on_the_fly(cfg, {"zero_optimization": {"stage": 3}})
+    cfg.dataset.dataset_metadata = None
+    with pytest.raises(ValueError, match="--on_the_fly needs --dataset_metadata"):
+        cfg.resolved(get_preset("tiny"))
+    cfg.dataset.dataset_metadata, cfg.train.cache_dir = "m.json", ["c"]
+    with pytest.raises(ValueError, match="drop --cache_dir"):
+        cfg.resolved(get_preset("tiny"))
