@@ -54,6 +54,7 @@ class LiveStore:
 
         self.config, self.pipe, self.preset = config, pipe, preset
         self.ops, self.seed, self.augment = ops_for(preset.family), seed, augment
+        self._whites: dict = {}  # (W, H) -> white latents
         ds = config.dataset
         unparsed: list[SkippedRow] = []
         rows = read_rows(ds.dataset_metadata, ds.dataset_base, dataset_name=ds.dataset_name, fields=config.fields,
@@ -107,11 +108,17 @@ class LiveStore:
     # --- helpers --------------------------------------------------------------------------------------------
     def _encode(self, prep) -> CacheEntry:
         entry = encode_prepared(self.pipe, prep, self.preset.multi_image_prompt, self.ops)
-        with placed(self.pipe, "vae"):
-            entry.sub_noise = self.ops.white(self.pipe, *prep.target.size)
-            if prep.ref_gt is not None:
-                entry.sub_noise_ref_gt = self.ops.white(self.pipe, *prep.ref_gt.size)
+        entry.sub_noise = self._white(prep.target.size)
+        if prep.ref_gt is not None:
+            entry.sub_noise_ref_gt = self._white(prep.ref_gt.size)
         return entry
+
+    def _white(self, size: tuple[int, int]):
+        """The white image's latents at ``size``, encoded once per size (as the cache shares them)."""
+        if size not in self._whites:
+            with placed(self.pipe, "vae"):
+                self._whites[size] = self.ops.white(self.pipe, *size)
+        return self._whites[size]
 
     def _meta(self, row) -> EntryMeta:
         """The entry's shapes from the image headers and the sizing rules (what the bucket sampler needs)."""
