@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="flow-matching steps (default 40; 2.1-turbo 8; with --scheduler lightning the LoRA's 4 or 8)")
     s.add_argument("--cfg", type=float, default=None,
                    help="true CFG scale (1 = no negative pass; default 4, Qwen-Image-2.1 1; Lightning forces 1)")
+    s.add_argument("--strength", type=float, default=1.0, metavar="S",
+                   help="edit strength in [0, 1]: the sampler starts at σ = S from the source noised to it "
+                        "(SDEdit; LBM starts its bridge part-way); 0 = the source, 1 = the full edit")
     s.add_argument("--scheduler", default="auto", choices=("auto", "default", "lightning"),
                    help="flow-matching schedule: lightning = the few-step schedule the Lightning LoRAs were "
                         "distilled with (CFG 1); auto = lightning when a --lora's name or metadata says so")
@@ -179,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         max_output_pixels=args.max_output_pixels,
         mask_blend=args.mask_blend, mask_feather=args.mask_feather, lbm_steps=args.lbm_steps,
         lbm_noise=args.lbm_noise, max_prompt_tokens=args.max_prompt_tokens, scheduler=args.scheduler,
+        strength=args.strength,
     )
     check_request(request)  # every value, before a model loads
     check_device_name(args.device)

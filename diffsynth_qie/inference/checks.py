@@ -39,6 +39,9 @@ def check_request(request) -> None:
         if getattr(request, name) is not None:  # (None: the model's default)
             _finite(name, getattr(request, name), 0)
     _finite("mask_feather", request.mask_feather, 0)
+    _finite("strength", request.strength, 0)
+    if request.strength > 1:
+        raise ValueError(f"strength must be in [0, 1] (0 = the source, 1 = the full edit), got {request.strength}")
     _finite("lbm_noise", request.lbm_noise, 0)
     check_strength(request.mask_blend)
     if request.height is not None and request.width is not None \

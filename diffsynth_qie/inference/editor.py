@@ -81,6 +81,7 @@ class EditRequest:
     lbm_cfg: float = 1.0                     # CFG for LBM (off by default)
     max_prompt_tokens: Optional[int] = DEFAULT_MAX_PROMPT_TOKENS  # longer prompts are refused; None = no limit
     scheduler: str = "default"               # flow matching: "default" or "lightning" (few-step LoRAs, CFG 1)
+    strength: float = 1.0                    # edit strength: 0 = the source, 1 = the full edit (SDEdit-style start)
     progress: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
 
 
@@ -285,7 +286,7 @@ class Editor:
         prompt_emb = self._encode_prompt(request.prompt, refs, edit_latents, request.max_prompt_tokens)
         negative_emb = (self._encode_prompt(request.negative_prompt, refs, edit_latents, request.max_prompt_tokens)
                         if uses_cfg(cfg) else None)
-        need_source = lbm or (request.mask is not None and request.mask_blend > 0)
+        need_source = lbm or (request.mask is not None and request.mask_blend > 0) or request.strength < 1.0
         z_src = None
         if need_source:  # the first reference at the output size
             z_src = edit_latents[0] if refs[0].size == (width, height) else \
@@ -321,13 +322,15 @@ class Editor:
                 keep = self._latent_blend(request, z_src=to_dit(z_src).expand_as(prior), prior=prior)
                 generator = torch.Generator("cpu").manual_seed(int(request.seed))
                 return sample_bridge(velocity, prior, int(request.lbm_steps), request.lbm_noise, generator, keep,
-                                     request.progress)
+                                     request.progress, strength=request.strength)
             noise = seeded_noise((1, self.family.latent_channels, *latent_hw), request.seed, self.dtype, dit_device)
             velocity = self.ops.velocity(self.pipe.dit, cond, cfg)
             keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
             steps = self.default_steps() if request.steps is None else int(request.steps)
-            return sample_flow_match(velocity, noise, steps, keep, request.progress, scheduler=request.scheduler,
-                                     schedule=self.ops.schedule(self.preset, steps, latent_hw, request.scheduler))
+            return sample_flow_match(
+                velocity, noise, steps, keep, request.progress, scheduler=request.scheduler,
+                schedule=self.ops.schedule(self.preset, steps, latent_hw, request.scheduler, request.strength),
+                strength=request.strength, source=None if z_src is None else to_dit(z_src)[None])
 
     def default_steps(self) -> int:
         """The model's own step count: a fixed grid's length (2.1-turbo), else the family's default (40)."""

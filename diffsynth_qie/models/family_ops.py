@@ -93,7 +93,7 @@ class EditOps:
     def velocity(self, dit, cond, cfg: float):
         return dit_velocity(dit, cond, cfg)
 
-    def schedule(self, preset, steps: int, latent_hw: tuple[int, int], kind: str):
+    def schedule(self, preset, steps: int, latent_hw: tuple[int, int], kind: str, strength: float = 1.0):
         return None  # the sampler's own (default or Lightning)
 
     def decode(self, pipe, latents: Tensor) -> Image.Image:
@@ -157,11 +157,11 @@ class Qwen21Ops(EditOps):
     def velocity(self, dit, cond, cfg):
         return qwen21.velocity21(dit, cond, cfg)
 
-    def schedule(self, preset, steps, latent_hw, kind):
+    def schedule(self, preset, steps, latent_hw, kind, strength=1.0):
         if kind != "default":
             raise ValueError(f"scheduler {kind!r} is for Qwen-Image-Edit's Lightning LoRAs; Qwen-Image-2.1 samples "
                              "with its own schedule (use the 2.1-turbo preset for few steps)")
-        return qwen21.scheduler21(steps, *latent_hw, sigmas=getattr(preset, "sigmas", None))
+        return qwen21.scheduler21(steps, *latent_hw, sigmas=getattr(preset, "sigmas", None), strength=strength)
 
     def decode(self, pipe, latents):
         return qwen21.decode21(pipe, latents)

@@ -30,7 +30,7 @@ DEFAULT_LIGHTNING_STEPS = 8
 _STEPS_IN_NAME = re.compile(r"(\d+)[-_ ]?steps?", re.IGNORECASE)
 
 
-def lightning_scheduler(steps: int, latent_h: int, latent_w: int):
+def lightning_scheduler(steps: int, latent_h: int, latent_w: int, strength: float = 1.0):
     """DiffSynth's Lightning scheduler, with the same resolution input as the default one."""
     from diffsynth.diffusion import FlowMatchScheduler
 
@@ -41,7 +41,7 @@ def lightning_scheduler(steps: int, latent_h: int, latent_w: int):
                     " or ".join(map(str, LIGHTNING_STEPS)), steps)
     scheduler = FlowMatchScheduler("Qwen-Image-Lightning")
     height, width = latent_h * 8, latent_w * 8
-    scheduler.set_timesteps(steps, denoising_strength=1.0, dynamic_shift_len=(height // 16) * (width // 16))
+    scheduler.set_timesteps(steps, denoising_strength=strength, dynamic_shift_len=(height // 16) * (width // 16))
     return scheduler
 
 

@@ -169,7 +169,8 @@ def velocity21(dit, cond: Cond21, cfg: float = 1.0):
     return velocity
 
 
-def scheduler21(steps: int, latent_h: int, latent_w: int, sigmas: Optional[Sequence[float]] = None):
+def scheduler21(steps: int, latent_h: int, latent_w: int, sigmas: Optional[Sequence[float]] = None,
+                strength: float = 1.0):
     """DiffSynth's ``FlowMatchScheduler("Qwen-Image")`` as ``QwenImage21Pipeline.__call__`` sets it up: shifted by
     the image-token count (one token per latent), or a fixed grid (``sigmas``, the Turbo preset's)."""
     from diffsynth.diffusion import FlowMatchScheduler
@@ -178,7 +179,10 @@ def scheduler21(steps: int, latent_h: int, latent_w: int, sigmas: Optional[Seque
         raise ValueError(f"steps must be >= 1, got {steps}")
     if sigmas is not None and len(sigmas) != steps:
         raise ValueError(f"this model samples on a fixed grid of {len(sigmas)} steps; pass --steps {len(sigmas)}")
+    if sigmas is not None and strength < 1.0:
+        raise ValueError("--strength below 1 starts part-way through a schedule; a fixed grid (2.1-turbo) has no "
+                         "other starting points: use the 2.1 preset")
     scheduler = FlowMatchScheduler("Qwen-Image")
-    scheduler.set_timesteps(steps, dynamic_shift_len=latent_h * latent_w,
+    scheduler.set_timesteps(steps, denoising_strength=strength, dynamic_shift_len=latent_h * latent_w,
                             sigmas=None if sigmas is None else list(sigmas))
     return scheduler

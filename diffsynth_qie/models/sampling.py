@@ -136,36 +136,44 @@ def dit_velocity(dit, cond: Conditioning, cfg: float = 1.0) -> VelocityFn:
 
 
 # --- flow matching ----------------------------------------------------------------
-def flow_match_scheduler(steps: int, latent_h: int, latent_w: int):
-    """DiffSynth's Qwen-Image scheduler set up as ``QwenImagePipeline.__call__`` does."""
+def flow_match_scheduler(steps: int, latent_h: int, latent_w: int, strength: float = 1.0):
+    """DiffSynth's Qwen-Image scheduler set up as ``QwenImagePipeline.__call__`` does (``strength`` < 1: its
+    ``denoising_strength``, the schedule of an edit that starts part-way)."""
     from diffsynth.diffusion import FlowMatchScheduler
 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     scheduler = FlowMatchScheduler("Qwen-Image")
     height, width = latent_h * 8, latent_w * 8
-    scheduler.set_timesteps(steps, denoising_strength=1.0, dynamic_shift_len=(height // 16) * (width // 16))
+    scheduler.set_timesteps(steps, denoising_strength=strength, dynamic_shift_len=(height // 16) * (width // 16))
     return scheduler
 
 
 @torch.no_grad()
 def sample_flow_match(velocity: VelocityFn, noise: Tensor, steps: int, keep: KeepFn | None = None,
-                      progress: ProgressFn | None = None, scheduler: str = "default", schedule=None) -> Tensor:
+                      progress: ProgressFn | None = None, scheduler: str = "default", schedule=None,
+                      strength: float = 1.0, source: Tensor | None = None) -> Tensor:
     """Integrate from ``noise`` [B, C, h, w] (σ = 1) to σ = 0 with DiffSynth's schedule and Euler step.
 
     ``keep(x, σ)`` runs on the initial latents and after every step with the σ the
     latents are now at (the mask's latent blend). ``scheduler="lightning"`` uses the
     schedule the Lightning few-step LoRAs were distilled with (``models/lightning.py``).
     ``schedule``: a ready DiffSynth ``FlowMatchScheduler`` instead (a model family's own set-up).
+    ``strength`` < 1 (SDEdit): the schedule starts part-way (DiffSynth's ``denoising_strength``) from ``source``
+    noised to the first σ, ``(1 − σ₀)·source + σ₀·noise``; 0 returns ``source``; 1 is the plain sampler.
     """
+    if strength < 1.0 and source is None:
+        raise ValueError(f"strength {strength} starts from the source image's latents; none were given")
+    if strength <= 0.0:
+        return source
     if schedule is not None:
         scheduler = schedule
     elif check_scheduler(scheduler) == "lightning":
-        scheduler = lightning_scheduler(steps, noise.shape[-2], noise.shape[-1])
+        scheduler = lightning_scheduler(steps, noise.shape[-2], noise.shape[-1], strength)
     else:
-        scheduler = flow_match_scheduler(steps, noise.shape[-2], noise.shape[-1])
+        scheduler = flow_match_scheduler(steps, noise.shape[-2], noise.shape[-1], strength)
     sigmas = [float(s) for s in scheduler.sigmas] + [0.0]
-    x = noise
+    x = noise if strength >= 1.0 else ((1 - sigmas[0]) * source.float() + sigmas[0] * noise.float()).to(noise.dtype)
     if keep is not None:
         x = keep(x, sigmas[0])
     total = len(scheduler.timesteps)
@@ -184,13 +192,17 @@ def sample_flow_match(velocity: VelocityFn, noise: Tensor, steps: int, keep: Kee
 @torch.no_grad()
 def sample_bridge(velocity: VelocityFn, prior: Tensor, steps: int, bridge_noise: float = 0.005,
                   generator: torch.Generator | None = None, keep: KeepFn | None = None,
-                  progress: ProgressFn | None = None) -> Tensor:
+                  progress: ProgressFn | None = None, strength: float = 1.0) -> Tensor:
     """Few-step LBM sampling from ``prior`` [B, 16, h, w] (σ = 1) to σ = 0.
 
     Re-injected noise is drawn on the CPU from ``generator`` (device-independent
-    results), one draw of the whole batch per intermediate step.
+    results), one draw of the whole batch per intermediate step. ``strength`` < 1 starts the bridge part-way:
+    the prior is taken as the state at σ = strength (every σ scaled by it), so less of the edit is made;
+    0 returns the prior.
     """
-    sigmas = bridge_sigmas(steps).tolist() + [0.0]
+    if strength <= 0.0:
+        return prior
+    sigmas = (bridge_sigmas(steps) * strength).tolist() + [0.0]
     x = prior
     if keep is not None:
         x = keep(x, sigmas[0])

@@ -153,6 +153,11 @@ class TrainConfig:
     save_every: int = field(default=500, metadata=_help("checkpoint every N optimizer steps (0 = only at the end)"))
     keep_last: int = field(default=3, metadata=_help("keep the newest N checkpoints (0 = keep all)"))
     validate_every: int = field(default=0, metadata=_help("render held-out edits every N steps (0 = off)"))
+    ema_decay: float = field(default=0.0, metadata=_help(
+        "keep an exponential moving average of the trainable weights (e.g. 0.999), saved as lora_ema.safetensors "
+        "and in checkpoints; 0 = off", min=0.0, max=0.999999))
+    validate_with: Literal["raw", "ema", "both"] = field(default="raw", metadata=_help(
+        "render validation with the trained weights, their EMA (--ema_decay), or both"))
     num_validation: int = field(default=2, metadata=_help(
         "cache entries held out of training for validation (only when --validate_every > 0)"))
     validation_steps: int = field(default=8, metadata=_help("sampler steps per validation image"))

@@ -1,4 +1,4 @@
-"""Phase-2 training loop: the DiT alone, from the cache, with accelerate.
+"""Phase-2 training loop: the DiT alone, from the cache (or encoding on the fly), with accelerate.
 
 Runs the same way under ``python -m diffsynth_qie.cli train`` / ``qie train`` (one
 process) and under ``accelerate launch`` (DDP, DeepSpeed ZeRO-2/3; see
@@ -36,7 +36,6 @@ import torch
 
 from ..utils.dir_lock import TrainLock
 from .config import RunConfig
-from .data import open_cache, split_holdout  # noqa: F401  (moved to data.py; kept importable here)
 from .placement import weight_dtype
 
 log = logging.getLogger(__name__)
@@ -123,6 +122,7 @@ class _Run:
     tracker: object
     validator: object
     lock: object = None       # the output directory's TrainLock (rank 0)
+    ema: object = None        # --ema_decay's LoraEMA (training/ema.py)
 
 
 def setup(config: RunConfig) -> _Run:
@@ -155,6 +155,7 @@ def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], l
     from .module import check_fp8_base
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
                         configure_deepspeed)
+    from .ema import build_ema
     from .onthefly import check_on_the_fly, live_store
     from .placement import build_module, check_block_swap, device_placement
     from .resume import apply_schedule, cache_identity, check_resume, warn_data_order
@@ -202,6 +203,7 @@ def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], l
     placement = {} if swapper is None else {"device_placement": device_placement(swapper, 3)}
     wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler, **placement)
     ckpt.install_state_hooks(accelerator, module)
+    ema = build_ema(cfg, module, accelerator, ds_config)  # registered before a resume loads the state
 
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
                               gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -230,7 +232,7 @@ def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], l
     return _Run(cfg=cfg, accelerator=accelerator, module=module, wrapped=wrapped, optimizer=optimizer,
                 wrapped_optimizer=wrapped_opt, lr_scheduler=wrapped_sched,
                 engine=wrapped if ds_config is not None else None, dataset=dataset, sampler=sampler, state=state,
-                total_steps=total_steps, resumed=resume_from is not None, tracker=tracker, validator=validator,
+                total_steps=total_steps, resumed=resume_from is not None, tracker=tracker, validator=validator, ema=ema,
                 lock=lock)
 
 
@@ -258,14 +260,14 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
     from .accumulation import micro_loss_scale, step_sample_count
     from .data import batch_image_tokens, iterate_batches
     from .onthefly import prefetched
+    from .validation import validate_step
 
     t, acc, state = run.cfg.train, run.accelerator, run.state
     # DeepSpeed clips itself (setup wrote --max_grad_norm into its config)
     max_norm = run.cfg.optim.resolved().max_grad_norm if run.engine is None else 0.0
     result = TrainResult(lora_path=Path(t.output_dir) / ckpt.LORA_NAME, steps=state.step, total_steps=run.total_steps)
-    stream = iterate_batches(run.dataset, run.sampler, state.position, t.num_workers)
-    if run.cfg.onthefly.on_the_fly:  # encoding the next batches while the DiT trains on this one
-        stream = prefetched(stream, run.cfg.onthefly.prefetch)
+    ahead = run.cfg.onthefly.prefetch if run.cfg.onthefly.on_the_fly else 0  # encoded while the DiT trains
+    stream = prefetched(iterate_batches(run.dataset, run.sampler, state.position, t.num_workers), ahead)
     bar = tqdm(total=run.total_steps, initial=state.step, disable=not acc.is_main_process, unit="step",
                desc="qie train", dynamic_ncols=True)
     last_saved = state.step if run.resumed else -1
@@ -307,6 +309,8 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
                                               "samples": sizes[m]}, scale))
             assert acc.sync_gradients, "the step's last micro-batch must step the optimizer"
             # -- one optimizer step is complete
+            if run.ema is not None:  # (--ema_decay)
+                run.ema.update()
             lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used
             run.lr_scheduler.step()
             state.step += 1
@@ -325,13 +329,15 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
                 hooks.on_step_end(state.step, record)
             bar.update(1)
             if run.validator is not None and state.step % t.validate_every == 0:
-                _validate(run, state.step)
+                validate_step(run, state.step)
             if t.save_every > 0 and state.step % t.save_every == 0 and state.step < run.total_steps:
                 save()
                 last_saved = state.step
         if last_saved != state.step:  # a last checkpoint: the run can be resumed or extended
             save()
         ckpt.save_final_lora(acc, run.module, run.optimizer, run.engine, t.output_dir)
+        if run.ema is not None:  # lora_ema.safetensors beside it
+            run.ema.save(acc, run.module, t.output_dir)
     finally:
         stream.close()
         bar.close()
@@ -378,16 +384,3 @@ def _step_record(accelerator, micro, lr, optimizer, grad_norm, engine, state) ->
     if grad_norm is not None:
         record["grad_norm"] = float(grad_norm)
     return record
-
-
-def _validate(run: _Run, step: int) -> None:
-    """Render with the weights users would get (schedule-free: the average x), then train on."""
-    from .optim import schedule_free_eval
-
-    device, dtype = run.module.compute_device_dtype()
-    run.wrapped.eval()
-    with schedule_free_eval(run.optimizer, run.engine):
-        images = run.validator.run(step, run.wrapped, device, dtype)
-    run.wrapped.train()
-    run.tracker.log_validation(step, run.validator.metrics)
-    run.tracker.log_images(step, images)

@@ -257,7 +257,7 @@ class Validator:
             wrapped_module.train(was_training)
 
     @torch.no_grad()
-    def run(self, step: int, wrapped_module, device, dtype) -> dict:
+    def run(self, step: int, wrapped_module, device, dtype, tag: str = "") -> dict:
         """Render, decode and save; all ranks call this. Returns {name: strip image} on the main process."""
         entries = [self.store.load(i) for i in self.indices]
         renders = self.render(wrapped_module, device, dtype, entries)
@@ -281,7 +281,7 @@ class Validator:
         if self.accelerator.is_main_process:
             log.info("validation metrics at step %d: %s", step,
                      ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
-            folder = self.output_dir / f"step-{step}"
+            folder = self.output_dir / f"step-{step}{tag}"
             for name, img in images.items():
                 atomic_save(folder / f"{name}.png", lambda p, img=img: img.save(p))
             log.info("validation: %d image(s) [reference | target | output] in %s", len(images), folder)
@@ -316,3 +316,21 @@ def _gathered(module):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+
+def validate_step(run, step: int) -> None:
+    """The training loop's validation at ``step`` (``run``: its ``loop._Run``): render with the weights users
+    would get (schedule-free: the average x; ``--validate_with``: the raw weights, their EMA, or both), then
+    train on."""
+    from .optim import schedule_free_eval
+
+    device, dtype = run.module.compute_device_dtype()
+    which = run.cfg.train.validate_with if run.ema is not None else "raw"
+    run.wrapped.eval()
+    for tag in {"raw": ("",), "ema": ("-ema",), "both": ("", "-ema")}[which]:
+        with schedule_free_eval(run.optimizer, run.engine), \
+                (run.ema.applied(run.module) if tag else contextlib.nullcontext()):
+            images = run.validator.run(step, run.wrapped, device, dtype, tag=tag)
+        run.tracker.log_validation(step, {f"{k}{tag.replace('-', '_')}": v for k, v in run.validator.metrics.items()})
+        run.tracker.log_images(step, images)
+    run.wrapped.train()

@@ -96,7 +96,10 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                     lora = gr.Dropdown(handlers.lora_choices(), value=NO_LORA, label="LoRA", scale=5,
                                        elem_id="lora")
                     refresh = gr.Button("Refresh", scale=1, min_width=80, elem_id="lora-refresh")
-                lora_scale = gr.Slider(-2.0, 2.0, value=1.0, step=0.05, label="LoRA scale", elem_id="lora-scale")
+                with gr.Row(equal_height=True):
+                    lora_scale = gr.Slider(-2.0, 2.0, value=1.0, step=0.05, label="LoRA scale", elem_id="lora-scale")
+                    strength = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Edit strength (0 = source, 1 = full)",
+                                         elem_id="strength")
                 lora_status = gr.Markdown(handlers.lora_status(), elem_id="lora-status")
                 generate = gr.Button("Generate", variant="primary", elem_id="generate")
         status = gr.Markdown("", elem_id="status")
@@ -123,11 +126,11 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
 
         def run(editor_value: Any, refs: Any, prompt_text: str, negative_text: str, mode_value: str,
                 steps_value: float, lbm_value: float, cfg_value: float, seed_value: float, blend: float,
-                lora_name: str, scale: float, progress=gr.Progress()):
+                lora_name: str, scale: float, strength_value: float, progress=gr.Progress()):
             inputs = GenerateInputs(
                 editor=editor_value, references=refs, prompt=prompt_text, negative_prompt=negative_text,
                 mode=mode_value, steps=steps_value, lbm_steps=lbm_value, cfg=cfg_value, seed=seed_value,
-                mask_blend=blend, lora=lora_name, lora_scale=scale)
+                mask_blend=blend, lora=lora_name, lora_scale=scale, strength=strength_value)
             try:
                 out = handlers.generate(inputs, lambda done, total, desc: progress((done, total), desc=desc))
             except Exception as exc:  # user_message logs tracebacks of unexpected errors
@@ -140,7 +143,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         status_timer.tick(poll_model_status, None, [model_status, status_timer], queue=False)
         mode.change(switch_mode, mode, [steps, cfg, lbm_steps, sub_output], queue=False)
         generate.click(run, [editor, references, prompt, negative, mode, steps, lbm_steps, cfg, seed,
-                             mask_blend, lora, lora_scale],
+                             mask_blend, lora, lora_scale, strength],
                        [output, sub_output, status, model_status], concurrency_limit=1)
     demo.queue(default_concurrency_limit=1)
     return demo

@@ -170,6 +170,7 @@ class GenerateInputs:
     mask_blend: float = 1.0
     lora: str | None = None          # name relative to the LoRA folder, or NO_LORA
     lora_scale: float = 1.0
+    strength: float = 1.0            # edit strength: 0 = the source, 1 = the full edit
     mode: str = MODE_FLOW
     lbm_steps: int = 1
 
@@ -332,6 +333,7 @@ class UIHandlers:
         cfg = _float(inputs.cfg, "CFG", 0.0, 100.0)
         mask_blend = _float(inputs.mask_blend, "mask blend", 0.0, 1.0)
         lora_scale = _float(inputs.lora_scale, "LoRA scale", -10.0, 10.0)
+        strength = _float(inputs.strength, "edit strength", 0.0, 1.0)
         seed = _int(inputs.seed, "seed", -1, 2**32 - 1) if inputs.seed is not None else 0
         if seed < 0:
             seed = secrets.randbelow(2**31)
@@ -358,7 +360,7 @@ class UIHandlers:
                 images=[image, *refs], prompt=prompt, negative_prompt=inputs.negative_prompt or "",
                 mask=mask, steps=steps, cfg=cfg, seed=seed, mask_blend=mask_blend,
                 lbm_steps=lbm_steps, max_prompt_tokens=self.config.max_prompt_tokens, scheduler=scheduler,
-                progress=lambda step, n: report(step, n, "denoising")))
+                strength=strength, progress=lambda step, n: report(step, n, "denoising")))
             seconds = time.perf_counter() - t0
             prune_temp_files(self.config.resolved_temp_dir, self.config.max_temp_bytes)
         if lbm and result.sub_image is None:
@@ -368,6 +370,8 @@ class UIHandlers:
                    else f"{'Lightning' if scheduler == 'lightning' else 'flow matching'}, {steps} steps, CFG {cfg:g}")
         parts = [f"Done in {seconds:.1f} s", f"seed {seed}", sampler, f"{result.image.width}×{result.image.height}"]
         parts.append(f"LoRA `{inputs.lora}` × {lora_scale:g}" if lora is not None else "no LoRA")
+        if strength < 1.0:
+            parts.append(f"strength {strength:g}")
         if mask is None:
             parts.append("no mask painted: the whole image may change")
         else:

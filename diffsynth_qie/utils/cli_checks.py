@@ -25,7 +25,7 @@ BOUNDS: dict[str, tuple[Optional[float], Optional[float]]] = {
     "row": (0, None), "limit": (0, None), "num_heldout": (0, None), "num_pairs": (0, None), "workers": (0, 1024),
     "num_workers": (0, 1024),
     "cfg": (0, 100), "validation_cfg_scale": (0, 100), "lora_scale": (-100, 100),
-    "mask_blend": (0, 1), "mask_feather": (0, 4096), "lbm_noise": (0, 10), "cfg_dropout": (0, 1),
+    "mask_blend": (0, 1), "strength": (0, 1), "mask_feather": (0, 4096), "lbm_noise": (0, 10), "cfg_dropout": (0, 1),
     "smoothing": (0, 1), "energy": (0, 1), "min_lr_ratio": (0, 1),
     "gradient_accumulation_steps": (1, 1 << 16), "max_steps": (0, None), "num_epochs": (1, None),
     "save_every": (0, None), "keep_last": (0, None), "validate_every": (0, None), "num_validation": (0, None),
