@@ -34,6 +34,13 @@ class CacheConfig:
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = field(default=None, metadata={
         "help": "encoder and storage dtype (default: bfloat16 on GPU, float32 on CPU)"})
     num_workers: int = field(default=4, metadata={"help": "threads decoding and resizing images ahead of the encoders"})
+    auto_mask: Literal["none", "diff"] = field(default="none", metadata={
+        "help": "diff: rows without a back_mask get one derived from |target - source| (blurred, thresholded, "
+                "dilated; marked as derived), for the mask-weighted loss (--mask_loss_weights)"})
+    auto_mask_blur: float = field(default=2.0, metadata={"help": "--auto_mask diff: Gaussian blur radius, pixels"})
+    auto_mask_threshold: float = field(default=0.1, metadata={
+        "help": "--auto_mask diff: a blurred difference above this fraction of the full range is part of the edit"})
+    auto_mask_dilate: int = field(default=8, metadata={"help": "--auto_mask diff: pixels the region grows by"})
     check_images: bool = field(default=True, metadata={
         "help": "fully decode every image while validating rows (catches truncated files before encoding)"})
     max_prompt_tokens: int = field(default=DEFAULT_MAX_PROMPT_TOKENS, metadata={
@@ -46,6 +53,14 @@ class CacheConfig:
 
     def resolved_edit_max_pixels(self) -> int:
         return self.edit_max_pixels or self.max_pixels
+
+    def auto_mask_params(self):
+        """The ``--auto_mask diff`` parameters (``data.automask.AutoMask``), or None when it is off."""
+        from ..data.automask import AutoMask
+
+        if self.auto_mask == "none":
+            return None
+        return AutoMask(blur=self.auto_mask_blur, threshold=self.auto_mask_threshold, dilate=self.auto_mask_dilate)
 
 
 @dataclass

@@ -49,6 +49,7 @@ class _Prepared:
     lbm_source: Any  # PIL.Image at the target's size, or None (t2i) ; edits[0] itself when sizes match
     back_mask: Any  # float32 tensor [1, h, w] or None
     ref_gt: Any  # PIL.Image or None
+    mask_derived: bool = False  # back_mask came from --auto_mask, not from the row
 
 
 def _fit(img, max_pixels: int, divisor: int, path):
@@ -76,15 +77,20 @@ def prepare_row(row: EditRow, config: CacheConfig, ops=None, augment=None) -> _P
     lbm = None
     if originals and ops.supports_lbm:
         lbm = edits[0] if edits[0].size == target.size else same(resize_to(originals[0], target.size))
-    mask = None
+    mask, m, auto = None, None, config.auto_mask_params()
     if row.back_mask is not None:
         m = same(resize_to(load_mask(row.back_mask), target.size))
+    elif auto is not None and originals:  # the pair's own difference (data/automask.py)
+        from ..data.automask import diff_mask
+
+        m = diff_mask(target, lbm if lbm is not None else same(resize_to(originals[0], target.size)), auto)
+    if m is not None:
         t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
         mask = F.avg_pool2d(t, ops.family.vae_factor)[0]
     ref_gt = None
     if row.ref_gt is not None:
         ref_gt = same(_fit(load_rgb(row.ref_gt), config.max_pixels, divisor, row.ref_gt))
-    return _Prepared(row, target, edits, lbm, mask, ref_gt)
+    return _Prepared(row, target, edits, lbm, mask, ref_gt, mask_derived=row.back_mask is None and mask is not None)
 
 
 def prefetch(fn: Callable, items: Iterable, num_workers: int) -> Iterator:
@@ -216,7 +222,7 @@ def entry_meta(prep: _Prepared, entry: CacheEntry, content_hash: str, sub_key: s
         target_size=(prep.target.height, prep.target.width),
         target_shape=tuple(entry.target_latents.shape),
         edit_shapes=[tuple(e.shape) for e in entry.edit_latents],
-        has_back_mask=entry.back_mask is not None,
+        has_back_mask=entry.back_mask is not None, mask_derived=prep.mask_derived,
         ref_gt_shape=tuple(entry.ref_gt_latents.shape) if entry.ref_gt_latents is not None else None,
         lbm_source=store.lbm_source_mode(entry),
         sub_noise_key=sub_key, sub_noise_ref_gt_key=sub_ref_key,

@@ -28,6 +28,8 @@ def cache_settings(config: CacheConfig, preset, pipe) -> dict:
         "edit_max_pixels": config.resolved_edit_max_pixels(),
         "divisor": max(config.divisor, get_family(preset.family).size_divisor),  # (2.1: multiples of 32)
         "dtype": str(pipe.torch_dtype).replace("torch.", ""),
+        # (only when on: a cache written without it keeps its content hashes)
+        **({"auto_mask": vars(config.auto_mask_params())} if config.auto_mask != "none" else {}),
     }
 
 

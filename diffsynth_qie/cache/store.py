@@ -114,6 +114,7 @@ class EntryMeta:
     sources: dict[str, Any] = field(default_factory=dict)  # relative input paths, for humans/debugging
     patch: int = 2  # latent pixels per DiT token side (2: Qwen-Image-Edit's 2x2 patches; 1: Qwen-Image-2.1)
     has_prompt_pads: bool = False  # the references' slot masks per prompt (Qwen-Image-2.1)
+    mask_derived: bool = False  # back_mask derived by --auto_mask (not the row's own)
     shard: str = ""  # shard file name under shards/, set by ShardWriter
     key: str = ""  # tensor key prefix inside the shard, set by ShardWriter
 

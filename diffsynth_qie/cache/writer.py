@@ -338,7 +338,7 @@ def _manifest_fields(config: CacheConfig, settings: dict) -> dict:
         "resize": {"max_pixels": settings["max_pixels"], "edit_max_pixels": settings["edit_max_pixels"],
                    "divisor": settings["divisor"]},
         "dtype": settings["dtype"],
-        "multi_image_prompt": settings["multi_image_prompt"],
+        "multi_image_prompt": settings["multi_image_prompt"], "auto_mask": settings.get("auto_mask"),
         "metadata": str(config.dataset.dataset_metadata),
         "dataset_base": config.dataset.dataset_base,
     }
