@@ -20,6 +20,8 @@ from .utils.user_errors import os_error_line
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("make_tiny", "build the tiny Qwen-Image-Edit model on disk (tests, demo)"),
     "make-demo-data": ("make_demo_data", "write a small synthetic editing dataset"),
+    "check-dataset": ("check_dataset", "flag misaligned, identical, duplicate, reversed or badly masked pairs, "
+                                       "with a visual report"),
     "make-dataset": ("make_dataset", "DiffSynth metadata (JSON/JSONL) from folders of images, checked in parallel"),
     "edit": ("edit", "edit image(s) with a prompt, optional mask, LoRA and LBM sampling"),
     "cache": ("cache", "phase 1: cache prompt embeddings and VAE latents"),

@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", required=True, action="append", metavar="DIR",
                         help="folder of source images, matched to targets by file stem; repeat for "
                              "multi-image edits (the order given is the order of the references)")
+    parser.add_argument("--check", action="store_true",
+                        help="then run `qie check-dataset` on the result (report in <out>.check/)")
     parser.add_argument("--mask", metavar="DIR", help="optional folder of edit-region masks (white = edit), "
                         "same stems and sizes as the targets")
     parser.add_argument("--ref_gt", metavar="DIR", help="optional folder of reference ground-truth images")
@@ -78,4 +80,11 @@ def run(args: argparse.Namespace) -> int:
     log.info("wrote %s (%s, %s fields)\n%s", out, fmt, "FireRed-style" if firered else "DiffSynth", scan.summary())
     if scan.skipped:
         log.warning("%d row(s) skipped; reasons in %s", len(scan.skipped), skipped_path)
+    if args.check:  # the pairs' own problems (misaligned, identical, duplicate, reversed, masks)
+        from . import check_dataset
+
+        check_dataset.run(argparse.Namespace(**{
+            **vars(check_dataset.default_thresholds()), "metadata": str(out), "workers": args.workers,
+            "out": str(out.with_name(out.name + ".check")), "dataset_base": None, "holdout": None,
+            "write_clean": None}))
     return 0
