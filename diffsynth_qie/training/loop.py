@@ -203,7 +203,7 @@ def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], l
     placement = {} if swapper is None else {"device_placement": device_placement(swapper, 3)}
     wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler, **placement)
     ckpt.install_state_hooks(accelerator, module)
-    ema = build_ema(cfg, module, accelerator, ds_config)  # registered before a resume loads the state
+    ema = build_ema(cfg, module, accelerator)  # registered before a resume loads the state
 
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
                               gradient_accumulation_steps=t.gradient_accumulation_steps,
