@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 from diffsynth_qie.ui.config import UIConfig
 from diffsynth_qie.ui.handlers import (MODE_LBM, NO_LORA, GenerateInputs, UIError, UIHandlers, list_loras,
@@ -243,13 +244,21 @@ def lora_tree(tmp_path):
     root = tmp_path / "outputs"
     outside = tmp_path / "secret"
     outside.mkdir()
-    (outside / "stolen.safetensors").write_bytes(b"x")
+    lora = {"blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 4),
+            "blocks.0.attn.to_q.lora_B.weight": torch.zeros(4, 2)}
+    save_file(lora, str(outside / "stolen.safetensors"))
     for rel in ("run_a/epoch-1.safetensors", "run_a/epoch-2.safetensors", "run_b/deep/x/lora.safetensors",
                 "top.safetensors", "run_a/notes.txt", "run_a/.epoch-3.abc.tmp.safetensors",
-                ".hidden/h.safetensors"):
+                ".hidden/h.safetensors", "run_a/checkpoint-4/lora.safetensors",
+                "run_a/checkpoint-4/trainable.safetensors"):
         p = root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(b"x")
+        save_file(lora, str(p))
+    # not LoRAs: a cache shard, a file that is not safetensors at all
+    (root / "cache" / "shards").mkdir(parents=True)
+    save_file({"latents": torch.zeros(1, 4), "prompt_emb": torch.zeros(2, 3)},
+              str(root / "cache" / "shards" / "s0.safetensors"))
+    (root / "broken.safetensors").write_bytes(b"x")
     os.symlink(root / "top.safetensors", root / "run_b" / "alias.safetensors")   # stays inside
     os.symlink(outside / "stolen.safetensors", root / "escape.safetensors")     # leaves the folder
     os.symlink(outside, root / "linked_dir")                                     # directory leaving it
@@ -259,8 +268,9 @@ def lora_tree(tmp_path):
 
 def test_list_loras_is_recursive_relative_and_contained(lora_tree):
     root, _ = lora_tree
-    assert list_loras(root) == ["run_a/epoch-1.safetensors", "run_a/epoch-2.safetensors",
-                                "run_b/alias.safetensors", "run_b/deep/x/lora.safetensors", "top.safetensors"]
+    assert list_loras(root) == ["run_a/checkpoint-4/lora.safetensors", "run_a/epoch-1.safetensors",
+                                "run_a/epoch-2.safetensors", "run_b/alias.safetensors", "run_b/deep/x/lora.safetensors",
+                                "top.safetensors"]
     assert list_loras(root / "does-not-exist") == []
     handlers = UIHandlers(UIConfig(lora_dir=str(root)))
     assert handlers.lora_choices()[0] == NO_LORA and handlers.lora_choices()[1:] == list_loras(root)
@@ -453,3 +463,4 @@ def test_ui_flags_defaults_and_validation():
     proc = subprocess.run([sys.executable, str(repo / "app_gradio.py"), "--model", "nope"], cwd=repo,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+

@@ -58,6 +58,22 @@ ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 MAX_ABS_VALUE = 1e4
 
 
+def holds_lora_tensors(path: str | os.PathLike) -> bool:
+    """Whether a safetensors file names LoRA pairs (``lora_A``/``lora_B``, ``lora_down``/``lora_up``).
+
+    Reads only the header, so a picker can tell LoRAs from cache shards and other tensors cheaply.
+    A file that is not safetensors at all is logged and reported as not a LoRA.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return any(_LORA_KEY.match(k) for k in f.keys())
+    except (SafetensorError, OSError) as e:
+        log.info("not listed as a LoRA: %s is not a readable safetensors file (%s)", path, e)
+        return False
+
+
 def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if not path.is_file():
         raise ValueError(f"LoRA file not found: {path} (give the path of a .safetensors LoRA file)")

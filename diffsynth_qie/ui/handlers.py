@@ -64,12 +64,17 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 def list_loras(lora_dir: str | os.PathLike) -> list[str]:
-    """``*.safetensors`` under ``lora_dir`` (recursive), as sorted POSIX paths relative to it.
+    """The LoRA files under ``lora_dir`` (recursive), as sorted POSIX paths relative to it.
 
     Hidden files and folders are skipped (atomic writes leave ``.name.XXXX.tmp.safetensors``
     while saving). Symlinks are listed only if their target stays inside the folder,
-    so everything listed is also accepted by :func:`resolve_lora`.
+    so everything listed is also accepted by :func:`resolve_lora`. Only files whose header names
+    LoRA pairs are listed (not cache shards), and not a checkpoint's ``trainable.safetensors`` (the raw
+    training tensors; the checkpoint's ``lora.safetensors`` beside it is the loadable LoRA).
     """
+    from ..lora.formats import holds_lora_tensors
+    from ..training.checkpoint import TRAINABLE_NAME
+
     root = Path(lora_dir).expanduser()
     if not root.is_dir():
         return []
@@ -85,7 +90,7 @@ def list_loras(lora_dir: str | os.PathLike) -> list[str]:
                 real = path.resolve(strict=True)
             except (OSError, RuntimeError):  # dangling or looping symlink
                 continue
-            if _inside(real, root) and real.is_file():
+            if _inside(real, root) and real.is_file() and name != TRAINABLE_NAME and holds_lora_tensors(real):
                 found.append(path.relative_to(root).as_posix())
     return sorted(found)
 
