@@ -42,6 +42,29 @@ def fresh_accelerate():
         GradientState._reset_state()
 
 
+def kill_and_resume(base: list[str], tmp_path: Path, checkpoint: str, final: str) -> tuple[Path, Path]:
+    """Run the ``qie train`` command ``base`` uninterrupted into ``tmp_path/ref``; run it again into
+    ``tmp_path/run``, kill -9 it once ``checkpoint`` exists (before ``final`` is written) and ``--resume latest``.
+    Returns (ref, run) for the caller to compare."""
+    import signal
+    import subprocess
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    subprocess.run(base + ["--output_dir", str(ref)], check=True, env=env, capture_output=True)
+    proc = subprocess.Popen(base + ["--output_dir", str(out)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out / checkpoint).is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (out / checkpoint).is_dir() and not (out / final).exists()  # killed mid-run
+    subprocess.run(base + ["--output_dir", str(out), "--resume", "latest"], check=True, env=env, capture_output=True)
+    return ref, out
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (for launchers and servers the tests start)."""
     with socket.socket() as s:

@@ -3,18 +3,14 @@ lora_ema.safetensors, and validation can render with it."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import fresh_accelerate  # noqa: E402
+from conftest import fresh_accelerate, kill_and_resume  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -75,19 +71,8 @@ def test_a_killed_run_resumes_the_same_ema(cache_dir, tiny_model_dir, tmp_path):
             "--model_dir", str(tiny_model_dir), "--device", "cpu", "--batch_size", "2", "--max_steps", "12",
             "--save_every", "4", "--lora_rank", "4", "--learning_rate", "1e-2", "--no-gradient_checkpointing",
             "--mixed_precision", "no", "--ema_decay", "0.8", "--seed", "2"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    subprocess.run(base + ["--output_dir", str(tmp_path / "ref")], check=True, env=env, capture_output=True)
-    out = tmp_path / "run"
-    proc = subprocess.Popen(base + ["--output_dir", str(out)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoint-8").is_dir() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert (out / "checkpoint-8").is_dir() and not (out / "lora_ema.safetensors").exists()
-    subprocess.run(base + ["--output_dir", str(out), "--resume", "latest"], check=True, env=env, capture_output=True)
-    a, b = load_file(str(out / "lora_ema.safetensors")), load_file(str(tmp_path / "ref" / "lora_ema.safetensors"))
+    ref, out = kill_and_resume(base, tmp_path, "checkpoint-8", "lora_ema.safetensors")
+    a, b = load_file(str(out / "lora_ema.safetensors")), load_file(str(ref / "lora_ema.safetensors"))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-8) for k in b)
 
 

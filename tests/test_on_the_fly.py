@@ -3,11 +3,7 @@ augmentation that keeps target, references and mask aligned, and the encoders on
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import curve_script, fresh_accelerate  # noqa: E402
+from conftest import curve_script, fresh_accelerate, kill_and_resume  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -63,28 +59,17 @@ def test_a_killed_on_the_fly_run_resumes_exactly(demo_data_dir, tiny_model_dir, 
             "--max_pixels", str(curve_script.CACHE_MAX_PIXELS), "--batch_size", "2", "--max_steps", "12",
             "--save_every", "4", "--lora_rank", "4", "--learning_rate", "1e-3", "--no-gradient_checkpointing",
             "--mixed_precision", "no", "--augment", "--seed", "5"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    subprocess.run(base + ["--output_dir", str(tmp_path / "ref")], check=True, env=env, capture_output=True)
-    out = tmp_path / "run"
-    proc = subprocess.Popen(base + ["--output_dir", str(out)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoint-8").is_dir() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert (out / "checkpoint-8").is_dir() and not (out / "lora.safetensors").exists()  # killed mid-run
-    subprocess.run(base + ["--output_dir", str(out), "--resume", "latest"], check=True, env=env, capture_output=True)
+    ref, out = kill_and_resume(base, tmp_path, "checkpoint-8", "lora.safetensors")
 
     def curve(d):
         return [(r["step"], r["loss"]) for r in map(json.loads, (d / "loss.jsonl").read_text().splitlines())]
 
-    ref, got = curve(tmp_path / "ref"), curve(out)
-    assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, 13))
-    assert [v for _, v in got] == pytest.approx([v for _, v in ref], rel=1e-6)
+    ref_log, got = curve(ref), curve(out)
+    assert [s for s, _ in got] == [s for s, _ in ref_log] == list(range(1, 13))
+    assert [v for _, v in got] == pytest.approx([v for _, v in ref_log], rel=1e-6)
     from safetensors.torch import load_file
 
-    a, b = load_file(str(out / "lora.safetensors")), load_file(str(tmp_path / "ref" / "lora.safetensors"))
+    a, b = load_file(str(out / "lora.safetensors")), load_file(str(ref / "lora.safetensors"))
     assert all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-8) for k in b)
 
 
