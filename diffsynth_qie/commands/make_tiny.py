@@ -52,17 +52,23 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.model == "tiny-2.1":
         return _run_tiny21(out, args)
-    if not looks_like_tiny_dir(out):
+    if _build(out, args, looks_like_tiny_dir, is_complete, ensure_tiny, "tiny model"):
+        log.info("tiny Qwen-Image-Edit written to %s (use it with: --model tiny --model_dir %s)", out, out)
+    return 0
+
+
+def _build(out: Path, args: argparse.Namespace, replaceable, complete, ensure, what: str) -> bool:
+    """Build a tiny model into ``out`` unless it is already complete (``--force`` rebuilds); True if built."""
+    if not replaceable(out):
         raise ValueError(f"--out {out} exists and holds files that are not part of a tiny model; "
                          "pick an empty or new directory")
-    if is_complete(out, seed=args.seed) and not args.force:
-        log.info("tiny model already complete in %s (seed %d); --force rebuilds it", out, args.seed)
-        return 0
+    if complete(out, seed=args.seed) and not args.force:
+        log.info("%s already complete in %s (seed %d); --force rebuilds it", what, out, args.seed)
+        return False
     if args.force and out.exists():
-        shutil.rmtree(out)  # safe: looks_like_tiny_dir checked it holds only tiny-model files
-    ensure_tiny(out, seed=args.seed)
-    log.info("tiny Qwen-Image-Edit written to %s (use it with: --model tiny --model_dir %s)", out, out)
-    return 0
+        shutil.rmtree(out)  # safe: ``replaceable`` checked it holds only tiny-model files
+    ensure(out, seed=args.seed)
+    return True
 
 
 def _run_pretrained(args: argparse.Namespace) -> int:
@@ -84,14 +90,6 @@ def _run_pretrained(args: argparse.Namespace) -> int:
 def _run_tiny21(out: Path, args: argparse.Namespace) -> int:
     from ..tiny.qwen21 import ensure_tiny21, is_complete21, replaceable21
 
-    if not replaceable21(out):
-        raise ValueError(f"--out {out} exists and holds files that are not part of a tiny model; "
-                         "pick an empty or new directory")
-    if is_complete21(out, seed=args.seed) and not args.force:
-        log.info("tiny Qwen-Image-2.1 already complete in %s (seed %d); --force rebuilds it", out, args.seed)
-        return 0
-    if args.force and out.exists():
-        shutil.rmtree(out)  # safe: it holds only tiny-model files
-    ensure_tiny21(out, seed=args.seed)
-    log.info("tiny Qwen-Image-2.1 written to %s (use it with: --model tiny-2.1 --model_dir %s)", out, out)
+    if _build(out, args, replaceable21, is_complete21, ensure_tiny21, "tiny Qwen-Image-2.1"):
+        log.info("tiny Qwen-Image-2.1 written to %s (use it with: --model tiny-2.1 --model_dir %s)", out, out)
     return 0

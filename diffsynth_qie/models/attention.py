@@ -43,7 +43,7 @@ def per_sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text
 
 
 class _PerSampleSDPA(TorchFunctionMode):
-    """Routes the SDPA calls that carry ``mask`` to :func:`per_sample_attention`; everything else as is."""
+    """Routes the SDPA calls that pass ``mask`` to :func:`per_sample_attention`; everything else as is."""
 
     def __init__(self, mask: torch.Tensor, text_max: int, text_lens: Sequence[int], image_lens: Sequence[int]):
         super().__init__()

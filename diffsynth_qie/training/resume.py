@@ -7,7 +7,7 @@ Checked against the settings the checkpoint recorded, before anything of it is l
   fine-tuned modules), the optimizer (its state has another layout), the loss.
 - **Applied and logged**: the learning-rate schedule and the optimizer's hyper-parameters (learning rate,
   schedule, warmup, final ratio, weight decay, betas, clipping). A checkpoint's optimizer and scheduler
-  state carry the old values; :func:`apply_schedule` puts the new ones in, so the next step runs at the new
+  state hold the old values; :func:`apply_schedule` puts the new ones in, so the next step runs at the new
   schedule's learning rate for its step.
 - **Warned** (as before): seed, world size, batch size, accumulation and sampling flags change the data order.
 """
