@@ -1,12 +1,13 @@
 """Mask-edit web UI for Qwen-Image-Edit: ``python app_gradio.py`` -> http://127.0.0.1:7999.
 
-With no flags it serves the tiny model (built on first use), with LoRAs from
-``./outputs``; see ``--help``. The layout is ``diffsynth_qie/ui/app.py``, the logic
+With no flags it serves the pretrained tiny base (installed on first use), with LoRAs
+from ``./outputs``; see ``--help``. The layout is ``diffsynth_qie/ui/app.py``, the logic
 ``diffsynth_qie/ui/handlers.py``.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -14,11 +15,11 @@ from pathlib import Path
 
 
 def _use_project_venv() -> None:
-    """`python app_gradio.py` with a system python: re-run under the project's .venv if it exists."""
-    try:
-        import diffsynth_qie  # noqa: F401
-        import gradio  # noqa: F401
-    except ImportError:
+    """`python app_gradio.py` with a system python: re-run under the project's .venv if it exists.
+
+    Looks the packages up without importing them (gradio alone takes seconds), so `--help` stays fast.
+    """
+    if not all(importlib.util.find_spec(name) for name in ("diffsynth_qie", "gradio")):
         venv = Path(__file__).resolve().parent / ".venv"
         venv_python = venv / "bin" / "python"
         if venv_python.exists() and Path(sys.prefix).resolve() != venv.resolve():
@@ -29,6 +30,7 @@ def _use_project_venv() -> None:
 _use_project_venv()
 
 from diffsynth_qie.ui.config import UIConfig  # noqa: E402
+from diffsynth_qie.ui.startup import check_port_free, claim_temp_dir, port_in_use_message  # noqa: E402
 from diffsynth_qie.utils.cli_checks import check_numbers  # noqa: E402
 from diffsynth_qie.utils.config_cli import add_dataclass_args, dataclass_from_args  # noqa: E402
 from diffsynth_qie.utils.logging import setup_logging  # noqa: E402
@@ -49,14 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
+    try:  # before anything is touched: a second UI on the same port must not empty the first one's temp folder
+        port_free = check_port_free(config.host, config.port)
+    except ValueError as exc:
+        print(f"app_gradio.py: {exc}", file=sys.stderr)
+        return 2
+    if not port_free:
+        print(port_in_use_message(config.port), file=sys.stderr)
+        return 2
+
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no phoning home
     temp_dir = config.resolved_temp_dir
     os.environ["GRADIO_TEMP_DIR"] = str(temp_dir)  # before gradio is imported: uploads and outputs go there
+    claim_temp_dir(temp_dir)  # emptied unless another live UI owns it
     from diffsynth_qie.ui.app import build_ui, launch
     from diffsynth_qie.ui.handlers import UIHandlers
-    from diffsynth_qie.ui.uploads import prune_temp_files
-
-    prune_temp_files(temp_dir, 0, keep_seconds=0)  # files left by an earlier run
 
     handlers = UIHandlers(config)
     if config.preload:

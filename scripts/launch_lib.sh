@@ -174,7 +174,7 @@ after_training() {
   echo "loss log:      $out/loss.jsonl"
   echo "before/after:  $out/before_after.png"
   [ -z "$DEMO_DATA" ] || echo "held-out grid: $out/heldout_grid.png (source | base | LoRA [| sub-stream] | target)"
-  echo "try it:        python app_gradio.py ${MODEL_ARGS[*]} --lora_dir $out"
+  echo "try it:        python app_gradio.py ${MODEL_ARGS[*]} --lora_dir $out --examples $rows"
   [ "$NODE_RANK" != 0 ] || echo "report:        $report"
 }
 

@@ -1,9 +1,11 @@
 """End to end: `python app_gradio.py` in a subprocess, driven by Debian's headless Chromium.
 
-Checks that a user error shows as a message, then uploads an image, paints a mask
-stroke, types a prompt, picks a real LoRA, generates (flow matching, then LBM), and
-checks the served output images. The screenshot goes
-to the test's tmp dir and to ``outputs/screenshots/ui_e2e.png``.
+What a user does, and what they see: a refused Generate (a toast; the last result stays),
+an example click, an edit, the before/after slider, the sampler and LoRA pickers (LoRA
+labels from their metadata; an LBM LoRA switches to the LBM sampler), a history restore,
+"Edit this result", variations with a double click, Stop, a non-image dropped on the
+editor, a painted stroke, and the page at phone width. The screenshot goes to the
+test's tmp dir and to ``outputs/screenshots/ui_e2e.png``.
 
 Chromium comes from apt (``scripts/install_chromium.sh``), never from a browser
 download; the test skips, saying why, only if it cannot be installed or launched.
@@ -11,6 +13,7 @@ download; the test skips, saying why, only if it cannot be installed or launched
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import shutil
@@ -32,7 +35,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run"]
 SCREENSHOT_COPY = REPO / "outputs" / "screenshots" / "ui_e2e.png"
 W, H = 96, 64   # multiples of 16: the output keeps this size
-LORA_NAME = "run1/lora.safetensors"
+EXAMPLE_SIZE = (64, 64)  # the CPU demo's held-out rows
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +52,14 @@ def _chromium_or_skip() -> str:
     return CHROMIUM
 
 
-def _write_lora(path: Path, dit_file: Path) -> None:
-    """A real rank-4 LoRA on the tiny DiT's attention projections (shapes from its header)."""
+def _write_lora(path: Path, dit_file: Path, metadata: dict, seed: int = 0) -> None:
+    """A real rank-4 LoRA on the tiny DiT's attention projections (shapes from its header), with training metadata."""
     import torch
     from safetensors import safe_open
 
     from diffsynth_qie.lora import save_lora
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     sd = {}
     with safe_open(str(dit_file), "pt") as f:
         for key in f.keys():
@@ -66,7 +69,7 @@ def _write_lora(path: Path, dit_file: Path) -> None:
                 sd[f"{module}.lora_A.weight"] = torch.randn(4, in_f, generator=g) * 0.5
                 sd[f"{module}.lora_B.weight"] = torch.randn(out_f, 4, generator=g) * 0.5
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_lora(path, sd)
+    save_lora(path, sd, metadata=metadata)
 
 
 def _wait_for_server(url: str, proc: subprocess.Popen, log_path: Path, timeout: float) -> None:
@@ -93,9 +96,13 @@ def _fetch_image(src: str) -> Image.Image:
 
 @pytest.fixture
 def server(tmp_path, tiny_model_dir):
-    """The app on a free port: tiny model, a LoRA folder holding one real LoRA."""
+    """The app on a free port: tiny model; a LoRA folder as a training run leaves it (its own lora.safetensors),
+    plus an LBM run's LoRA and a Lightning LoRA; examples from the CPU demo's held-out rows (the default)."""
     lora_dir = tmp_path / "loras"
-    _write_lora(lora_dir / LORA_NAME, Path(tiny_model_dir) / "transformer" / "diffusion_pytorch_model.safetensors")
+    dit_file = Path(tiny_model_dir) / "transformer" / "diffusion_pytorch_model.safetensors"
+    _write_lora(lora_dir / "lora.safetensors", dit_file, {"loss": "sft", "preset": "tiny", "step": 12})
+    _write_lora(lora_dir / "lbm-run" / "lora.safetensors", dit_file, {"loss": "lbm", "preset": "tiny", "step": 30}, 1)
+    _write_lora(lora_dir / "tiny-Lightning-8steps.safetensors", dit_file, {}, 2)
     port = free_port()
     log_path = tmp_path / "server.log"
     env = dict(os.environ, DIFFSYNTH_SKIP_DOWNLOAD="True", GRADIO_ANALYTICS_ENABLED="False",
@@ -103,7 +110,8 @@ def server(tmp_path, tiny_model_dir):
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "app_gradio.py"), "--port", str(port), "--model", "tiny",
-             "--model_dir", str(tiny_model_dir), "--lora_dir", str(lora_dir), "--device", "cpu"],
+             "--model_dir", str(tiny_model_dir), "--lora_dir", str(lora_dir), "--device", "cpu",
+             "--temp_dir", str(tmp_path / "ui-tmp")],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         yield f"http://127.0.0.1:{port}", proc, log_path
@@ -114,6 +122,51 @@ def server(tmp_path, tiny_model_dir):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _history_count(page) -> int:
+    return page.locator("#history img").count()
+
+
+def _generate(page, runs_before: int, timeout: float = 60_000) -> str:
+    """Press Generate and wait for its result in the history; the status line."""
+    page.click("#generate")
+    page.wait_for_function(f"() => document.querySelectorAll('#history img').length > {runs_before}", timeout=timeout)
+    page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Done')")
+    return page.inner_text("#status")
+
+
+def _set_number(page, elem_id: str, value) -> None:
+    page.fill(f"#{elem_id} input[type=number]", str(value))
+    page.press(f"#{elem_id} input[type=number]", "Enter")
+
+
+def _shown(page) -> tuple[str, str]:
+    """(before, after) image URLs of the before/after slider."""
+    imgs = page.locator("#result img[data-testid=imageslider-image]")
+    return imgs.nth(0).get_attribute("src"), imgs.nth(1).get_attribute("src")
+
+
+def _settled(page) -> None:
+    """After the editor was given an image: Generate is locked until the editor's canvas has it, then unlocked."""
+    page.wait_for_selector("#generate[disabled]")
+    page.wait_for_selector("#generate:not([disabled])")
+
+
+def _toast(page, text: str) -> None:
+    page.get_by_test_id("toast-text").filter(has_text=text).wait_for()
+    page.get_by_test_id("toast-close").first.click()
+
+
+def _paint_stroke(page) -> None:
+    page.click("#editor button[aria-label=Brush]")
+    box = page.locator("#editor canvas").last.bounding_box()
+    cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(cx - 30, cy)
+    page.mouse.down()
+    for i in range(1, 4):  # few events: each waits for a software-WebGL frame
+        page.mouse.move(cx - 30 + 20 * i, cy + 3 * i)
+    page.mouse.up()
 
 
 @pytest.mark.browser
@@ -141,59 +194,145 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             model_status = page.inner_text("#model-status")
             assert "loading in the background" in model_status or "loaded in" in model_status, model_status
 
-            # A user error comes back as a message (toast), not a stack trace.
+            # The run's own LoRA is picked at start; labels come from the files' training metadata.
+            assert page.input_value("#lora input") == "lora.safetensors · flow matching · tiny · rank 4 · step 12"
+
+            # A user error comes back as a toast, before anything is queued.
             page.click("#generate")
-            toast = page.get_by_test_id("toast-text").filter(has_text="type a prompt describing the edit")
-            toast.wait_for()
+            _toast(page, "type a prompt describing the edit")
             assert "Traceback" not in page.inner_text("body")
-            page.get_by_test_id("toast-close").first.click()
 
-            # Upload, then paint one stroke across the middle of the canvas with the brush.
-            page.set_input_files("#editor input[type=file]", str(source_path))
-            page.wait_for_function("() => document.querySelector('#editor canvas')?.width > 0")
-            page.wait_for_timeout(500)  # the editor lays the image out on the canvas
-            page.click("#editor button[aria-label=Brush]")
-            box = page.locator("#editor canvas").last.bounding_box()
-            cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
-            page.mouse.move(cx - 30, cy)
+            # An example: image, mask file and prompt in one click.
+            page.click("#examples [data-testid='dataset-cell-0-0']")
+            page.wait_for_selector("#mask-file img")
+            _settled(page)
+            assert page.input_value("#prompt textarea") == "make the red circle blue"
+            _set_number(page, "steps", 6)
+            status = _generate(page, 0)
+            assert "6 steps" in status and "LoRA lora.safetensors × 1" in status.replace("`", ""), status
+            assert "mask covers" in status, f"the example's mask did not reach the server: {status}"
+
+            # Before/after at the same size, the after PNG carrying its settings; dragging the slider reveals more.
+            before_src, after_src = _shown(page)
+            before, after = _fetch_image(before_src), _fetch_image(after_src)
+            assert before.size == after.size == EXAMPLE_SIZE
+            settings = json.loads(after.text["diffsynth-qie"])
+            assert (settings["seed"], settings["steps"], settings["lora"]) == (0, 6, "lora.safetensors")
+            clip = page.locator("#result img.fixed").get_attribute("style")
+            slider = page.locator("#result [data-testid=slider]")
+            slider.scroll_into_view_if_needed()
+            handle = slider.bounding_box()
+            x, y = handle["x"] + handle["width"] / 2, handle["y"] + handle["height"] / 2
+            page.mouse.move(x, y)
             page.mouse.down()
-            for i in range(1, 4):  # few events: each waits for a software-WebGL frame
-                page.mouse.move(cx - 30 + 20 * i, cy + 3 * i)
+            for i in range(1, 5):
+                page.mouse.move(x - 30 * i, y)
             page.mouse.up()
+            assert page.locator("#result img.fixed").get_attribute("style") != clip, "the slider did not move"
+            downloads = page.inner_text("#downloads").replace("\n", "")
+            assert "edit_seed0_lora.png" in downloads and "mask.png" in downloads, downloads
+            command = page.input_value("#qie-command textarea")
+            assert command.startswith("qie edit --model tiny") and "--seed 0" in command and "--steps 6" in command
 
-            page.fill("#prompt textarea", "turn the painted area blue")
-            page.fill("#steps input[type=number]", "6")
-            page.press("#steps input[type=number]", "Enter")
+            # A refused Generate keeps the last result on screen (no "Error" over it).
+            page.fill("#prompt textarea", " ")
+            page.click("#generate")
+            _toast(page, "type a prompt describing the edit")
+            assert _shown(page) == (before_src, after_src) and "Error" not in page.inner_text("#result")
+            page.fill("#prompt textarea", "make the red circle blue")
+
+            # Lightning sets 8 steps; leaving it gives the user's steps back.
+            page.get_by_label("Lightning (4 / 8 steps)").check()
+            page.wait_for_function("() => document.querySelector('#steps input[type=number]')?.value === '8'")
+            page.get_by_label("Flow matching").check()
+            page.wait_for_function("() => document.querySelector('#steps input[type=number]')?.value === '6'")
+
+            # An LBM LoRA from the picker switches to the LBM sampler; both streams are shown.
             page.click("#lora input")
-            page.get_by_role("option", name=LORA_NAME).click()
-            assert page.input_value("#lora input") == LORA_NAME
-
-            page.click("#generate")
-            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Done')",
-                                   timeout=60_000)
-            status = page.inner_text("#status")
-            assert f"LoRA {LORA_NAME}" in status.replace("`", "") and "6 steps" in status, status
-            assert "mask covers" in status, f"the painted stroke did not reach the server as a mask: {status}"
-            output = _fetch_image(page.get_attribute("#output img", "src"))
-            assert output.size == (W, H), output.size
-            assert not page.is_visible("#output-sub"), "the sub-stream output is for LBM only"
-
-            # LBM: one step, both the main and the sub-stream outputs are shown.
-            page.get_by_label("LBM (1–4 steps)").check()
-            page.wait_for_selector("#output-sub", state="visible")
-            page.click("#generate")
-            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('LBM, 1 step')",
-                                   timeout=30_000)
+            page.get_by_role("option", name="lbm-run/lora.safetensors · LBM · tiny · rank 4 · step 30").click()
+            page.wait_for_selector("#lbm-steps", state="visible")
+            assert page.get_by_label("LBM (1–4 steps)").is_checked()
+            status = _generate(page, 1)
+            assert "LBM, 1 step" in status, status
             page.wait_for_selector("#output-sub img")
-            main = _fetch_image(page.get_attribute("#output img", "src"))
+            main = _fetch_image(_shown(page)[1])
             sub = _fetch_image(page.get_attribute("#output-sub img", "src"))
-            assert main.size == (W, H) and sub.size == (W, H)
-            assert not np.array_equal(np.asarray(main), np.asarray(sub))
-            assert "loaded in" in page.inner_text("#model-status")
+            assert main.size == sub.size == EXAMPLE_SIZE and not np.array_equal(np.asarray(main), np.asarray(sub))
 
-            page.wait_for_load_state("networkidle")
+            # History: the first result (the oldest, last in the gallery) brings its settings back.
+            page.locator("#history img").last.click()
+            page.wait_for_function("() => document.querySelector('#steps input[type=number]')?.value === '6'")
+            assert page.get_by_label("Flow matching").is_checked()
+            assert page.input_value("#lora input").startswith("lora.safetensors · flow matching")
+            assert _shown(page)[1].endswith("edit_seed0_lora.png")
+            first_result = _fetch_image(_shown(page)[1])
+
+            # "Edit this result": the next edit starts from it. Variations: seeds 0 and 1, a double click runs once.
+            page.click("#edit-result")
+            _settled(page)
+            _set_number(page, "variations", 2)
+            page.dblclick("#generate")
+            status = _generate(page, 2)
+            assert "seeds 0–1" in status, status
+            page.wait_for_timeout(1500)  # a duplicate run would land by now
+            assert _history_count(page) == 4, "a double click queued two generations"
+            assert page.locator("#variations-grid img").count() == 2
+            command = page.input_value("#qie-command textarea")
+            image_arg = Path(command.split("--image ")[1].split(" ")[0])
+            np.testing.assert_array_equal(np.asarray(Image.open(image_arg).convert("RGB")),
+                                          np.asarray(first_result.convert("RGB")))
+
+            # Stop: a long run ends at its next step; Generate works again.
+            _set_number(page, "steps", 100)
+            _set_number(page, "variations", 8)
+            page.click("#generate")
+            page.wait_for_selector("#stop:not([disabled])")
+            page.wait_for_timeout(500)
+            page.click("#stop")
+            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Stopped')")
+            page.wait_for_selector("#generate:not([disabled])")
+            page.wait_for_timeout(1000)  # the stopped run ends at its next step: no error toast for it
+            assert page.get_by_test_id("toast-text").count() == 0, page.get_by_test_id("toast-text").all_inner_texts()
+            _set_number(page, "steps", 4)
+            _set_number(page, "variations", 1)
+
+            # A non-image dropped on the editor is refused with a message, not ignored.
+            transfer = page.evaluate_handle("""() => { const dt = new DataTransfer();
+                dt.items.add(new File(['hello'], 'notes.txt', {type: 'text/plain'})); return dt; }""")
+            page.dispatch_event("#editor", "drop", {"dataTransfer": transfer})
+            assert "notes.txt is not an image" in page.inner_text("#drop-message")
+
+            # An uploaded image of another shape: the example's mask file no longer fits and is refused by name.
+            page.set_input_files("#editor input[type=file]", str(source_path))
+            page.wait_for_timeout(1500)  # the editor lays the image out on the canvas
+            page.click("#generate")
+            _toast(page, "the mask file is 64x64 but the image is 96x64")
+            page.click("#mask-file button[aria-label='Remove Image']")
+            page.wait_for_selector("#mask-file img", state="detached")
+            # One painted stroke is the mask; "Clear paint" removes it and keeps the image.
+            _paint_stroke(page)
+            status = _generate(page, 4)
+            assert "mask covers" in status and "4 steps" in status, status
+            assert _fetch_image(_shown(page)[1]).size == (W, H)
+            page.click("#mask-clear")
+            _settled(page)
+            status = _generate(page, 5)
+            assert "no mask painted" in status, status
+            assert _fetch_image(_shown(page)[0]).size == (W, H)
+            assert "loaded in" in page.inner_text("#model-status")
             shot = tmp_path / "ui_e2e.png"
             page.screenshot(path=str(shot), full_page=True)
+
+            # Phone width: nothing wider than the screen, reference previews not cropped.
+            phone = browser.new_page(viewport={"width": 390, "height": 844})
+            phone.goto(url)
+            phone.wait_for_selector("#references input[type=file]", state="attached")
+            wide = tmp_path / "wide.png"
+            Image.new("RGB", (300, 60), (200, 30, 30)).save(wide)
+            phone.set_input_files("#references input[type=file]", str(wide))
+            phone.wait_for_selector("#references img")
+            assert phone.eval_on_selector("#references img", "e => getComputedStyle(e).objectFit") == "contain"
+            assert phone.evaluate("document.documentElement.scrollWidth") <= 390
         finally:
             browser.close()
 
@@ -203,12 +342,15 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
                 time.monotonic() - start)
     server_log = log_path.read_text()
     # Our errors are logged by diffsynth_qie.* loggers (uvicorn may log a ClientDisconnect
-    # for an upload cut short when the browser closes: not ours). The one expected
-    # refusal is the empty prompt.
+    # for an upload cut short when the browser closes: not ours). The expected refusals: the empty prompts, the
+    # mask file of another image.
     problems = [line for line in server_log.splitlines()
                 if (" ERROR diffsynth_qie" in line or " WARNING diffsynth_qie" in line)]
-    assert len(problems) == 1 and "refused: type a prompt" in problems[0], problems
-    assert server_log.count("model 'tiny' loaded") == 1  # two generations, one model load
+    assert problems and all("refused: type a prompt" in line or "refused: the mask file is 64x64" in line
+                            for line in problems), problems
+    assert server_log.count("model 'tiny' loaded") == 1  # many generations, one model load
+    assert "generation stopped by the user" in server_log
+    assert server_log.count("generated 2 image(s)") == 1  # the double click ran once
 
 
 def test_build_ui_queues_one_generation_at_a_time(tmp_path):
@@ -218,7 +360,7 @@ def test_build_ui_queues_one_generation_at_a_time(tmp_path):
     from diffsynth_qie.ui.config import UIConfig
     from diffsynth_qie.ui.handlers import UIHandlers
 
-    demo = build_ui(UIHandlers(UIConfig(lora_dir=str(tmp_path))))
+    demo = build_ui(UIHandlers(UIConfig(lora_dir=str(tmp_path), examples="")))
     assert demo._queue.default_concurrency_limit == 1
     limits = {fn.name: fn.concurrency_limit for fn in demo.fns.values()}
-    assert limits["run"] == 1, limits
+    assert limits["run"] == 1 and limits["precheck"] is None, limits

@@ -435,8 +435,8 @@ def test_background_load_loads_once_and_reports_status():
 
     failing = UIHandlers(UIConfig(), editor_factory=broken)
     failing.start_background_load().join(5)
-    assert not failing.loaded and "failed to load (internal error (RuntimeError)" \
-        in failing.model_status()
+    status = failing.model_status()
+    assert not failing.loaded and "failed to load" in status and "internal error (RuntimeError)" in status
 
 
 def test_ui_flags_defaults_and_validation():
@@ -464,3 +464,38 @@ def test_ui_flags_defaults_and_validation():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
 
+
+
+def test_variations_use_consecutive_seeds_and_save_reproducible_pngs(ui):
+    from diffsynth_qie.ui.results import read_settings
+
+    out = ui.generate(_inputs(seed=11, variations=2, lora="run1/a.safetensors", lora_scale=0.5))
+    assert [e.settings.seed for e in out.entries] == [11, 12] and "seeds 11–12" in out.status
+    first, second = (np.asarray(Image.open(e.image)) for e in out.entries)
+    assert first.shape == (H, W, 3) and not np.array_equal(first, second)
+    np.testing.assert_array_equal(first, np.asarray(out.image))
+    settings = read_settings(out.entries[1].image)
+    assert (settings.seed, settings.lora, settings.lora_scale, settings.steps) == (12, "run1/a.safetensors", 0.5, 3)
+    assert Path(out.entries[0].image).name == "edit_seed11_run1-a.png"
+    before = Image.open(out.entries[0].before)
+    assert before.size == (W, H)
+    mask = np.asarray(Image.open(out.entries[0].mask))
+    np.testing.assert_array_equal(mask == 255, _expected((W, H), [(8, 8, 40, 40)]))
+    assert "--seed 12" in out.entries[1].command and "--mask " + out.entries[1].mask in out.entries[1].command
+
+
+def test_stop_ends_a_generation_at_its_next_step(ui):
+    from diffsynth_qie.ui.handlers import Stopped
+
+    steps_seen = []
+
+    def progress(done, total, desc):
+        steps_seen.append(done)
+        if done == 2:
+            ui.request_stop()  # as the Stop button does, from another thread
+
+    with pytest.raises(Stopped, match="stopped"):
+        ui.generate(_inputs(steps=20, variations=3), progress=progress)
+    assert max(steps_seen) <= 3, steps_seen  # 3 variations x 20 steps were asked for
+    out = ui.generate(_inputs(steps=2))  # the next Generate runs normally
+    assert "2 steps" in out.status

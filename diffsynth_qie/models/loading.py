@@ -150,6 +150,11 @@ def _candidate_roots(repos: Sequence[str]):
         yield from _modelscope_snapshot(repo)
 
 
+class MissingModelFiles(FileNotFoundError):
+    """A model's weights are not on disk (and cannot be downloaded): the message lists each missing file and
+    the command that fetches them, for the user to run."""
+
+
 def _required_components(components: Iterable[str]) -> list[str]:
     components = list(components)
     bad = [c for c in components if c not in MODEL_COMPONENTS]
@@ -208,13 +213,13 @@ def resolve_model_configs(preset: str | Preset, model_dir: str | os.PathLike | N
     # Decide before importing diffsynth (~6 s), so a hopeless load fails at once.
     listing = "".join(f"\n  - {m}" for m in missing)
     if model_dir is not None and missing:
-        raise FileNotFoundError(
+        raise MissingModelFiles(
             f"model_dir {model_dir} lacks files of the {preset.name} preset:{listing}\n"
             f"{_download_hint(preset, model_dir)}")
     if missing:
         reason = _why_no_download()
         if reason:
-            raise FileNotFoundError(
+            raise MissingModelFiles(
                 f"{preset.name} ({preset.repo_id}) weights are not downloaded and {reason}. Missing:{listing}\n"
                 f"{_download_hint(preset, None)}\n"
                 f"(or put the <model_id>/ folders under $DIFFSYNTH_MODEL_BASE_PATH, default ./models)")

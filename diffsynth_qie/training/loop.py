@@ -335,9 +335,9 @@ def run_loop(run: _Run, hooks: Hooks) -> TrainResult:
                 last_saved = state.step
         if last_saved != state.step:  # a last checkpoint: the run can be resumed or extended
             save()
-        ckpt.save_final_lora(acc, run.module, run.optimizer, run.engine, t.output_dir)
+        ckpt.save_final_lora(acc, run.module, run.optimizer, run.engine, t.output_dir, {"step": state.step})
         if run.ema is not None:  # lora_ema.safetensors beside it
-            run.ema.save(acc, run.module, t.output_dir)
+            run.ema.save(acc, run.module, t.output_dir, {"step": state.step})
     finally:
         stream.close()
         bar.close()

@@ -1,9 +1,8 @@
 """The Gradio layout: widgets wired to :mod:`diffsynth_qie.ui.handlers`, nothing else.
 
 Every decision (mask extraction, LoRA containment, limits, errors) lives in the
-handler layer so it is unit-tested without a browser; this module only lays out
-widgets, converts their values to :class:`GenerateInputs` and turns exceptions into
-``gr.Error`` messages.
+handler layer so it is unit-tested without a browser; this module lays out widgets
+and wires their events (``ui/events.py`` holds the callbacks).
 """
 from __future__ import annotations
 
@@ -13,16 +12,44 @@ from typing import Any
 import gradio as gr
 
 from .config import UIConfig
-from .handlers import (LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, NO_LORA, GenerateInputs, UIHandlers,
-                       user_message)
+from .events import Callbacks
+from .handlers import LBM_MAX_STEPS, MODE_FLOW, UIHandlers, user_message
+from .history import RESTORED
+from .job import MAX_GROW, MAX_VARIATIONS
+from .masks import BRUSH_COLOR
 from .uploads import check_upload, to_8bit_upload
 
 log = logging.getLogger(__name__)
 
 INTRO = """# Qwen-Image-Edit · mask edit
-Upload an image, **paint the region that may change** (painted = edit region, like a white
-pixel in `qie edit --mask`; nothing painted = the whole image may change), describe the edit,
-press **Generate**."""
+Upload an image (or click an example), **paint the region that may change** (painted = edit region, like a
+white pixel in `qie edit --mask`; nothing painted = the whole image may change), describe the edit, press
+**Generate**. Results collect in the history below: click one to get its settings back, or edit it further."""
+
+# Results fill their box (a 96×64 edit is scaled up, not shown as a thumbnail); phones get one column.
+CSS = """
+#result img, #output-sub img { object-fit: contain; width: 100%; height: 100%; }
+#drop-message:empty { display: none; }
+#drop-message { color: var(--error-text-color); font-weight: 600; }
+"""
+
+# A file that is not an image, dropped on the editor or the reference gallery, is refused with a message
+# (the editor would otherwise ignore it without a word).
+JS = """
+() => {
+  document.addEventListener('drop', (event) => {
+    const target = event.target instanceof Element && event.target.closest('#editor, #references');
+    if (!target) return;
+    const files = Array.from((event.dataTransfer && event.dataTransfer.files) || []);
+    const bad = files.find((f) => !(f.type || '').startsWith('image/'));
+    const note = document.querySelector('#drop-message');
+    if (!bad) { if (note) note.textContent = ''; return; }
+    event.preventDefault();
+    event.stopPropagation();
+    if (note) note.textContent = `${bad.name} is not an image: drop a PNG, JPEG or WebP file.`;
+  }, true);
+}
+"""
 
 
 def _upload_paths(payload: Any) -> list[tuple[str, str]]:
@@ -63,88 +90,131 @@ def guard_uploads(component: gr.components.Component, handlers: UIHandlers) -> N
 
 def build_ui(handlers: UIHandlers) -> gr.Blocks:
     """The whole UI; queued so that one generation runs at a time."""
+    cb = Callbacks(handlers)
     with gr.Blocks(title="Qwen-Image-Edit mask edit", analytics_enabled=False) as demo:
         gr.Markdown(INTRO)
         model_status = gr.Markdown(handlers.model_status(), elem_id="model-status")
         status_timer = gr.Timer(2.0, active=handlers.loading)  # follows a background model load
+        history = gr.State([])          # this tab's results, newest first
+        current = gr.State(None)        # the history entry shown in the slider
+        prev_mode = gr.State(MODE_FLOW)
+        saved_steps = gr.State(40)      # the flow-matching steps, kept while Lightning sets 8
+        queued_at = gr.State(None)
+        batch = gr.State([])            # the entries of the last Generate (its variations)
         with gr.Row():
             with gr.Column(scale=3):
                 editor = gr.ImageEditor(
                     label="Image and mask (paint the region to edit)", type="filepath", image_mode="RGBA",
                     sources=["upload", "clipboard"], transforms=(), layers=False, format="png",
-                    brush=gr.Brush(colors=["rgba(255, 0, 255, 0.6)"], color_mode="fixed"),
-                    elem_id="editor")
-                references = gr.Gallery(label="Extra reference images (optional)", type="filepath",
-                                        interactive=True, columns=4, height=160, file_types=["image"],
-                                        elem_id="references")
+                    brush=gr.Brush(colors=[BRUSH_COLOR], color_mode="fixed"), elem_id="editor")
+                gr.HTML("<div id='drop-message' role='alert'></div>")
+                with gr.Row(equal_height=True):
+                    clear_mask = gr.Button("Clear paint", size="sm", min_width=90, elem_id="mask-clear")
+                    mask_invert = gr.Checkbox(False, label="Invert mask (edit all but the painted part)",
+                                              elem_id="mask-invert")
+                    mask_grow = gr.Slider(0, MAX_GROW, value=0, step=1, label="Grow mask (px)", elem_id="mask-grow")
+                    mask_feather = gr.Slider(0, 32, value=0, step=0.5, label="Feather (px)", elem_id="mask-feather")
+                with gr.Row(equal_height=True):
+                    references = gr.Gallery(label="Extra reference images (optional)", type="filepath",
+                                            interactive=True, columns=4, height=160, file_types=["image"],
+                                            object_fit="contain", scale=3, elem_id="references")
+                    mask_file = gr.Image(label="Mask file (optional; white = edit)", type="filepath",
+                                         image_mode="L", sources=["upload", "clipboard"], height=160, scale=1,
+                                         elem_id="mask-file")
                 guard_uploads(editor, handlers)
                 guard_uploads(references, handlers)
                 prompt = gr.Textbox(label="Prompt", lines=2, placeholder="what should change", elem_id="prompt")
                 negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="negative-prompt")
+                examples, rows = cb.examples(), None
+                if examples:
+                    rows = gr.Examples([[ex.editor_value(), ex.mask, ex.prompt] for ex in examples],
+                                       [editor, mask_file, prompt], elem_id="examples", examples_per_page=4,
+                                       label="Examples (held-out rows: click one, then Generate)")
             with gr.Column(scale=2):
-                mode = gr.Radio([("Flow matching", MODE_FLOW), (f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM),
-                                 ("Lightning (4 / 8 steps)", MODE_LIGHTNING)],
-                                value=MODE_FLOW, label="Sampler", elem_id="mode")
+                mode = gr.Radio(handlers.mode_choices(), value=MODE_FLOW, label="Sampler", elem_id="mode")
                 steps = gr.Slider(1, 100, value=40, step=1, label="Steps", elem_id="steps")
                 lbm_steps = gr.Slider(1, LBM_MAX_STEPS, value=1, step=1, label="LBM steps", visible=False,
                                       elem_id="lbm-steps")
                 cfg = gr.Slider(1.0, 10.0, value=4.0, step=0.5, label="CFG", elem_id="cfg")
-                seed = gr.Number(value=0, precision=0, label="Seed (-1 = random)", elem_id="seed")
-                mask_blend = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Mask blend strength",
-                                       elem_id="mask-blend")
                 with gr.Row(equal_height=True):
-                    lora = gr.Dropdown(handlers.lora_choices(), value=NO_LORA, label="LoRA", scale=5,
+                    seed = gr.Number(value=0, precision=0, label="Seed (-1 = random)", elem_id="seed")
+                    variations = gr.Slider(1, MAX_VARIATIONS, value=1, step=1, label="Variations (seed, seed+1, …)",
+                                           elem_id="variations")
+                with gr.Row(equal_height=True):
+                    lora = gr.Dropdown(handlers.lora_options(), value=handlers.default_lora(), label="LoRA", scale=5,
                                        elem_id="lora")
                     refresh = gr.Button("Refresh", scale=1, min_width=80, elem_id="lora-refresh")
                 with gr.Row(equal_height=True):
                     lora_scale = gr.Slider(-2.0, 2.0, value=1.0, step=0.05, label="LoRA scale", elem_id="lora-scale")
                     strength = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Edit strength (0 = source, 1 = full)",
                                          elem_id="strength")
-                lora_status = gr.Markdown(handlers.lora_status(), elem_id="lora-status")
-                generate = gr.Button("Generate", variant="primary", elem_id="generate")
+                with gr.Accordion("Second LoRA (stacked)", open=False):
+                    lora2 = gr.Dropdown(handlers.lora_options(), value="(none)", label="Second LoRA", elem_id="lora2")
+                    lora2_scale = gr.Slider(-2.0, 2.0, value=1.0, step=0.05, label="Second LoRA scale",
+                                            elem_id="lora2-scale")
+                mask_blend = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Mask blend strength",
+                                       elem_id="mask-blend")
+                lora_status = gr.Markdown(handlers.lora_status(handlers.default_lora()), elem_id="lora-status")
+                with gr.Row():
+                    generate = gr.Button("Generate", variant="primary", elem_id="generate")
+                    stop = gr.Button("Stop", variant="stop", interactive=False, elem_id="stop")
         status = gr.Markdown("", elem_id="status")
         with gr.Row():
-            output = gr.Image(label="Output", type="pil", format="png", interactive=False, height=360,
-                              buttons=["download", "fullscreen"], elem_id="output")
-            sub_output = gr.Image(label="LBM sub-stream output", type="pil", format="png", interactive=False,
-                                  height=360, buttons=["download", "fullscreen"], visible=False,
-                                  elem_id="output-sub")
+            result = gr.ImageSlider(label="Before / after (drag the handle)", type="filepath", interactive=False,
+                                    height=420, buttons=["fullscreen"], elem_id="result")
+            sub_output = gr.Image(label="LBM sub-stream output", type="filepath", interactive=False, height=420,
+                                  buttons=["download", "fullscreen"], visible=False, elem_id="output-sub")
+        variants = gr.Gallery(label="Variations (click one to show it above)", columns=8, height=170,
+                              fit_columns=False, object_fit="contain", allow_preview=False, visible=False,
+                              elem_id="variations-grid")
+        with gr.Row():
+            edit_this = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
+            downloads = gr.File(label="Download (PNG with its settings; mask)", file_count="multiple",
+                                interactive=False, elem_id="downloads")
+        command = gr.Textbox(label="Copy as `qie edit …`", buttons=["copy"], interactive=False, lines=2,
+                             elem_id="qie-command")
+        gallery = gr.Gallery(label="History (click to restore its settings)", columns=8, height=170,
+                             fit_columns=False, object_fit="contain", allow_preview=False, elem_id="history")
 
-        def refresh_loras(current: str | None):
-            choices = handlers.lora_choices()
-            return (gr.update(choices=choices, value=current if current in choices else NO_LORA),
-                    handlers.lora_status())
+        mode_outputs = [steps, cfg, lbm_steps, sub_output, prev_mode, saved_steps]
+        gen_inputs = [editor, references, prompt, negative, mode, steps, lbm_steps, cfg, seed, mask_blend, lora,
+                      lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file, mask_invert]
+        shown = [result, sub_output, downloads, command, edit_this, current]
+        widgets = dict(prompt=prompt, negative_prompt=negative, mode=mode, steps=steps, lbm_steps=lbm_steps, cfg=cfg,
+                       seed=seed, lora=lora, lora_scale=lora_scale, lora2=lora2, lora2_scale=lora2_scale,
+                       strength=strength, mask_blend=mask_blend, mask_grow=mask_grow, mask_invert=mask_invert,
+                       mask_feather=mask_feather)
 
-        def poll_model_status():
-            return handlers.model_status(), gr.Timer(active=handlers.loading)
-
-        def switch_mode(selected: str):
-            lbm = selected == MODE_LBM  # LBM samples without CFG: its steps replace steps and CFG
-            few = selected == MODE_LIGHTNING  # Lightning: 4 or 8 steps at CFG 1
-            return (gr.update(visible=not lbm, **({"value": 8} if few else {})),
-                    gr.update(visible=not (lbm or few)), gr.update(visible=lbm), gr.update(visible=lbm))
-
-        def run(editor_value: Any, refs: Any, prompt_text: str, negative_text: str, mode_value: str,
-                steps_value: float, lbm_value: float, cfg_value: float, seed_value: float, blend: float,
-                lora_name: str, scale: float, strength_value: float, progress=gr.Progress()):
-            inputs = GenerateInputs(
-                editor=editor_value, references=refs, prompt=prompt_text, negative_prompt=negative_text,
-                mode=mode_value, steps=steps_value, lbm_steps=lbm_value, cfg=cfg_value, seed=seed_value,
-                mask_blend=blend, lora=lora_name, lora_scale=scale, strength=strength_value)
-            try:
-                out = handlers.generate(inputs, lambda done, total, desc: progress((done, total), desc=desc))
-            except Exception as exc:  # user_message logs tracebacks of unexpected errors
-                raise gr.Error(user_message(exc), duration=None, print_exception=False) from None
-            return out.image, out.sub_image, out.status, handlers.model_status()
-
-        refresh.click(refresh_loras, lora, [lora, lora_status], queue=False)
-        demo.load(refresh_loras, lora, [lora, lora_status], queue=False)
+        demo.load(cb.refresh_loras, [lora, lora2], [lora, lora2, lora_status, mode], queue=False)
         demo.load(handlers.model_status, None, model_status, queue=False)
-        status_timer.tick(poll_model_status, None, [model_status, status_timer], queue=False)
-        mode.change(switch_mode, mode, [steps, cfg, lbm_steps, sub_output], queue=False)
-        generate.click(run, [editor, references, prompt, negative, mode, steps, lbm_steps, cfg, seed,
-                             mask_blend, lora, lora_scale, strength],
-                       [output, sub_output, status, model_status], concurrency_limit=1)
+        refresh.click(cb.refresh_loras, [lora, lora2], [lora, lora2, lora_status, mode], queue=False)
+        status_timer.tick(cb.poll_model_status, None, [model_status, status_timer], queue=False)
+        mode.input(cb.switch_mode, [mode, prev_mode, steps, saved_steps], mode_outputs, queue=False)
+        lora.input(cb.pick_lora, [lora, mode, prev_mode, steps, saved_steps], [mode, lora_status, *mode_outputs],
+                   queue=False)
+        editor.upload(cb.new_image, editor, editor, queue=False, show_progress="hidden")
+
+        # The editor loads an image set here (an example, "Edit this result", "Clear paint") into its canvas
+        # asynchronously and sends the previous one until it has, without any event saying when: Generate waits.
+        settle = dict(fn=cb.settle, inputs=None, outputs=generate, queue=False, show_progress="hidden")
+        if rows is not None:
+            rows.dataset.click(cb.lock_generate, None, generate, queue=False, show_progress="hidden").then(**settle)
+        clear_mask.click(cb.clear_mask, editor, [editor, generate], queue=False).then(**settle)
+
+        # Checked in the queue (so a refusal shows its toast) but outside the one-at-a-time limit, so it answers at
+        # once even while another generation runs.
+        checked = generate.click(cb.precheck, gen_inputs, [generate, stop, queued_at], concurrency_limit=None,
+                                 show_progress="hidden")
+        running = checked.success(
+            cb.run, [*gen_inputs, history, queued_at],
+            [*shown, status, model_status, variants, history, gallery, batch], show_progress_on=[result],
+            concurrency_limit=1)
+        running.then(cb.finished, None, [generate, stop, model_status], queue=False)
+        stop.click(cb.stop, None, [generate, stop, status], queue=False, cancels=[running])
+        gallery.select(cb.restore, [history], [*(widgets[name] for name in RESTORED), *shown, prev_mode, saved_steps, status],
+                       queue=False)
+        variants.select(cb.show_variation, [batch], shown, queue=False)
+        edit_this.click(cb.edit_result, current, [editor, generate], queue=False).then(**settle)
     demo.queue(default_concurrency_limit=1)
     return demo
 
@@ -155,4 +225,4 @@ def launch(demo: gr.Blocks, config: UIConfig, **kwargs: Any):
         log.warning("--share: the UI gets a public gradio.live URL; anyone with it can run generations")
     return demo.launch(server_name=config.host, server_port=config.port, share=config.share,
                        max_file_size=config.transport_cap_bytes, show_error=False, ssr_mode=False,
-                       footer_links=[], **kwargs)
+                       footer_links=[], css=CSS, js=JS, **kwargs)

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
+from ..utils.config_cli import cli_help
+
+#: In the UI's temp folder: the process id of the running UI that owns it (``ui/startup.py``); pruning keeps it.
+OWNER_FILE = ".owner"
 
 
 @dataclass
@@ -25,13 +29,20 @@ class UIConfig:
                 "--help`)"})
     model_dir: str | None = field(default=None, metadata={
         "help": "local directory holding the model in its repo layout; for the tiny preset it is "
-                "built there if missing (default: the preset's usual location)"})
+                "built there if missing (default: the preset's usual location; for tiny the pretrained tiny base "
+                "in $QIE_HOME/models/Qwen-Image-Edit-tiny-pretrained, installed on first use)"})
     lora_dir: str = field(default="./outputs", metadata={
         "help": "folder searched (recursively) for *.safetensors LoRAs; the training scripts' "
                 "OUTPUT_DIR default"})
     lightning_lora: str | None = field(default=None, metadata={
         "help": "Lightning few-step LoRA (e.g. Qwen-Image-Edit-2509-Lightning-8steps-V1.0-bf16.safetensors) "
                 "that the 'Lightning (4 / 8 steps)' sampler stacks with the chosen LoRA"})
+    lora: str | None = field(default=None, metadata={
+        "help": "LoRA picked at start, as a name inside --lora_dir (default: the folder's own lora.safetensors "
+                "when it has one, as a training run's output folder does)"})
+    examples: str = field(default="auto", metadata={
+        "help": "dataset metadata file (JSON, JSONL or CSV, as `qie cache` reads) whose rows become clickable "
+                "examples (image, mask, prompt); auto = the CPU demo's held-out rows; '' = none"})
     max_upload_mb: float = field(default=50.0, metadata={
         "help": "refuse (with a message) any image file larger than this many megabytes as it reaches "
                 "the server; the image editor sends its canvas as PNG, often larger than the file picked"})
@@ -56,6 +67,9 @@ class UIConfig:
     blocks_to_swap: int = field(default=0, metadata={
         "help": "keep the DiT's last N blocks in pinned CPU memory and stream each to the GPU just before it "
                 "runs (~0.68 GB bf16 saved per block of the real DiT); 0 = off"})
+    threads: int = field(default=0, metadata=cli_help(
+        "torch CPU threads for generation; 0 = auto: on the CPU half the cores (at most 4), on a GPU torch's "
+        "default", min=0, max=1024))
     preload: bool = field(default=True, metadata={
         "help": "start loading the model in the background at startup (--no-preload: load it on "
                 "the first Generate)"})
@@ -73,6 +87,8 @@ class UIConfig:
             raise ValueError(f"--max_upload_mb {self.max_upload_mb} must be > 0")
         if not self.max_temp_mb > 0:
             raise ValueError(f"--max_temp_mb {self.max_temp_mb} must be > 0")
+        if self.threads < 0:
+            raise ValueError(f"--threads {self.threads} must be >= 0 (0 = auto)")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"--max_prompt_tokens {self.max_prompt_tokens} must be >= 1")
 

@@ -1,128 +1,51 @@
 """What the web UI's buttons do, as plain Python: testable without gradio or a browser.
 
 ``ui/app.py`` only lays out widgets and forwards their values here; everything that
-can go wrong is decided in this module:
+can go wrong is decided in this module and the ones it uses:
 
-- **Mask semantics** are those of ``qie edit --mask``: white = the region that may
-  change. In the image editor every painted pixel (any colour, any opacity, on any
-  layer) is white in the mask; unpainted pixels are black. No stroke at all means
-  "no mask": the whole image may change.
-- **LoRA picker containment**: the UI only ever sends a *name relative to the LoRA
-  folder*; :func:`resolve_lora` refuses absolute paths, ``..`` components and
-  symlinks whose target leaves the folder, so a crafted request cannot make the
-  server read an arbitrary file.
-- **Upload limit**: image files larger than ``--max_upload_mb`` (as they reach the
-  server) are refused here, with a message. Gradio's own ``max_file_size`` is set far
-  higher (``UIConfig.transport_cap_bytes``): the image editor uploads its canvas when
-  Generate is pressed, and a file gradio refuses at that point leaves the editor
-  hanging without any message.
-- **One model, many LoRAs**: the base model is loaded once (lazily, on the first
-  Generate) and LoRAs are switched on it with ``Editor.set_loras``; ``load_count``
-  lets tests prove no reload happens.
+- **Inputs** are checked by ``ui/job.py`` before anything is queued (mask semantics
+  are those of ``qie edit --mask``: painted = white = may change; see ``ui/uploads.py``).
+- **LoRA picker containment and labels**: ``ui/lora_picker.py``.
+- **One model, many LoRAs**: the base model is loaded once (lazily, or in the
+  background at launch) and LoRAs are switched on it with ``Editor.set_loras``;
+  ``load_count`` lets tests prove no reload happens.
+- **Results** are PNGs with their settings in text chunks, kept in the UI's temp
+  folder for download and for the session history (``ui/results.py``, ``ui/history.py``).
+- **Stop** ends a running generation at its next denoising step.
 - **Errors** become one-line messages for the user (:func:`user_message`); unexpected
   ones log their traceback on the server, never in the browser.
 """
 from __future__ import annotations
 
 import logging
-import math
-import os
-import secrets
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 from PIL import Image
 
-from ..utils.text import is_empty_prompt, visible_text
 from .config import UIConfig
-from .uploads import UIError, image_from_editor, mask_from_editor, prune_temp_files, reference_images
+from .history import HistoryEntry
+from .job import (LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, MODES, GenerateInputs, Job,  # noqa: F401
+                  check_job, lightning_loras)
+from .lora_picker import LORA_SUFFIX, NO_LORA, LoraInfo, list_loras, lora_info, resolve_lora  # noqa: F401
+from .results import qie_edit_command, save_png
+from .uploads import UIError, prune_temp_files
 
 if TYPE_CHECKING:  # heavy imports (torch, diffsynth) stay out of `app_gradio.py --help`
     from ..inference.editor import Editor, EditResult
 
 log = logging.getLogger(__name__)
 
-NO_LORA = "(none)"
-LORA_SUFFIX = ".safetensors"
-MODE_FLOW = "flow"
-MODE_LBM = "lbm"
-MODE_LIGHTNING = "lightning"
-MODES: tuple[str, ...] = (MODE_FLOW, MODE_LBM, MODE_LIGHTNING)
-LBM_MAX_STEPS = 4
-
 # progress(done, total, description)
 ProgressFn = Callable[[int, int, str], None]
 
 
-# --- LoRA picker -----------------------------------------------------------------------
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or path.is_relative_to(root)
-
-
-def list_loras(lora_dir: str | os.PathLike) -> list[str]:
-    """The LoRA files under ``lora_dir`` (recursive), as sorted POSIX paths relative to it.
-
-    Hidden files and folders are skipped (atomic writes leave ``.name.XXXX.tmp.safetensors``
-    while saving). Symlinks are listed only if their target stays inside the folder,
-    so everything listed is also accepted by :func:`resolve_lora`. Only files whose header names
-    LoRA pairs are listed (not cache shards), and not a checkpoint's ``trainable.safetensors`` (the raw
-    training tensors; the checkpoint's ``lora.safetensors`` beside it is the loadable LoRA).
-    """
-    from ..lora.formats import holds_lora_tensors
-    from ..training.checkpoint import TRAINABLE_NAME
-
-    root = Path(lora_dir).expanduser()
-    if not root.is_dir():
-        return []
-    root = root.resolve()
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            if name.startswith(".") or not name.endswith(LORA_SUFFIX):
-                continue
-            path = Path(dirpath) / name
-            try:
-                real = path.resolve(strict=True)
-            except (OSError, RuntimeError):  # dangling or looping symlink
-                continue
-            if _inside(real, root) and real.is_file() and name != TRAINABLE_NAME and holds_lora_tensors(real):
-                found.append(path.relative_to(root).as_posix())
-    return sorted(found)
-
-
-def resolve_lora(lora_dir: str | os.PathLike, name: str | None) -> Path | None:
-    """The real path of the LoRA ``name`` (relative to ``lora_dir``), or None for "no LoRA".
-
-    Refuses (UIError) absolute paths, drive letters, ``..`` components, names that are
-    not ``.safetensors``, and anything whose resolved path leaves ``lora_dir``
-    (symlinks included) — the picker must not become a way to read other files.
-    """
-    if name is None or not str(name).strip() or name == NO_LORA:
-        return None
-    name = str(name).strip()
-    shown = name if len(name) <= 120 else name[:117] + "..."
-    posix = PurePosixPath(name.replace("\\", "/"))
-    if "\x00" in name or posix.is_absolute() or PureWindowsPath(name).drive or PureWindowsPath(name).is_absolute():
-        raise UIError(f"LoRA {shown!r} is not a name inside the LoRA folder; pick one from the list")
-    if ".." in posix.parts:
-        raise UIError(f"LoRA {shown!r} points outside the LoRA folder ('..'); pick one from the list")
-    if posix.suffix != LORA_SUFFIX:
-        raise UIError(f"LoRA {shown!r} is not a {LORA_SUFFIX} file; pick one from the list")
-    root = Path(lora_dir).expanduser().resolve()
-    try:
-        real = (root / posix).resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise UIError(f"LoRA {shown!r} no longer exists; press the refresh button and pick again") from None
-    if not _inside(real, root):
-        raise UIError(f"LoRA {shown!r} links outside the LoRA folder; refusing to load it")
-    if not real.is_file():
-        raise UIError(f"LoRA {shown!r} is not a file; pick one from the list")
-    return real
+class Stopped(UIError):
+    """The user pressed Stop."""
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -130,10 +53,16 @@ def user_message(exc: BaseException) -> str:
     """A one-line message for the browser; unexpected errors log their traceback here.
 
     ``ValueError`` is this project's "user error" (it names the bad value and the fix),
-    so its text is shown as is. Anything else is a bug or an environment problem: the
-    user gets its type and a pointer to the server log, never a stack trace.
+    so its text is shown as is, as are missing model files (the list and the download
+    command). Anything else is a bug or an environment problem: the user gets its type
+    and a pointer to the server log, never a stack trace.
     """
-    if isinstance(exc, ValueError):
+    from ..models.loading import MissingModelFiles
+
+    if isinstance(exc, Stopped):
+        log.info("generation stopped by the user")
+        return str(exc)
+    if isinstance(exc, (ValueError, MissingModelFiles)):
         log.warning("refused: %s", exc)
         return str(exc)
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
@@ -144,42 +73,6 @@ def user_message(exc: BaseException) -> str:
     return f"internal error ({type(exc).__name__}); the details are in the server log"
 
 
-def lightning_loras(loras: list, lightning_lora: str | None, steps: int) -> tuple[list, int, float]:
-    """The LoRAs, steps and CFG of the Lightning sampler: the chosen LoRA stacked with the
-    configured Lightning LoRA; 4 or 8 steps (else the Lightning LoRA's own count); CFG 1."""
-    from ..models.lightning import LIGHTNING_STEPS, is_lightning_lora, lightning_steps
-
-    if lightning_lora and not any(Path(p) == Path(lightning_lora) for p, _ in loras):
-        if not Path(lightning_lora).is_file():
-            raise UIError(f"Lightning LoRA {lightning_lora} not found; fix --lightning_lora")
-        loras = [*loras, (Path(lightning_lora), 1.0)]
-    paths = [str(p) for p, _ in loras]
-    if not any(is_lightning_lora(p) for p in paths):
-        raise UIError("the Lightning sampler needs a Lightning LoRA: start the UI with --lightning_lora FILE, "
-                      "or pick a LoRA whose name contains 'Lightning'")
-    return loras, steps if steps in LIGHTNING_STEPS else lightning_steps(paths), 1.0
-
-
-# --- the generate action -----------------------------------------------------------------
-@dataclass
-class GenerateInputs:
-    """The values of the UI's widgets when Generate is pressed."""
-
-    editor: Any                      # ImageEditor value {"background", "layers", "composite"}
-    prompt: str
-    negative_prompt: str = ""
-    references: Sequence[Any] | None = None   # gallery value: [(path, caption), ...]
-    steps: int = 40
-    cfg: float = 4.0
-    seed: int = 0                    # < 0 = random
-    mask_blend: float = 1.0
-    lora: str | None = None          # name relative to the LoRA folder, or NO_LORA
-    lora_scale: float = 1.0
-    strength: float = 1.0            # edit strength: 0 = the source, 1 = the full edit
-    mode: str = MODE_FLOW
-    lbm_steps: int = 1
-
-
 @dataclass
 class GenerateOutput:
     image: Image.Image
@@ -187,26 +80,8 @@ class GenerateOutput:
     seed: int
     status: str
     result: "EditResult"
-
-
-def _int(value: Any, name: str, lo: int, hi: int) -> int:
-    try:
-        as_float = float(value)
-    except (TypeError, ValueError):
-        raise UIError(f"{name} must be a whole number, got {value!r}") from None
-    if not math.isfinite(as_float) or as_float != int(as_float) or not lo <= as_float <= hi:
-        raise UIError(f"{name} must be a whole number in {lo}..{hi}, got {value!r}")
-    return int(as_float)
-
-
-def _float(value: Any, name: str, lo: float, hi: float) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise UIError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(out) or not lo <= out <= hi:
-        raise UIError(f"{name} must be in {lo:g}..{hi:g}, got {value!r}")
-    return out
+    entries: list[HistoryEntry] = field(default_factory=list)  # one per variation, first seed first
+    command: str = ""                # the `qie edit` command that repeats the first variation
 
 
 class UIHandlers:
@@ -224,26 +99,32 @@ class UIHandlers:
         self._factory = editor_factory or self._load_editor
         self._editor: Editor | None = None
         self._lock = threading.Lock()        # one generation at a time
+        self._stop = threading.Event()       # set by Stop; cleared when the next generation starts
         self._load_lock = threading.Lock()   # one model load
         self._loading = False
         self.load_count = 0
         self.load_seconds: float | None = None
         self.load_error: str | None = None
+        self.model_dir: str | None = config.model_dir   # what was loaded (the pretrained tiny base for plain tiny)
+        self.model_label = ""
 
     # model ------------------------------------------------------------------------------
     def _load_editor(self) -> "Editor":
-        from ..inference.editor import Editor
-        from ..models.presets import get_preset
-
-        get_preset(self.config.model)  # (an explicit --model_dir is used as it is, never written, as `qie edit` does)
-        from ..inference.editor import device_map_with
+        """The Editor of ``--model``: with its CPU threads set, and for the tiny preset without ``--model_dir`` the
+        pretrained tiny base (installed on first use) rather than random weights."""
+        from ..inference.editor import Editor, device_map_with
+        from .startup import apply_threads, model_label, resolve_model_dir
 
         c = self.config
-        return Editor.from_preset(model=c.model, model_dir=c.model_dir, device=c.device,
+        apply_threads(c)
+        self.model_dir = resolve_model_dir(c)  # an explicit --model_dir is used as it is, never written
+        self.model_label = model_label(self.model_dir) or ("random weights: edits look like noise; build the base "
+                                                          "with `qie make-tiny --pretrained`"
+                                                          if self.model_dir is None and c.model == "tiny" else "")
+        return Editor.from_preset(model=c.model, model_dir=self.model_dir, device=c.device,
                                   device_map=device_map_with(None, text_encoder=c.text_encoder_device,
                                                              vae=c.vae_device, dit=c.dit_device) or None,
-                                  lora_merge=self.config.lora_merge,
-                                  fp8_base=self.config.fp8_base, blocks_to_swap=self.config.blocks_to_swap)
+                                  lora_merge=c.lora_merge, fp8_base=c.fp8_base, blocks_to_swap=c.blocks_to_swap)
 
     @property
     def loaded(self) -> bool:
@@ -260,7 +141,7 @@ class UIHandlers:
             if self._editor is None:
                 t0 = time.perf_counter()
                 self._loading = True
-                log.info("loading model %r (model_dir=%s) ...", self.config.model, self.config.model_dir)
+                log.info("loading model %r ...", self.config.model)
                 try:
                     self._editor = self._factory()
                     self.load_error = None
@@ -271,7 +152,8 @@ class UIHandlers:
                     self._loading = False
                 self.load_count += 1
                 self.load_seconds = time.perf_counter() - t0
-                log.info("model %r loaded in %.1f s", self.config.model, self.load_seconds)
+                log.info("model %r loaded in %.1f s (model_dir=%s)", self.config.model, self.load_seconds,
+                         self.model_dir)
             return self._editor
 
     def start_background_load(self) -> threading.Thread:
@@ -293,14 +175,16 @@ class UIHandlers:
         return thread
 
     def model_status(self) -> str:
-        where = f" from `{self.config.model_dir}`" if self.config.model_dir else ""
+        label = f" ({self.model_label})" if self.model_label else ""
+        where = f"{label} from `{self.model_dir}`" if self.model_dir else label
         if self._editor is not None:
             return f"Model **{self.config.model}**{where}: loaded in {self.load_seconds:.1f} s."
         if self.loading:
             return (f"Model **{self.config.model}**{where}: loading in the background… "
                     "Generate waits for it.")
         if self.load_error:
-            return f"Model **{self.config.model}**{where}: failed to load ({self.load_error}); Generate retries."
+            return (f"Model **{self.config.model}**{where}: failed to load; Generate retries.\n\n"
+                    f"```\n{self.load_error}\n```")
         return (f"Model **{self.config.model}**{where}: not loaded yet — it loads on the first "
                 "Generate (the first run takes longer).")
 
@@ -313,74 +197,143 @@ class UIHandlers:
         family, root = family_of(self.config.model).name, Path(self.config.lora_dir).expanduser()
         return [NO_LORA] + [n for n in list_loras(root) if lora_family(root / n) in (None, family)]
 
-    def lora_status(self) -> str:
+    def lora_info(self, name: str | None) -> LoraInfo | None:
+        if not name or name == NO_LORA:
+            return None
+        return lora_info(self.config.lora_dir, name)
+
+    def lora_options(self) -> list[tuple[str, str]]:
+        """The picker's (label, name) pairs: each LoRA with its loss, preset, rank and step from its metadata."""
+        return [(NO_LORA, NO_LORA)] + [(lora_info(self.config.lora_dir, n).label(self.config.model), n)
+                                      for n in self.lora_choices()[1:]]
+
+    def default_lora(self) -> str:
+        """The LoRA picked at start: ``--lora`` if given, else the folder's own ``lora.safetensors`` (a run's
+        output folder, as the training scripts' ``try it:`` line starts the UI), else none."""
+        names = self.lora_choices()
+        wanted = self.config.lora or "lora.safetensors"
+        return wanted if wanted in names else NO_LORA
+
+    def lora_status(self, name: str | None = None) -> str:
         root = Path(self.config.lora_dir).expanduser()
         if not root.is_dir():
             return f"LoRA folder `{self.config.lora_dir}` does not exist yet (training writes there)."
         n = len(self.lora_choices()) - 1
-        return f"{n} LoRA file{'s' if n != 1 else ''} under `{self.config.lora_dir}`."
+        text = f"{n} LoRA file{'s' if n != 1 else ''} under `{self.config.lora_dir}`."
+        info = self.lora_info(name)
+        warning = info.mismatch(self.config.model) if info is not None else None
+        return f"⚠ {warning}. {text}" if warning else text
+
+    def lightning_lora(self) -> str | None:
+        """The Lightning LoRA the Lightning sampler uses: ``--lightning_lora``, else the first in the LoRA folder."""
+        if self.config.lightning_lora:
+            return self.config.lightning_lora
+        found = (n for n in self.lora_choices()[1:] if lora_info(self.config.lora_dir, n).lightning)
+        name = next(found, None)
+        return str(resolve_lora(self.config.lora_dir, name)) if name else None
+
+    def lightning_available(self) -> bool:
+        """Whether the Lightning sampler can run: ``--lightning_lora`` is set or a listed LoRA is a Lightning one."""
+        return self.lightning_lora() is not None
+
+    def mode_choices(self) -> list[tuple[str, str]]:
+        """The sampler radio's choices; Lightning only when it can run."""
+        modes = [("Flow matching", MODE_FLOW), (f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM)]
+        if self.lightning_available():
+            modes.append(("Lightning (4 / 8 steps)", MODE_LIGHTNING))
+        return modes
+
+    def mode_for_lora(self, name: str | None, mode: str) -> str:
+        """The sampler to switch to when ``name`` is picked: LBM for an LBM LoRA, flow matching when leaving one."""
+        info = self.lora_info(name)
+        if info is not None and info.is_lbm:
+            return MODE_LBM
+        if info is not None and info.loss and mode == MODE_LBM:
+            return MODE_FLOW
+        return mode
 
     # generate ---------------------------------------------------------------------------
-    def generate(self, inputs: GenerateInputs, progress: ProgressFn | None = None) -> GenerateOutput:
-        """Validate everything, then run one edit. Raises UIError for user mistakes."""
+    def check(self, inputs: GenerateInputs) -> Job:
+        """Validate everything Generate needs without loading the model (UIError says what to fix)."""
+        lightning = self.lightning_lora() if inputs.mode == MODE_LIGHTNING else None
+        return check_job(inputs, self.config, lightning)
+
+    def request_stop(self) -> None:
+        """Stop the running generation at its next denoising step (a queued one is cancelled by the UI)."""
+        self._stop.set()
+
+    def generate(self, inputs: GenerateInputs, progress: ProgressFn | None = None,
+                 queued_at: float | None = None) -> GenerateOutput:
+        """Check, then run one edit per variation seed. Raises UIError for user mistakes, Stopped on Stop."""
         from ..inference.editor import EditRequest
 
         report = progress or (lambda done, total, desc: None)
-        limit = self.config.max_upload_bytes
-        prompt = visible_text(inputs.prompt)
-        if is_empty_prompt(prompt):
-            raise UIError("type a prompt describing the edit")
-        if inputs.mode not in MODES:
-            raise UIError(f"unknown mode {inputs.mode!r}; valid: {', '.join(MODES)}")
-        lbm = inputs.mode == MODE_LBM
-        steps = _int(inputs.steps, "steps", 1, 1000)
-        lbm_steps = _int(inputs.lbm_steps, "LBM steps", 1, LBM_MAX_STEPS) if lbm else None
-        cfg = _float(inputs.cfg, "CFG", 0.0, 100.0)
-        mask_blend = _float(inputs.mask_blend, "mask blend", 0.0, 1.0)
-        lora_scale = _float(inputs.lora_scale, "LoRA scale", -10.0, 10.0)
-        strength = _float(inputs.strength, "edit strength", 0.0, 1.0)
-        seed = _int(inputs.seed, "seed", -1, 2**32 - 1) if inputs.seed is not None else 0
-        if seed < 0:
-            seed = secrets.randbelow(2**31)
+        job = self.check(inputs)
+        s = job.settings
+        lbm = s.mode == MODE_LBM
+        folder = self.config.resolved_temp_dir / "results" / f"{time.strftime('%H%M%S')}-{time.time_ns() % 10**9:09d}"
 
-        image = image_from_editor(inputs.editor, limit)
-        mask = mask_from_editor(inputs.editor, size=image.size, max_bytes=limit)
-        refs = reference_images(inputs.references, limit)
-        lora = resolve_lora(self.config.lora_dir, inputs.lora)
-        loras = [(lora, lora_scale)] if lora is not None else []
-        scheduler = "default"
-        if inputs.mode == MODE_LIGHTNING:
-            loras, steps, cfg = lightning_loras(loras, self.config.lightning_lora, steps)
-            scheduler = "lightning"
+        def step(done: int, total: int) -> None:
+            if self._stop.is_set():
+                raise Stopped("stopped; the settings are kept: press Generate to run again")
+            report(done, total, "denoising")
 
         with self._lock:
+            started = time.time()
+            self._stop.clear()
             if not self.loaded:
                 report(0, 1, f"loading model {self.config.model} (first run only)")
             editor = self.editor()
-            editor.set_loras(loras)
-            total = lbm_steps if lbm else steps
-            report(0, total, "denoising")
-            t0 = time.perf_counter()
-            result = editor.edit(EditRequest(
-                images=[image, *refs], prompt=prompt, negative_prompt=inputs.negative_prompt or "",
-                mask=mask, steps=steps, cfg=cfg, seed=seed, mask_blend=mask_blend,
-                lbm_steps=lbm_steps, max_prompt_tokens=self.config.max_prompt_tokens, scheduler=scheduler,
-                strength=strength, progress=lambda step, n: report(step, n, "denoising")))
+            editor.set_loras(job.loras)
+            results, t0 = [], time.perf_counter()
+            for seed in job.seeds:
+                report(0, s.lbm_steps if lbm else s.steps, "denoising")
+                results.append((seed, editor.edit(EditRequest(
+                    images=[job.image, *job.references], prompt=s.prompt, negative_prompt=s.negative_prompt,
+                    mask=job.mask, steps=s.steps, cfg=s.cfg, seed=seed, mask_blend=s.mask_blend,
+                    mask_feather=s.mask_feather, lbm_steps=s.lbm_steps if lbm else None,
+                    max_prompt_tokens=self.config.max_prompt_tokens, scheduler=job.scheduler, strength=s.strength,
+                    progress=step))))
             seconds = time.perf_counter() - t0
+            entries = [self._save(folder, job, s.with_seed(seed), result) for seed, result in results]
             prune_temp_files(self.config.resolved_temp_dir, self.config.max_temp_bytes)
-        if lbm and result.sub_image is None:
+        first = results[0][1]
+        if lbm and first.sub_image is None:
             raise RuntimeError("the editor returned no sub-stream image in LBM mode")
+        log.info("generated %d image(s) in %.2f s (%s)", len(results), seconds, s.summary())
+        return GenerateOutput(image=first.image, sub_image=first.sub_image if lbm else None, seed=s.seed,
+                              status=self._status(job, first, seconds, started - (queued_at or started)),
+                              result=first, entries=entries, command=entries[0].command)
 
-        sampler = (f"LBM, {lbm_steps} step{'s' if lbm_steps != 1 else ''}" if lbm
-                   else f"{'Lightning' if scheduler == 'lightning' else 'flow matching'}, {steps} steps, CFG {cfg:g}")
-        parts = [f"Done in {seconds:.1f} s", f"seed {seed}", sampler, f"{result.image.width}×{result.image.height}"]
-        parts.append(f"LoRA `{inputs.lora}` × {lora_scale:g}" if lora is not None else "no LoRA")
-        if strength < 1.0:
-            parts.append(f"strength {strength:g}")
-        if mask is None:
+    def _save(self, folder: Path, job: Job, settings, result: "EditResult") -> HistoryEntry:
+        """The result's files: the edit (settings in its PNG text), the input at its size, the mask, LBM's sub."""
+        size = result.image.size
+        input_path, before = folder / "input.png", folder / f"before-{size[0]}x{size[1]}.png"
+        if not input_path.exists():  # once per job: every variation has the same input and mask
+            folder.mkdir(parents=True, exist_ok=True)
+            job.image.save(input_path)
+            job.image.resize(size, Image.Resampling.LANCZOS).save(before)
+            if job.mask is not None:
+                job.mask.save(folder / "mask.png")
+        sub = save_png(result.sub_image, folder, settings, "_sub") if result.sub_image is not None else None
+        mask = folder / "mask.png" if job.mask is not None else None
+        c = self.config
+        command = qie_edit_command(settings, input_path, mask, lora_dir=c.lora_dir, model_dir=self.model_dir,
+                                   lightning_lora=self.lightning_lora() if settings.mode == MODE_LIGHTNING else None)
+        return HistoryEntry(image=str(save_png(result.image, folder, settings)), before=str(before), settings=settings,
+                            sub_image=str(sub) if sub else None, mask=str(mask) if mask else None, command=command)
+
+    def _status(self, job: Job, result: "EditResult", seconds: float, waited: float) -> str:
+        s = job.settings
+        n = len(job.seeds)
+        seeds = f"seed {s.seed}" if n == 1 else f"seeds {s.seed}–{s.seed + n - 1}"
+        parts = [f"Done in {seconds:.1f} s (queue wait {max(waited, 0.0):.1f} s)", seeds, s.sampler(),
+                 f"{result.image.width}×{result.image.height}"]
+        parts += [f"LoRA `{name}` × {scale:g}" for name, scale in s.loras()] or ["no LoRA"]
+        if s.strength < 1.0:
+            parts.append(f"strength {s.strength:g}")
+        if job.mask is None:
             parts.append("no mask painted: the whole image may change")
         else:
-            coverage = float(np.asarray(mask).mean()) / 255.0
-            parts.append(f"mask covers {coverage:.0%} of the image")
-        return GenerateOutput(image=result.image, sub_image=result.sub_image if lbm else None,
-                              seed=seed, status=" · ".join(parts) + ".", result=result)
+            parts.append(f"mask covers {float(np.asarray(job.mask).mean()) / 255.0:.0%} of the image")
+        return " · ".join(parts) + "."

@@ -1,0 +1,206 @@
+"""The UI's event callbacks: widget values in, widget updates out, all decisions delegated to the handlers.
+
+Kept apart from the layout (``ui/app.py``) so each stays small; each method here maps
+one event's inputs to :class:`~diffsynth_qie.ui.handlers.UIHandlers` calls and turns
+its errors into ``gr.Error`` toasts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import gradio as gr
+
+from . import history as hist
+from . import masks
+from .examples import Example, examples_file, load_examples
+from .handlers import MODE_LBM, MODE_LIGHTNING, NO_LORA, GenerateInputs, Stopped, UIHandlers, user_message
+from .history import HistoryEntry
+
+log = logging.getLogger(__name__)
+
+LIGHTNING_DEFAULT_STEPS = 8
+# How long Generate waits after the editor is given an image: its canvas loads it with no event saying when
+# (0.7–1 s in headless Chromium with software WebGL, measured), sending the previous image meanwhile.
+EDITOR_SETTLE_SECONDS = 1.5
+FLOW_DEFAULT_STEPS = 40
+
+
+def steps_for_mode(new: str, prev: str, steps: float, saved: float | None) -> tuple[float, float | None]:
+    """(steps to show, steps to remember) when the sampler changes from ``prev`` to ``new``.
+
+    Entering Lightning remembers the user's steps and shows 8; leaving it gives them back
+    (never leaves a flow-matching run silently at Lightning's 8).
+    """
+    if new == MODE_LIGHTNING and prev != MODE_LIGHTNING:
+        return LIGHTNING_DEFAULT_STEPS, steps
+    if prev == MODE_LIGHTNING and new != MODE_LIGHTNING:
+        return saved or FLOW_DEFAULT_STEPS, saved
+    return steps, saved
+
+
+def _inputs(values: dict) -> GenerateInputs:
+    return GenerateInputs(**{f.name: values[f.name] for f in dataclasses.fields(GenerateInputs)})
+
+
+def _error(exc: BaseException) -> gr.Error:
+    return gr.Error(user_message(exc), duration=None, print_exception=False)
+
+
+class Callbacks:
+    """One UI's callbacks over its :class:`UIHandlers`."""
+
+    def __init__(self, handlers: UIHandlers):
+        self.h = handlers
+        self._pending: set[str] = set()   # browser sessions with a generation queued or running
+        self._pending_lock = threading.Lock()
+
+    @property
+    def folder(self):
+        return self.h.config.resolved_temp_dir / "editor"
+
+    # startup -----------------------------------------------------------------------------
+    def examples(self) -> list[Example]:
+        c = self.h.config
+        try:
+            path = examples_file(c.examples, c.lora_dir, c.model, c.resolved_temp_dir)
+            return load_examples(path) if path is not None else []
+        except (ValueError, OSError) as exc:  # a broken examples file must not keep the UI from starting
+            log.warning("no examples: %s", exc)
+            return []
+
+    def refresh_loras(self, current: str | None, second: str | None):
+        options = self.h.lora_options()
+        names = [name for _, name in options]
+        pick = current if current in names and current != NO_LORA else self.h.default_lora()
+        return (gr.update(choices=options, value=pick),
+                gr.update(choices=options, value=second if second in names else NO_LORA),
+                self.h.lora_status(pick), gr.update(choices=self.h.mode_choices()))
+
+    def poll_model_status(self):
+        return self.h.model_status(), gr.Timer(active=self.h.loading)
+
+    # sampler, LoRA, mask tools ----------------------------------------------------------------
+    def switch_mode(self, selected: str, prev: str, steps: float, saved: float | None):
+        """Show the widgets of ``selected``: LBM has its own steps and no CFG; Lightning runs 4/8 steps at CFG 1."""
+        lbm, few = selected == MODE_LBM, selected == MODE_LIGHTNING
+        shown_steps, saved = steps_for_mode(selected, prev, steps, saved)
+        return (gr.update(visible=not lbm, value=shown_steps), gr.update(visible=not (lbm or few)),
+                gr.update(visible=lbm), gr.update(visible=lbm), selected, saved)
+
+    def pick_lora(self, name: str, mode: str, prev: str, steps: float, saved: float | None):
+        """A picked LoRA sets the sampler it was trained for (LBM or flow matching) and says if its model differs."""
+        new_mode = self.h.mode_for_lora(name, mode)
+        return (new_mode, self.h.lora_status(name), *self.switch_mode(new_mode, prev, steps, saved))
+
+    @staticmethod
+    def lock_generate():
+        return gr.update(interactive=False)
+
+    def settle(self, request: gr.Request):
+        """Generate clickable again once the editor has had time to show the image it was given."""
+        time.sleep(EDITOR_SETTLE_SECONDS)
+        return self._unlocked(request)
+
+    def _unlocked(self, request: gr.Request | None):
+        """Generate clickable again, unless this tab has a generation queued or running."""
+        with self._pending_lock:
+            busy = getattr(request, "session_hash", None) in self._pending
+        return gr.update() if busy else gr.update(interactive=True)
+
+    def new_image(self, value: Any):
+        """An image in the editor: a brush about 6 % of its longer side (25 px is a blob on a small image)."""
+        try:
+            size = masks.image_from_editor(value).size
+        except Exception:  # noqa: BLE001 - no image yet: keep the brush
+            return gr.update()
+        return gr.update(brush=gr.Brush(colors=[masks.BRUSH_COLOR], color_mode="fixed",
+                                        default_size=masks.brush_size(size)))
+
+    def clear_mask(self, value: Any):
+        try:
+            return masks.clear(value, self.folder), gr.update(interactive=False)
+        except Exception as exc:  # noqa: BLE001
+            raise _error(exc) from None
+
+    # Generate's inputs, in the order of ``app.py``'s ``gen_inputs``, named as GenerateInputs' fields. Gradio
+    # injects gr.Request and gr.Progress only into positional parameters, hence the spelled-out signatures.
+    def precheck(self, editor, references, prompt, negative_prompt, mode, steps, lbm_steps, cfg, seed, mask_blend,
+                 lora, lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file,
+                 mask_invert, request: gr.Request):
+        """Before queueing: refuse bad input with a toast (the last result stays), then lock Generate.
+
+        One generation per browser tab: a second click while one is queued or running (a double
+        click arrives before the button is disabled) is refused instead of queueing a duplicate.
+        """
+        try:
+            self.h.check(_inputs(locals()))
+        except Exception as exc:  # noqa: BLE001
+            raise _error(exc) from None
+        session = getattr(request, "session_hash", None)
+        with self._pending_lock:
+            if session in self._pending:
+                raise gr.Error("this tab already has a generation queued or running; wait for it, or press Stop",
+                               duration=4, print_exception=False)
+            self._pending.add(session)
+        return gr.update(interactive=False), gr.update(interactive=True), time.time()
+
+    def run(self, editor, references, prompt, negative_prompt, mode, steps, lbm_steps, cfg, seed, mask_blend, lora,
+            lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file, mask_invert,
+            history, queued_at, progress=gr.Progress()):
+        try:
+            out = self.h.generate(_inputs(locals()), lambda done, total, desc: progress((done, total), desc=desc),
+                                  queued_at=queued_at)
+        except Stopped as exc:  # what the user asked for: no error, everything on screen stays
+            user_message(exc)
+            return (*(gr.skip(),) * 6, "Stopped.", self.h.model_status(), *(gr.skip(),) * 4)
+        except Exception as exc:  # user_message logs tracebacks of unexpected errors
+            raise _error(exc) from None
+        history = hist.add(history, out.entries)
+        many = len(out.entries) > 1
+        return (*self._show(out.entries[0]), out.status, self.h.model_status(),
+                gr.update(value=[e.image for e in out.entries] if many else None, visible=many),
+                history, hist.gallery(history), out.entries)
+
+    def _release(self, request: gr.Request | None) -> None:
+        with self._pending_lock:
+            self._pending.discard(getattr(request, "session_hash", None))
+
+    def finished(self, request: gr.Request):
+        self._release(request)
+        return gr.update(interactive=True), gr.update(interactive=False), self.h.model_status()
+
+    def stop(self, request: gr.Request):
+        self._release(request)
+        self.h.request_stop()
+        return gr.update(interactive=True), gr.update(interactive=False), "Stopped."
+
+    # results and history --------------------------------------------------------------------
+    @staticmethod
+    def _show(entry: HistoryEntry):
+        """The slider, sub-stream, downloads, command, "Edit this result" and current entry of ``entry``."""
+        files = [f for f in (entry.image, entry.sub_image, entry.mask) if f]
+        return ((entry.before, entry.image), gr.update(value=entry.sub_image, visible=entry.sub_image is not None),
+                files, entry.command, gr.update(interactive=True), entry)
+
+    def restore(self, history: list[HistoryEntry], evt: gr.SelectData):
+        """A history click: the entry's settings back in the widgets, the entry in the slider."""
+        entry = history[evt.index]
+        s = entry.settings
+        lbm, few = s.mode == MODE_LBM, s.mode == MODE_LIGHTNING
+        values = dict(zip(hist.RESTORED, hist.restore(entry, self.h.lora_choices())))
+        values.update(steps=gr.update(visible=not lbm, value=s.steps), lbm_steps=gr.update(visible=lbm, value=s.lbm_steps),
+                      cfg=gr.update(visible=not (lbm or few), value=s.cfg))
+        return (*(values[name] for name in hist.RESTORED), *self._show(entry), s.mode,
+                FLOW_DEFAULT_STEPS if few else s.steps, f"Restored from the history: {s.summary()}.")
+
+    def show_variation(self, batch: list[HistoryEntry], evt: gr.SelectData):
+        return self._show(batch[evt.index])
+
+    def edit_result(self, entry: HistoryEntry | None):
+        if entry is None:
+            raise gr.Error("generate an image first", duration=5, print_exception=False)
+        return hist.editor_value(entry.image), gr.update(interactive=False)

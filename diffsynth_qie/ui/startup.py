@@ -1,0 +1,218 @@
+"""What ``app_gradio.py`` decides before and while the UI starts: port, temp folder, model, CPU threads.
+
+- :func:`check_port_free` runs before anything else touches the machine, so a second
+  UI on a busy port stops with one line instead of a traceback.
+- :func:`claim_temp_dir`: the temp folder is emptied at startup only when no other
+  live UI owns it (``<temp_dir>/.owner`` holds the owner's process id), so a second
+  instance never breaks the first one's download links.
+- :func:`resolve_model_dir` and :func:`apply_threads` run in the background model
+  load: the page comes up first, then the pretrained tiny base is installed (once)
+  and torch's CPU threads are set.
+
+Only the standard library at module top: ``app_gradio.py --help`` stays fast.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .config import OWNER_FILE
+
+if TYPE_CHECKING:
+    from .config import UIConfig
+
+log = logging.getLogger(__name__)
+
+MAX_AUTO_THREADS = 4  # --threads 0 on the CPU: at most this many (see auto_threads)
+
+
+# --- port ---------------------------------------------------------------------------------
+def check_port_free(host: str, port: int) -> bool:
+    """True if a server could listen on ``host:port`` now; False if something already does.
+
+    Binds a socket the way the UI's server will (``SO_REUSEADDR`` on POSIX, so a port
+    left in TIME_WAIT by a UI that just stopped counts as free) and closes it at once.
+    Other failures (a host that is not an interface of this machine, a privileged
+    port) raise ValueError naming the flag.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host} cannot be resolved ({exc.strerror}); give an address of this "
+                         "machine such as 127.0.0.1 or 0.0.0.0") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        if os.name == "posix":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise ValueError(f"cannot listen on --host {host} --port {port} ({exc.strerror}); pass a --host of "
+                             "this machine and a --port above 1023") from None
+    return True
+
+
+def port_in_use_message(port: int) -> str:
+    return f"app_gradio.py: port {port} is in use (another UI or program); pass --port with a free port"
+
+
+# --- temp folder ----------------------------------------------------------------------------
+def pid_alive(pid: int) -> bool:
+    """True if process ``pid`` exists (another user's process counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def owner_pid(path: str | os.PathLike) -> int | None:
+    """The process id recorded in ``path``'s owner file, or None (no file, unreadable, garbage)."""
+    try:
+        return int((Path(path) / OWNER_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def live_owner(path: str | os.PathLike) -> int | None:
+    """The pid of another live process owning ``path``; None when it is free (no owner, a dead one, or us)."""
+    pid = owner_pid(path)
+    if pid is None or pid == os.getpid() or not pid_alive(pid):
+        return None
+    return pid
+
+
+def claim_temp_dir(path: str | os.PathLike) -> bool:
+    """Empty ``path`` and record this process as its owner, unless another live process owns it.
+
+    Returns True when claimed. False when another live UI owns it: its files are left
+    alone (its users' download links keep working) and a warning says the folder is shared.
+    The owner file is removed at exit if it still names this process.
+    """
+    from ..utils.atomic import atomic_write_text
+    from .uploads import prune_temp_files
+
+    path = Path(path)
+    other = live_owner(path)
+    if other is not None:
+        log.warning("temp folder %s belongs to another running UI (pid %d); leaving its files alone and sharing "
+                    "it (pass --temp_dir to give this UI its own)", path, other)
+        return False
+    prune_temp_files(path, 0, keep_seconds=0)  # files left by an earlier run
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path / OWNER_FILE, f"{os.getpid()}\n")
+    atexit.register(release_temp_dir, path)
+    return True
+
+
+def release_temp_dir(path: str | os.PathLike) -> None:
+    """Remove ``path``'s owner file if it names this process (at exit)."""
+    if owner_pid(path) == os.getpid():
+        try:
+            (Path(path) / OWNER_FILE).unlink()
+        except OSError:
+            pass
+
+
+# --- model ----------------------------------------------------------------------------------
+def wants_pretrained_tiny(config: "UIConfig") -> bool:
+    """True for ``--model tiny`` without ``--model_dir``: the UI then serves the pretrained tiny base."""
+    from ..models.presets import get_preset
+
+    return config.model_dir is None and get_preset(config.model).name == "tiny"
+
+
+def resolve_model_dir(config: "UIConfig") -> str | None:
+    """The model directory the UI loads: ``--model_dir`` as given, or for ``--model tiny`` the pretrained tiny base.
+
+    The base lives in ``$QIE_HOME/models/Qwen-Image-Edit-tiny-pretrained`` (where
+    ``qie make-tiny --pretrained`` and the launch scripts put it); it is installed
+    there from the weights shipped with the package when missing (seconds). When
+    they do not fit this install, None (the random tiny model, whose edits are
+    noise) with a warning saying how to build the base. Slow the first time: call
+    it from the background model load.
+    """
+    if not wants_pretrained_tiny(config):
+        return config.model_dir
+    from ..tiny import pretrained as tiny_pretrained
+    from ..tiny.build import looks_like_tiny_dir
+    from ..training.pretrain_tiny import recipe_fingerprint
+
+    base, fp = tiny_pretrained.default_dir(), recipe_fingerprint(0)
+    if tiny_pretrained.is_pretrained(base, fp):
+        tiny_pretrained.register()
+        return str(base)
+    why = "the weights shipped with the package do not fit this install"
+    if not looks_like_tiny_dir(base):
+        why = f"{base} holds files that are not part of a tiny model"
+    else:
+        log.info("installing the pretrained tiny base in %s ...", base)
+        try:
+            if tiny_pretrained.install_shipped(base, fp):
+                return str(base)
+        except OSError as exc:
+            why = f"installing it in {base} failed ({exc})"
+    log.warning("serving the random tiny model (its edits look like noise): %s. Build the pretrained tiny base "
+                "once with `qie make-tiny --pretrained` (a few minutes on the CPU) and restart the UI", why)
+    return None
+
+
+def model_label(model_dir: str | os.PathLike | None) -> str:
+    """"pretrained tiny base" when ``model_dir`` holds one, else "" (for the model status line)."""
+    if model_dir is None:
+        return ""
+    from ..tiny import pretrained as tiny_pretrained
+
+    return "pretrained tiny base" if tiny_pretrained.info(Path(model_dir)).get("pretrained") else ""
+
+
+# --- CPU threads ----------------------------------------------------------------------------
+def auto_threads() -> int:
+    """``--threads 0`` on the CPU: half the cores this process may use, at least 1, at most 4.
+
+    Measured on 2 cores (``benchmarks/ui_threads.py``, pretrained tiny base): torch's
+    default (one thread per core) was 1.06x the 1-thread time of a 64x64 8-step edit and
+    0.76x at 128x128, 20 steps on an idle machine, but 3.7x and 3.9x with one busy
+    neighbour process and 68x (5 s instead of 0.07 s) with two: its threads wait for
+    cores another job holds. Half the cores leaves room for that job.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_THREADS, cores // 2))
+
+
+def generation_device(config: "UIConfig") -> str:
+    """The device the DiT (most of the work) runs on: ``--dit_device``, ``--device`` or the default."""
+    if config.dit_device or config.device:
+        return str(config.dit_device or config.device)
+    from ..models.loading import default_device
+
+    return default_device()
+
+
+def apply_threads(config: "UIConfig") -> int | None:
+    """Set torch's CPU threads from ``--threads`` (0 = :func:`auto_threads` when generating on the CPU,
+    torch's default on a GPU). Returns the count set, or None when left as it was."""
+    import torch
+
+    n = config.threads
+    if n == 0:
+        if not generation_device(config).startswith("cpu"):
+            return None
+        n = auto_threads()
+    torch.set_num_threads(n)
+    log.info("torch CPU threads: %d (--threads %d)", n, config.threads)
+    return n
