@@ -141,3 +141,4 @@ def tiny_pipe(tiny_model_dir):
 def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
     """The training tests' phase-1 cache of the demo data (built once; read-only)."""
     return curve_script.build_cache(tiny_pipe, Path(demo_data_dir), tmp_path_factory.mktemp("train-cache"))
+

@@ -147,9 +147,9 @@ def _shown(page) -> tuple[str, str]:
     return imgs.nth(0).get_attribute("src"), imgs.nth(1).get_attribute("src")
 
 
-def _settled(page) -> None:
-    """After the editor was given an image: Generate is locked until the editor's canvas has it, then unlocked."""
-    page.wait_for_selector("#generate[disabled]")
+def _given(page, status: str) -> None:
+    """After the editor was given an image (example, "Edit this result", "Clear paint"): its status line."""
+    page.wait_for_function(f"() => document.querySelector('#status')?.innerText.includes({status!r})")
     page.wait_for_selector("#generate:not([disabled])")
 
 
@@ -205,7 +205,7 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             # An example: image, mask file and prompt in one click.
             page.click("#examples [data-testid='dataset-cell-0-0']")
             page.wait_for_selector("#mask-file img")
-            _settled(page)
+            _given(page, "Example 1 loaded")
             assert page.input_value("#prompt textarea") == "make the red circle blue"
             _set_number(page, "steps", 6)
             status = _generate(page, 0)
@@ -269,12 +269,12 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
 
             # "Edit this result": the next edit starts from it. Variations: seeds 0 and 1, a double click runs once.
             page.click("#edit-result")
-            _settled(page)
+            _given(page, "Editing the result of seed 0")
             _set_number(page, "variations", 2)
             page.dblclick("#generate")
             status = _generate(page, 2)
             assert "seeds 0–1" in status, status
-            page.wait_for_timeout(1500)  # a duplicate run would land by now
+            page.wait_for_timeout(1000)  # a duplicate run would land by now
             assert _history_count(page) == 4, "a double click queued two generations"
             assert page.locator("#variations-grid img").count() == 2
             command = page.input_value("#qie-command textarea")
@@ -315,7 +315,7 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             assert "mask covers" in status and "4 steps" in status, status
             assert _fetch_image(_shown(page)[1]).size == (W, H)
             page.click("#mask-clear")
-            _settled(page)
+            _given(page, "Paint cleared")
             status = _generate(page, 5)
             assert "no mask painted" in status, status
             assert _fetch_image(_shown(page)[0]).size == (W, H)
@@ -324,15 +324,13 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             page.screenshot(path=str(shot), full_page=True)
 
             # Phone width: nothing wider than the screen, reference previews not cropped.
-            phone = browser.new_page(viewport={"width": 390, "height": 844})
-            phone.goto(url)
-            phone.wait_for_selector("#references input[type=file]", state="attached")
+            page.set_viewport_size({"width": 390, "height": 844})
             wide = tmp_path / "wide.png"
             Image.new("RGB", (300, 60), (200, 30, 30)).save(wide)
-            phone.set_input_files("#references input[type=file]", str(wide))
-            phone.wait_for_selector("#references img")
-            assert phone.eval_on_selector("#references img", "e => getComputedStyle(e).objectFit") == "contain"
-            assert phone.evaluate("document.documentElement.scrollWidth") <= 390
+            page.set_input_files("#references input[type=file]", str(wide))
+            page.wait_for_selector("#references img")
+            assert page.eval_on_selector("#references img", "e => getComputedStyle(e).objectFit") == "contain"
+            page.wait_for_function("() => document.documentElement.scrollWidth <= 390")
         finally:
             browser.close()
 

@@ -122,13 +122,15 @@ def test_result_png_carries_its_settings_and_the_command_repeats_it(tmp_path):
     assert path.name == "edit_seed42_run1-lora.png"
     assert read_settings(path) == s
     with Image.open(path) as im:
-        assert "make it 'blue'" in im.text["parameters"] and "LoRA run1/lora.safetensors × 0.8" in im.text["parameters"]
+        summary = im.text["parameters"]
+    assert "make it 'blue'" in summary and "LoRA run1/lora.safetensors × 0.8" in summary
     command = qie_edit_command(s, "in.png", "mask.png", lora_dir="outs", model_dir="/m", out="o.png")
     args = build_parser().parse_args(shlex.split(command)[1:])
     assert (args.prompt, args.steps, args.cfg, args.seed, args.strength, args.mask_feather) == \
         ("make it 'blue'", 28, 2.5, 42, 0.7, 3.0)
     assert args.lora == ["outs/run1/lora.safetensors", "outs/style.safetensors"] and args.lora_scale == [0.8, 0.5]
-    assert (args.image, args.mask, args.model, args.model_dir, args.out) == (["in.png"], "mask.png", "2511", "/m", "o.png")
+    assert (args.image, args.mask, args.model, args.model_dir, args.out) == \
+        (["in.png"], "mask.png", "2511", "/m", "o.png")
     lbm = qie_edit_command(EditSettings(prompt="p", model="tiny", mode=MODE_LBM, lbm_steps=2), "i.png", None,
                            lora_dir=".")
     args = build_parser().parse_args(shlex.split(lbm)[1:])
@@ -199,3 +201,35 @@ def test_mask_tools_union_invert_grow_and_clear(tmp_path):
     assert cleared["layers"] == [] and cleared["background"] != str(tmp_path / "img.png")
     np.testing.assert_array_equal(np.asarray(Image.open(cleared["background"])), np.asarray(_photo(size)))
 
+
+
+def test_generate_uses_the_image_the_editor_was_given(tmp_path):
+    """The editor loads an example (or "Edit this result", "Clear paint") with no event saying when, and until then
+    sends what it held: the image the user sees is used, without the old image's paint; a newer upload or fresh
+    paint is used as sent; a file the UI did not serve is never read."""
+    from diffsynth_qie.ui import masks
+
+    h = UIHandlers(UIConfig(lora_dir=str(tmp_path), examples="", temp_dir=str(tmp_path / "t")))
+    old, new = _photo(seed=1), _photo(seed=2)
+    given = h.config.resolved_temp_dir / "given.png"
+    given.parent.mkdir(parents=True)
+    new.save(given)
+    layer = np.zeros((48, 64, 4), np.uint8)
+    layer[:8, :8] = 255
+    stale = {"background": old, "layers": [layer]}
+    record = masks.loaded_record(str(given), stale)
+    job = h.check(GenerateInputs(editor=stale, prompt="x", loaded_image=record))
+    assert np.array_equal(np.asarray(job.image), np.asarray(new)) and job.mask is None
+    painted = {"background": new, "layers": [layer]}  # the given image, painted since
+    job = h.check(GenerateInputs(editor=painted, prompt="x", loaded_image=record))
+    assert np.array_equal(np.asarray(job.image), np.asarray(new)) and job.mask is not None
+    mine = {"background": _photo(seed=3), "layers": []}  # the user's own upload since
+    job = h.check(GenerateInputs(editor=mine, prompt="x", loaded_image=record))
+    assert np.array_equal(np.asarray(job.image), np.asarray(_photo(seed=3)))
+    secret = tmp_path / "secret.png"
+    new.save(secret)
+    job = h.check(GenerateInputs(editor=stale, prompt="x", loaded_image=masks.loaded_record(str(secret), stale)))
+    assert np.array_equal(np.asarray(job.image), np.asarray(old)) and job.mask is not None
+    h.known_images = frozenset({str(secret)})  # an example's image outside the temp folder
+    job = h.check(GenerateInputs(editor=stale, prompt="x", loaded_image=masks.loaded_record(str(secret), stale)))
+    assert np.array_equal(np.asarray(job.image), np.asarray(new))

@@ -495,7 +495,18 @@ def test_stop_ends_a_generation_at_its_next_step(ui):
             ui.request_stop()  # as the Stop button does, from another thread
 
     with pytest.raises(Stopped, match="stopped"):
-        ui.generate(_inputs(steps=20, variations=3), progress=progress)
+        ui.generate(_inputs(steps=20, variations=3), progress=progress, session="tab-a")
     assert max(steps_seen) <= 3, steps_seen  # 3 variations x 20 steps were asked for
     out = ui.generate(_inputs(steps=2))  # the next Generate runs normally
     assert "2 steps" in out.status
+
+    # Another tab's Stop leaves this tab's generation alone.
+    steps_seen.clear()
+
+    def other_tab_stops(done, total, desc):
+        steps_seen.append(done)
+        if done == 1:
+            ui.request_stop("tab-b")
+
+    out = ui.generate(_inputs(steps=3), progress=other_tab_stops, session="tab-a")
+    assert "3 steps" in out.status and max(steps_seen) == 3

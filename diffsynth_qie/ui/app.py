@@ -125,6 +125,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 guard_uploads(references, handlers)
                 prompt = gr.Textbox(label="Prompt", lines=2, placeholder="what should change", elem_id="prompt")
                 negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="negative-prompt")
+                loaded = gr.Textbox(visible=False)  # what the UI last put into the editor (Callbacks.lock_generate)
                 examples, rows = cb.examples(), None
                 if examples:
                     rows = gr.Examples([[ex.editor_value(), ex.mask, ex.prompt] for ex in examples],
@@ -178,7 +179,8 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
 
         mode_outputs = [steps, cfg, lbm_steps, sub_output, prev_mode, saved_steps]
         gen_inputs = [editor, references, prompt, negative, mode, steps, lbm_steps, cfg, seed, mask_blend, lora,
-                      lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file, mask_invert]
+                      lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file,
+                      mask_invert, loaded]
         shown = [result, sub_output, downloads, command, edit_this, current]
         widgets = dict(prompt=prompt, negative_prompt=negative, mode=mode, steps=steps, lbm_steps=lbm_steps, cfg=cfg,
                        seed=seed, lora=lora, lora_scale=lora_scale, lora2=lora2, lora2_scale=lora2_scale,
@@ -194,12 +196,14 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                    queue=False)
         editor.upload(cb.new_image, editor, editor, queue=False, show_progress="hidden")
 
-        # The editor loads an image set here (an example, "Edit this result", "Clear paint") into its canvas
-        # asynchronously and sends the previous one until it has, without any event saying when: Generate waits.
-        settle = dict(fn=cb.settle, inputs=None, outputs=generate, queue=False, show_progress="hidden")
+        # An image given to the editor: Generate waits for the record of it (see Callbacks.lock_generate).
+        lock = dict(fn=cb.lock_generate, inputs=None, outputs=generate, queue=False, show_progress="hidden")
         if rows is not None:
-            rows.dataset.click(cb.lock_generate, None, generate, queue=False, show_progress="hidden").then(**settle)
-        clear_mask.click(cb.clear_mask, editor, [editor, generate], queue=False).then(**settle)
+            rows.dataset.click(**lock).then(cb.example_loaded, [rows.dataset, editor], [loaded, generate, status],
+                                            queue=False, show_progress="hidden")
+        clear_mask.click(**lock).then(cb.clear_mask, editor, [editor, loaded, generate, status], queue=False)
+        edit_this.click(**lock).then(cb.edit_result, [current, editor], [editor, loaded, generate, status],
+                                     queue=False)
 
         # Checked in the queue (so a refusal shows its toast) but outside the one-at-a-time limit, so it answers at
         # once even while another generation runs.
@@ -211,10 +215,9 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
             concurrency_limit=1)
         running.then(cb.finished, None, [generate, stop, model_status], queue=False)
         stop.click(cb.stop, None, [generate, stop, status], queue=False, cancels=[running])
-        gallery.select(cb.restore, [history], [*(widgets[name] for name in RESTORED), *shown, prev_mode, saved_steps, status],
-                       queue=False)
+        restored = [widgets[name] for name in RESTORED]
+        gallery.select(cb.restore, [history], [*restored, *shown, prev_mode, saved_steps, status], queue=False)
         variants.select(cb.show_variation, [batch], shown, queue=False)
-        edit_this.click(cb.edit_result, current, [editor, generate], queue=False).then(**settle)
     demo.queue(default_concurrency_limit=1)
     return demo
 

@@ -23,9 +23,6 @@ from .history import HistoryEntry
 log = logging.getLogger(__name__)
 
 LIGHTNING_DEFAULT_STEPS = 8
-# How long Generate waits after the editor is given an image: its canvas loads it with no event saying when
-# (0.7–1 s in headless Chromium with software WebGL, measured), sending the previous image meanwhile.
-EDITOR_SETTLE_SECONDS = 1.5
 FLOW_DEFAULT_STEPS = 40
 
 
@@ -57,6 +54,7 @@ class Callbacks:
         self.h = handlers
         self._pending: set[str] = set()   # browser sessions with a generation queued or running
         self._pending_lock = threading.Lock()
+        self._examples: list[Example] = []
 
     @property
     def folder(self):
@@ -67,10 +65,12 @@ class Callbacks:
         c = self.h.config
         try:
             path = examples_file(c.examples, c.lora_dir, c.model, c.resolved_temp_dir)
-            return load_examples(path) if path is not None else []
+            self._examples = load_examples(path) if path is not None else []
         except (ValueError, OSError) as exc:  # a broken examples file must not keep the UI from starting
             log.warning("no examples: %s", exc)
-            return []
+            self._examples = []
+        self.h.known_images = frozenset(ex.image for ex in self._examples)
+        return self._examples
 
     def refresh_loras(self, current: str | None, second: str | None):
         options = self.h.lora_options()
@@ -96,14 +96,22 @@ class Callbacks:
         new_mode = self.h.mode_for_lora(name, mode)
         return (new_mode, self.h.lora_status(name), *self.switch_mode(new_mode, prev, steps, saved))
 
+    # The editor loads an image the UI gives it (an example, "Edit this result", "Clear paint") into its canvas
+    # asynchronously, with no event saying when, and until then sends what it held before. ``loaded`` (a hidden
+    # textbox) records the image given and a digest of what it replaced, so Generate can tell
+    # (``job.editor_image``). Generate is locked from the click until the record is in.
     @staticmethod
     def lock_generate():
         return gr.update(interactive=False)
 
-    def settle(self, request: gr.Request):
-        """Generate clickable again once the editor has had time to show the image it was given."""
-        time.sleep(EDITOR_SETTLE_SECONDS)
-        return self._unlocked(request)
+    def example_loaded(self, clicked: Any, editor: Any, request: gr.Request):
+        """The clicked example's image (the dataset gives ``(index, values)``) as ``loaded``; Generate unlocked."""
+        index = clicked[0] if isinstance(clicked, (list, tuple)) and clicked else None
+        if not (isinstance(index, int) and 0 <= index < len(self._examples)):
+            return gr.update(), self._unlocked(request), gr.update()
+        example = self._examples[index]
+        return (masks.loaded_record(example.image, editor), self._unlocked(request),
+                f"Example {index + 1} loaded: press Generate.")
 
     def _unlocked(self, request: gr.Request | None):
         """Generate clickable again, unless this tab has a generation queued or running."""
@@ -120,17 +128,19 @@ class Callbacks:
         return gr.update(brush=gr.Brush(colors=[masks.BRUSH_COLOR], color_mode="fixed",
                                         default_size=masks.brush_size(size)))
 
-    def clear_mask(self, value: Any):
+    def clear_mask(self, value: Any, request: gr.Request):
         try:
-            return masks.clear(value, self.folder), gr.update(interactive=False)
+            cleared = masks.clear(value, self.folder)
         except Exception as exc:  # noqa: BLE001
             raise _error(exc) from None
+        return (cleared, masks.loaded_record(cleared["background"], value), self._unlocked(request),
+                "Paint cleared (the image stays).")
 
     # Generate's inputs, in the order of ``app.py``'s ``gen_inputs``, named as GenerateInputs' fields. Gradio
     # injects gr.Request and gr.Progress only into positional parameters, hence the spelled-out signatures.
     def precheck(self, editor, references, prompt, negative_prompt, mode, steps, lbm_steps, cfg, seed, mask_blend,
                  lora, lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file,
-                 mask_invert, request: gr.Request):
+                 mask_invert, loaded_image, request: gr.Request):
         """Before queueing: refuse bad input with a toast (the last result stays), then lock Generate.
 
         One generation per browser tab: a second click while one is queued or running (a double
@@ -150,10 +160,10 @@ class Callbacks:
 
     def run(self, editor, references, prompt, negative_prompt, mode, steps, lbm_steps, cfg, seed, mask_blend, lora,
             lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file, mask_invert,
-            history, queued_at, progress=gr.Progress()):
+            loaded_image, history, queued_at, request: gr.Request, progress=gr.Progress()):
         try:
             out = self.h.generate(_inputs(locals()), lambda done, total, desc: progress((done, total), desc=desc),
-                                  queued_at=queued_at)
+                                  queued_at=queued_at, session=getattr(request, "session_hash", None))
         except Stopped as exc:  # what the user asked for: no error, everything on screen stays
             user_message(exc)
             return (*(gr.skip(),) * 6, "Stopped.", self.h.model_status(), *(gr.skip(),) * 4)
@@ -175,7 +185,7 @@ class Callbacks:
 
     def stop(self, request: gr.Request):
         self._release(request)
-        self.h.request_stop()
+        self.h.request_stop(getattr(request, "session_hash", None))
         return gr.update(interactive=True), gr.update(interactive=False), "Stopped."
 
     # results and history --------------------------------------------------------------------
@@ -192,7 +202,8 @@ class Callbacks:
         s = entry.settings
         lbm, few = s.mode == MODE_LBM, s.mode == MODE_LIGHTNING
         values = dict(zip(hist.RESTORED, hist.restore(entry, self.h.lora_choices())))
-        values.update(steps=gr.update(visible=not lbm, value=s.steps), lbm_steps=gr.update(visible=lbm, value=s.lbm_steps),
+        values.update(steps=gr.update(visible=not lbm, value=s.steps),
+                      lbm_steps=gr.update(visible=lbm, value=s.lbm_steps),
                       cfg=gr.update(visible=not (lbm or few), value=s.cfg))
         return (*(values[name] for name in hist.RESTORED), *self._show(entry), s.mode,
                 FLOW_DEFAULT_STEPS if few else s.steps, f"Restored from the history: {s.summary()}.")
@@ -200,7 +211,8 @@ class Callbacks:
     def show_variation(self, batch: list[HistoryEntry], evt: gr.SelectData):
         return self._show(batch[evt.index])
 
-    def edit_result(self, entry: HistoryEntry | None):
+    def edit_result(self, entry: HistoryEntry | None, editor: Any, request: gr.Request):
         if entry is None:
             raise gr.Error("generate an image first", duration=5, print_exception=False)
-        return hist.editor_value(entry.image), gr.update(interactive=False)
+        return (hist.editor_value(entry.image), masks.loaded_record(entry.image, editor), self._unlocked(request),
+                f"Editing the result of seed {entry.settings.seed}: paint, describe the next edit, Generate.")

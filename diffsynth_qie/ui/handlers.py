@@ -17,6 +17,7 @@ can go wrong is decided in this module and the ones it uses:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -100,6 +101,7 @@ class UIHandlers:
         self._editor: Editor | None = None
         self._lock = threading.Lock()        # one generation at a time
         self._stop = threading.Event()       # set by Stop; cleared when the next generation starts
+        self._running: str | None = None     # the browser session whose generation runs
         self._load_lock = threading.Lock()   # one model load
         self._loading = False
         self.load_count = 0
@@ -107,6 +109,7 @@ class UIHandlers:
         self.load_error: str | None = None
         self.model_dir: str | None = config.model_dir   # what was loaded (the pretrained tiny base for plain tiny)
         self.model_label = ""
+        self.known_images: frozenset[str] = frozenset()  # the examples' images, which the editor may be given
 
     # model ------------------------------------------------------------------------------
     def _load_editor(self) -> "Editor":
@@ -256,15 +259,22 @@ class UIHandlers:
     def check(self, inputs: GenerateInputs) -> Job:
         """Validate everything Generate needs without loading the model (UIError says what to fix)."""
         lightning = self.lightning_lora() if inputs.mode == MODE_LIGHTNING else None
-        return check_job(inputs, self.config, lightning)
+        return check_job(inputs, self.config, lightning, self.known_images)
 
-    def request_stop(self) -> None:
-        """Stop the running generation at its next denoising step (a queued one is cancelled by the UI)."""
-        self._stop.set()
+    def request_stop(self, session: str | None = None) -> None:
+        """Stop the running generation at its next denoising step, if it is ``session``'s (None: whichever runs).
+
+        A generation still queued is cancelled by the UI; another tab's running one is left alone.
+        """
+        if session is None or session == self._running:
+            self._stop.set()
 
     def generate(self, inputs: GenerateInputs, progress: ProgressFn | None = None,
-                 queued_at: float | None = None) -> GenerateOutput:
-        """Check, then run one edit per variation seed. Raises UIError for user mistakes, Stopped on Stop."""
+                 queued_at: float | None = None, session: str | None = None) -> GenerateOutput:
+        """Check, then run one edit per variation seed. Raises UIError for user mistakes, Stopped on Stop.
+
+        ``session`` names the browser tab asking, so its Stop stops only its own generation.
+        """
         from ..inference.editor import EditRequest
 
         report = progress or (lambda done, total, desc: None)
@@ -278,9 +288,8 @@ class UIHandlers:
                 raise Stopped("stopped; the settings are kept: press Generate to run again")
             report(done, total, "denoising")
 
-        with self._lock:
+        with self._lock, self._running_as(session):
             started = time.time()
-            self._stop.clear()
             if not self.loaded:
                 report(0, 1, f"loading model {self.config.model} (first run only)")
             editor = self.editor()
@@ -304,6 +313,15 @@ class UIHandlers:
         return GenerateOutput(image=first.image, sub_image=first.sub_image if lbm else None, seed=s.seed,
                               status=self._status(job, first, seconds, started - (queued_at or started)),
                               result=first, entries=entries, command=entries[0].command)
+
+    @contextlib.contextmanager
+    def _running_as(self, session: str | None):
+        self._stop.clear()
+        self._running = session
+        try:
+            yield
+        finally:
+            self._running = None
 
     def _save(self, folder: Path, job: Job, settings, result: "EditResult") -> HistoryEntry:
         """The result's files: the edit (settings in its PNG text), the input at its size, the mask, LBM's sub."""

@@ -6,20 +6,25 @@ never reaches the queue and never hides the last result) and again when the job 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from PIL import Image
 
 from ..utils.text import is_empty_prompt, visible_text
 from .config import UIConfig
 from .lora_picker import NO_LORA, resolve_lora
-from .masks import combine, grow_mask
+from .masks import combine, editor_digest, grow_mask
 from .results import EditSettings
-from .uploads import UIError, check_upload, image_from_editor, mask_from_editor, reference_images, to_pil
+from .uploads import (UIError, check_upload, image_from_editor, mask_from_editor, reference_images, to_pil,
+                      to_rgb_image)
+
+log = logging.getLogger(__name__)
 
 MODE_FLOW = "flow"
 MODE_LBM = "lbm"
@@ -54,6 +59,7 @@ class GenerateInputs:
     variations: int = 1              # seeds seed, seed+1, ..., seed+N-1
     mask_file: Any = None            # an uploaded mask (white = may change), united with the paint
     mask_invert: bool = False        # edit everything except the painted region
+    loaded_image: str | None = None  # masks.loaded_record of the image the UI last put into the editor
 
 
 @dataclass
@@ -106,15 +112,40 @@ def lightning_loras(loras: list, lightning_lora: str | None, steps: int) -> tupl
     return loras, steps if steps in LIGHTNING_STEPS else lightning_steps(paths), 1.0
 
 
+def editor_image(editor: Any, loaded: str | None, limit: int,
+                 allowed: Callable[[str], bool]) -> tuple[Image.Image, Image.Image | None]:
+    """(image, painted mask) of the editor; ``loaded`` is :func:`masks.loaded_record` of the image the UI last put
+    into it (an example, "Edit this result", "Clear paint").
+
+    The editor loads such an image into its canvas asynchronously, with no event saying when,
+    and until then still sends what it held before. When it sends exactly that (same pixels and
+    paint), the loaded image is what the user sees, and without paint (the paint was the old
+    image's). Anything else (the loaded image, now painted; a newer upload) is used as sent.
+    The browser sends ``loaded`` back, so only images ``allowed`` (the UI's own) are read.
+    """
+    record = json.loads(loaded) if loaded else {}
+    path = record.get("image") if isinstance(record, dict) else None
+    if path and not allowed(path):
+        log.warning("ignored an editor image the UI did not serve: %s", path)  # a crafted request
+        path = None
+    if path and editor_digest(editor) == record.get("replaced"):
+        log.info("the editor had not shown %s yet: using it, without the paint of the image it replaced", path)
+        return to_rgb_image(path, "image"), None
+    image = image_from_editor(editor, limit)
+    return image, mask_from_editor(editor, size=image.size, max_bytes=limit)
+
+
 def _lora_name(value: Any) -> str | None:
     return None if value is None or not str(value).strip() or value == NO_LORA else str(value).strip()
 
 
-def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | None = None) -> Job:
+def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | None = None,
+              known_images: frozenset[str] | set[str] = frozenset()) -> Job:
     """Everything Generate needs, checked; UIError (with the fix) on the first problem. Loads no model.
 
     ``lightning_lora`` is the Lightning LoRA the Lightning sampler stacks with the chosen LoRAs
-    (default ``--lightning_lora``).
+    (default ``--lightning_lora``); ``known_images`` are the images besides its temp files that the UI puts into
+    the editor (the examples').
     """
     prompt = visible_text(inputs.prompt)
     if is_empty_prompt(prompt):
@@ -141,8 +172,9 @@ def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | No
         mask_feather=_float(inputs.mask_feather, "mask feather", 0.0, 64.0))
 
     limit = config.max_upload_bytes
-    image = image_from_editor(inputs.editor, limit)
-    painted = mask_from_editor(inputs.editor, size=image.size, max_bytes=limit)
+    temp = config.resolved_temp_dir.resolve()
+    image, painted = editor_image(inputs.editor, inputs.loaded_image, limit,
+                                  lambda p: p in known_images or Path(p).resolve().is_relative_to(temp))
     if inputs.mask_file is not None:
         check_upload(inputs.mask_file, limit, "mask file")
     mask = grow_mask(combine(painted, to_pil(inputs.mask_file, "mask file"), image.size, settings.mask_invert),

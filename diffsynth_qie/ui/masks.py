@@ -6,6 +6,8 @@ painted); clearing the paint swaps the editor's image for a copy of itself.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import uuid
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFilter
 
-from .uploads import UIError, editor_parts, image_from_editor
+from .uploads import UIError, editor_parts, image_from_editor, mask_from_editor
 
 BRUSH_FRACTION = 0.06             # default brush diameter: 6 % of the image's longer side
 BRUSH_COLOR = "rgba(255, 0, 255, 0.6)"  # magenta at 60 %: the image stays visible under the paint
@@ -23,6 +25,25 @@ BRUSH_COLOR = "rgba(255, 0, 255, 0.6)"  # magenta at 60 %: the image stays visib
 def brush_size(size: tuple[int, int]) -> int:
     """The default brush diameter for an image of ``size`` (W, H): about 6 % of its longer side, at least 2 px."""
     return max(2, round(BRUSH_FRACTION * max(size)))
+
+
+def editor_digest(value: Any) -> str | None:
+    """A digest of what the image editor holds (image pixels and paint), or None when it holds no image."""
+    try:
+        image = image_from_editor(value)
+    except UIError:
+        return None
+    painted = mask_from_editor(value, size=image.size)
+    h = hashlib.sha1(repr(image.size).encode())
+    h.update(np.ascontiguousarray(np.asarray(image)).tobytes())
+    if painted is not None:
+        h.update(np.asarray(painted).tobytes())
+    return h.hexdigest()
+
+
+def loaded_record(image: str, replaced: Any) -> str:
+    """What the UI just put into the editor: ``image``, and the digest of the editor value it replaced."""
+    return json.dumps({"image": str(image), "replaced": editor_digest(replaced)})
 
 
 def grow_mask(mask: Image.Image | None, pixels: int) -> Image.Image | None:
