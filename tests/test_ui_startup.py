@@ -54,27 +54,35 @@ def test_port_check_names_a_bad_host():
         check_port_free("no-such-host.invalid", free_port())
 
 
-# --- temp folder owner ----------------------------------------------------------------------------
-def _folder_with_owner(path: Path, pid: int) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / ".owner").write_text(f"{pid}\n")
+# --- temp folder lock ------------------------------------------------------------------------------
+def _folder_with_a_leftover(path: Path) -> Path:
     left = path / "old" / "upload.png"
-    left.parent.mkdir(exist_ok=True)
+    left.parent.mkdir(parents=True, exist_ok=True)
     left.write_bytes(b"x" * 100)
     return left
 
 
-def test_claim_temp_dir_leaves_a_live_owners_files_alone(tmp_path, caplog):
-    from diffsynth_qie.ui.startup import claim_temp_dir, owner_pid
+def _ui_holding(path: Path, then: str = "time.sleep(30)") -> subprocess.Popen:
+    """Another process (a running UI) that takes ``path``'s temp-folder lock, says so, then runs ``then``."""
+    code = ("import sys, time\nfrom diffsynth_qie.utils.dir_lock import UITempLock\n"
+            f"UITempLock({str(path)!r}).acquire()\nprint('held', flush=True)\n{then}\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "held"
+    return proc
 
-    other = subprocess.Popen(["sleep", "30"])
+
+def test_claim_temp_dir_leaves_a_live_owners_files_alone(tmp_path, caplog):
+    from diffsynth_qie.ui.startup import claim_temp_dir
+
+    other = _ui_holding(tmp_path / "ui")
     try:
-        left = _folder_with_owner(tmp_path / "ui", other.pid)
+        left = _folder_with_a_leftover(tmp_path / "ui")
         with caplog.at_level(logging.WARNING, logger="diffsynth_qie.ui.startup"):
             assert claim_temp_dir(tmp_path / "ui") is False
-        assert left.exists() and owner_pid(tmp_path / "ui") == other.pid
+        assert left.exists()
         assert str(other.pid) in caplog.text and "--temp_dir" in caplog.text
-        free = _folder_with_owner(tmp_path / "ui-other", os.getpid())  # another --temp_dir: unaffected
+        free = _folder_with_a_leftover(tmp_path / "ui-other")  # another --temp_dir: unaffected
         assert claim_temp_dir(tmp_path / "ui-other") and not free.exists()
     finally:
         other.kill()
@@ -82,26 +90,27 @@ def test_claim_temp_dir_leaves_a_live_owners_files_alone(tmp_path, caplog):
 
 
 def test_claim_temp_dir_empties_a_folder_of_a_dead_owner(tmp_path):
-    from diffsynth_qie.ui.startup import claim_temp_dir, owner_pid, release_temp_dir
+    from diffsynth_qie.ui.startup import claim_temp_dir
+    from diffsynth_qie.utils.dir_lock import UITempLock
 
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    left = _folder_with_owner(tmp_path / "ui", gone.pid)
+    _ui_holding(tmp_path / "ui", then="").wait()  # a UI that ended (killed or not): its lock is gone with it
+    left = _folder_with_a_leftover(tmp_path / "ui")
     assert claim_temp_dir(tmp_path / "ui") is True
-    assert not left.exists() and owner_pid(tmp_path / "ui") == os.getpid()
-    assert claim_temp_dir(tmp_path / "ui") is True  # our own pid is not "another live UI"
-    release_temp_dir(tmp_path / "ui")
-    assert owner_pid(tmp_path / "ui") is None
-    assert claim_temp_dir(tmp_path / "fresh") and owner_pid(tmp_path / "fresh") == os.getpid()  # no folder yet
+    assert not left.exists() and UITempLock(tmp_path / "ui").holder()["pid"] == os.getpid()
+    again = _folder_with_a_leftover(tmp_path / "ui")
+    assert claim_temp_dir(tmp_path / "ui") is True and not again.exists()  # this process is not "another UI"
+    assert claim_temp_dir(tmp_path / "fresh") and UITempLock(tmp_path / "fresh").holder()["pid"] == os.getpid()
 
 
-def test_pruning_keeps_the_owner_file(tmp_path):
-    from diffsynth_qie.ui.startup import owner_pid
+def test_pruning_keeps_the_lock_file(tmp_path):
+    from diffsynth_qie.ui.startup import claim_temp_dir
     from diffsynth_qie.ui.uploads import prune_temp_files
+    from diffsynth_qie.utils.dir_lock import UITempLock
 
-    left = _folder_with_owner(tmp_path, os.getpid())
+    assert claim_temp_dir(tmp_path)
+    left = _folder_with_a_leftover(tmp_path)
     removed = prune_temp_files(tmp_path, 0, keep_seconds=0)
-    assert removed == [left] and owner_pid(tmp_path) == os.getpid()
+    assert removed == [left] and UITempLock(tmp_path).holder()["pid"] == os.getpid()
 
 
 # --- fast --help ----------------------------------------------------------------------------------

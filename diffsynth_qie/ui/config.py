@@ -11,9 +11,6 @@ from pathlib import Path
 from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
 from ..utils.config_cli import cli_help
 
-#: In the UI's temp folder: the process id of the running UI that owns it (``ui/startup.py``); pruning keeps it.
-OWNER_FILE = ".owner"
-
 
 @dataclass
 class UIConfig:

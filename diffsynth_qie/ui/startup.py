@@ -3,8 +3,8 @@
 - :func:`check_port_free` runs before anything else touches the machine, so a second
   UI on a busy port stops with one line instead of a traceback.
 - :func:`claim_temp_dir`: the temp folder is emptied at startup only when no other
-  live UI owns it (``<temp_dir>/.owner`` holds the owner's process id), so a second
-  instance never breaks the first one's download links.
+  running UI holds its lock (``utils.dir_lock.UITempLock``), so a second instance
+  never breaks the first one's download links.
 - :func:`resolve_model_dir` and :func:`apply_threads` run in the background model
   load: the page comes up first, then the pretrained tiny base is installed (once)
   and torch's CPU threads are set.
@@ -13,7 +13,6 @@ Only the standard library at module top: ``app_gradio.py --help`` stays fast.
 """
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import os
@@ -21,9 +20,8 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import OWNER_FILE
-
 if TYPE_CHECKING:
+    from ..utils.dir_lock import DirLock
     from .config import UIConfig
 
 log = logging.getLogger(__name__)
@@ -64,65 +62,35 @@ def port_in_use_message(port: int) -> str:
 
 
 # --- temp folder ----------------------------------------------------------------------------
-def pid_alive(pid: int) -> bool:
-    """True if process ``pid`` exists (another user's process counts)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def owner_pid(path: str | os.PathLike) -> int | None:
-    """The process id recorded in ``path``'s owner file, or None (no file, unreadable, garbage)."""
-    try:
-        return int((Path(path) / OWNER_FILE).read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def live_owner(path: str | os.PathLike) -> int | None:
-    """The pid of another live process owning ``path``; None when it is free (no owner, a dead one, or us)."""
-    pid = owner_pid(path)
-    if pid is None or pid == os.getpid() or not pid_alive(pid):
-        return None
-    return pid
+_held: dict[Path, "DirLock"] = {}  # this process's temp-folder locks, held until it ends
 
 
 def claim_temp_dir(path: str | os.PathLike) -> bool:
-    """Empty ``path`` and record this process as its owner, unless another live process owns it.
+    """Take ``path``'s lock (``utils.dir_lock.UITempLock``) and empty it, unless another running UI holds it.
 
-    Returns True when claimed. False when another live UI owns it: its files are left
-    alone (its users' download links keep working) and a warning says the folder is shared.
-    The owner file is removed at exit if it still names this process.
+    Returns True when claimed (also when this process already holds it). False when another
+    live UI holds it: its files are left alone (its users' download links keep working) and a
+    warning names that UI and says the folder is shared. The operating system releases the
+    lock when the process ends, also on a kill, so a dead UI never keeps the folder.
     """
-    from ..utils.atomic import atomic_write_text
+    from ..utils.dir_lock import UITempLock, UnwritableDirectory
     from .uploads import prune_temp_files
 
-    path = Path(path)
-    other = live_owner(path)
-    if other is not None:
-        log.warning("temp folder %s belongs to another running UI (pid %d); leaving its files alone and sharing "
-                    "it (pass --temp_dir to give this UI its own)", path, other)
-        return False
-    prune_temp_files(path, 0, keep_seconds=0)  # files left by an earlier run
-    path.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path / OWNER_FILE, f"{os.getpid()}\n")
-    atexit.register(release_temp_dir, path)
-    return True
-
-
-def release_temp_dir(path: str | os.PathLike) -> None:
-    """Remove ``path``'s owner file if it names this process (at exit)."""
-    if owner_pid(path) == os.getpid():
+    path = Path(path).resolve()
+    if path not in _held:
+        lock = UITempLock(path)
         try:
-            (Path(path) / OWNER_FILE).unlink()
-        except OSError:
-            pass
+            lock.acquire()
+        except UnwritableDirectory:
+            raise
+        except ValueError:
+            holder = lock.holder()
+            log.warning("temp folder %s belongs to another running UI (pid %s); leaving its files alone and sharing "
+                        "it (pass --temp_dir to give this UI its own)", path, holder.get("pid", "unknown"))
+            return False
+        _held[path] = lock
+    prune_temp_files(path, 0, keep_seconds=0)  # files left by an earlier run
+    return True
 
 
 # --- model ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 from ..data.images import HIGH_BIT_DEPTH_MODES, ImageTooLarge, check_pixels, open_image, to_rgb
-from .config import OWNER_FILE
+from ..utils.dir_lock import UITempLock
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +100,14 @@ def prune_temp_files(root: str | os.PathLike, max_bytes: int, keep_seconds: floa
 
     Files modified in the last ``keep_seconds`` are kept (uploads of a request in
     flight), so the total may stay above the cap until they age, and so is the folder's
-    owner file (``config.OWNER_FILE``: which running UI uses it). Returns the removed paths.
+    lock file (``UITempLock``: which running UI uses it). Returns the removed paths.
     """
     root = Path(root)
     if not root.is_dir():
         return []
     files = []
     for path in root.rglob("*"):
-        if path == root / OWNER_FILE:
+        if path == root / UITempLock.name:
             continue
         try:
             st = path.lstat()

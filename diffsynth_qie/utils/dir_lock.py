@@ -128,5 +128,11 @@ class CacheLock(DirLock):
     wait_hint = " (or pass --lock_timeout SECONDS to wait)"
 
 
+class UITempLock(DirLock):
+    """The web UI's temp folder (uploads, results served for download): one running UI empties and uses it."""
+
+    name, command, flag = ".qie-ui-lock.json", "app_gradio.py", "--temp_dir"
+
+
 class TrainLock(DirLock):
     name, command, flag = ".qie-train-lock.json", "qie train", "--output_dir"
