@@ -126,7 +126,7 @@ def resolve_row(args: argparse.Namespace) -> None:
 
 def load_inputs(args: argparse.Namespace):
     """Read and check every input file; raises FileNotFoundError/ValueError naming the path."""
-    from ..data.images import check_geometry, load_mask, load_rgb
+    from ..data.images import aspect_differs, check_geometry, load_mask, load_rgb
 
     resolve_row(args)
     if args.before_after and not args.lora:
@@ -146,8 +146,7 @@ def load_inputs(args: argparse.Namespace):
     for flag, path in (("--out", args.out), ("--before_after", args.before_after)):
         if path:
             check_output_file(path, flag)
-    if mask is not None and abs(mask.size[0] / mask.size[1] - images[0].size[0] / images[0].size[1]) > 0.01 * (
-            images[0].size[0] / images[0].size[1]):
+    if mask is not None and aspect_differs(mask.size, images[0].size):
         log.warning("--mask %s is %dx%d but the image is %dx%d: the mask is stretched to the image's shape; check "
                     "that it belongs to this image", args.mask, *mask.size, *images[0].size)
     return images, mask, loras

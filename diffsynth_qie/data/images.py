@@ -199,6 +199,13 @@ MIN_SIDE = 16     # the resize divisor: a shorter side could only be met by enla
 MAX_ASPECT = 200  # Qwen2-VL's image processor (the text encoder's view of a reference) refuses longer strips
 
 
+def aspect_differs(size: tuple[int, int], reference: tuple[int, int], tolerance: float = 0.01) -> bool:
+    """Whether ``size``'s aspect ratio (W, H) is off ``reference``'s by more than ``tolerance`` of it: a mask
+    made for another image, rather than the same image at another resolution."""
+    ratio = reference[0] / reference[1]
+    return abs(size[0] / size[1] - ratio) > tolerance * ratio
+
+
 def check_geometry(size: tuple[int, int], source: str = "image") -> None:
     """Refuse (``ValueError`` naming ``source``) an image no model input can be made from: a side below
     :data:`MIN_SIDE` pixels, or an aspect ratio beyond :data:`MAX_ASPECT`:1 (it would reach DiffSynth's

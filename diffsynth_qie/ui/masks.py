@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFilter
 
+from ..data.images import aspect_differs
 from .uploads import UIError, editor_parts, image_from_editor, mask_from_editor
 
 BRUSH_FRACTION = 0.06             # default brush diameter: 6 % of the image's longer side
@@ -60,7 +61,7 @@ def combine(painted: Image.Image | None, mask_file: Image.Image | None, size: tu
 
     Inverting "nothing painted" gives nothing to edit, which is refused rather than run as a no-op.
     """
-    if mask_file is not None and abs(mask_file.width / mask_file.height - size[0] / size[1]) > 0.01 * size[0] / size[1]:
+    if mask_file is not None and aspect_differs(mask_file.size, size):
         raise UIError(f"the mask file is {mask_file.width}x{mask_file.height} but the image is {size[0]}x{size[1]}: it "
                       "belongs to another image; remove it (the × on the mask file) or give this image's mask")
     on = np.zeros((size[1], size[0]), bool)
