@@ -66,6 +66,10 @@ def test_lightning_is_offered_only_when_it_can_run(tmp_path):
                                  steps=40))
     assert (job.settings.steps, job.settings.cfg, job.scheduler) == (8, 1.0, "lightning")
     assert [p.name for p, _ in job.loras] == ["Qwen-Image-Edit-Lightning-8steps.safetensors"]  # found in the folder
+    assert job.lightning_lora == job.loras[0][0]
+    picked = h.check(GenerateInputs(editor={"background": _photo(), "layers": []}, prompt="x", mode=MODE_LIGHTNING,
+                                    lora="Qwen-Image-Edit-Lightning-8steps.safetensors"))
+    assert len(picked.loras) == 1 and picked.lightning_lora is None  # picked by the user: not stacked again
 
 
 # --- sampler switching ------------------------------------------------------------------------

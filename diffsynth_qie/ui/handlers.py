@@ -304,7 +304,8 @@ class UIHandlers:
                     max_prompt_tokens=self.config.max_prompt_tokens, scheduler=job.scheduler, strength=s.strength,
                     progress=step))))
             seconds = time.perf_counter() - t0
-            entries = [self._save(folder, job, s.with_seed(seed), result) for seed, result in results]
+            inputs_saved = self._save_inputs(folder, job, results[0][1].image.size)
+            entries = [self._save(folder, job, s.with_seed(seed), result, *inputs_saved) for seed, result in results]
             prune_temp_files(self.config.resolved_temp_dir, self.config.max_temp_bytes)
         first = results[0][1]
         if lbm and first.sub_image is None:
@@ -323,21 +324,25 @@ class UIHandlers:
         finally:
             self._running = None
 
-    def _save(self, folder: Path, job: Job, settings, result: "EditResult") -> HistoryEntry:
-        """The result's files: the edit (settings in its PNG text), the input at its size, the mask, LBM's sub."""
-        size = result.image.size
+    @staticmethod
+    def _save_inputs(folder: Path, job: Job, size: tuple[int, int]) -> tuple[Path, Path, Path | None]:
+        """The job's input, the input at the output's ``size`` (the slider's left side) and the mask, written once
+        for all its variations: (input, before, mask or None)."""
+        folder.mkdir(parents=True, exist_ok=True)
         input_path, before = folder / "input.png", folder / f"before-{size[0]}x{size[1]}.png"
-        if not input_path.exists():  # once per job: every variation has the same input and mask
-            folder.mkdir(parents=True, exist_ok=True)
-            job.image.save(input_path)
-            job.image.resize(size, Image.Resampling.LANCZOS).save(before)
-            if job.mask is not None:
-                job.mask.save(folder / "mask.png")
-        sub = save_png(result.sub_image, folder, settings, "_sub") if result.sub_image is not None else None
+        job.image.save(input_path)
+        job.image.resize(size, Image.Resampling.LANCZOS).save(before)
         mask = folder / "mask.png" if job.mask is not None else None
-        c = self.config
-        command = qie_edit_command(settings, input_path, mask, lora_dir=c.lora_dir, model_dir=self.model_dir,
-                                   lightning_lora=self.lightning_lora() if settings.mode == MODE_LIGHTNING else None)
+        if mask is not None:
+            job.mask.save(mask)
+        return input_path, before, mask
+
+    def _save(self, folder: Path, job: Job, settings, result: "EditResult", input_path: Path, before: Path,
+              mask: Path | None) -> HistoryEntry:
+        """One variation's files (the edit with its settings in the PNG text; LBM's sub-stream) and history entry."""
+        sub = save_png(result.sub_image, folder, settings, "_sub") if result.sub_image is not None else None
+        command = qie_edit_command(settings, input_path, mask, lora_dir=self.config.lora_dir, model_dir=self.model_dir,
+                                   lightning_lora=job.lightning_lora)
         return HistoryEntry(image=str(save_png(result.image, folder, settings)), before=str(before), settings=settings,
                             sub_image=str(sub) if sub else None, mask=str(mask) if mask else None, command=command)
 

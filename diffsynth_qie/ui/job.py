@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -19,10 +19,10 @@ from PIL import Image
 from ..utils.text import is_empty_prompt, visible_text
 from .config import UIConfig
 from .lora_picker import NO_LORA, resolve_lora
-from .masks import combine, editor_digest, grow_mask
+from .masks import combine, content_digest, grow_mask
 from .results import EditSettings
-from .uploads import (UIError, check_upload, image_from_editor, mask_from_editor, reference_images, to_pil,
-                      to_rgb_image)
+from .uploads import (NO_IMAGE, UIError, check_upload, editor_parts, image_from_editor, mask_from_editor, reference_images,
+                      to_pil, to_rgb_image)
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ class Job:
     references: list[Image.Image]
     loras: list[tuple[Path, float]]
     scheduler: str
-    variations: int
-    seeds: list[int] = field(default_factory=list)
+    seeds: list[int]                 # one generation each (variations)
+    lightning_lora: Path | None = None  # the Lightning LoRA the Lightning sampler stacked with the chosen ones
 
 
 def _int(value: Any, name: str, lo: int, hi: int) -> int:
@@ -128,11 +128,15 @@ def editor_image(editor: Any, loaded: str | None, limit: int,
     if path and not allowed(path):
         log.warning("ignored an editor image the UI did not serve: %s", path)  # a crafted request
         path = None
-    if path and editor_digest(editor) == record.get("replaced"):
+    empty = editor_parts(editor)[0] is None
+    image = None if empty else image_from_editor(editor, limit)
+    painted = None if empty else mask_from_editor(editor, size=image.size, max_bytes=limit)
+    if path and content_digest(image, painted) == record.get("replaced"):
         log.info("the editor had not shown %s yet: using it, without the paint of the image it replaced", path)
         return to_rgb_image(path, "image"), None
-    image = image_from_editor(editor, limit)
-    return image, mask_from_editor(editor, size=image.size, max_bytes=limit)
+    if empty:
+        raise UIError(NO_IMAGE)
+    return image, painted
 
 
 def _lora_name(value: Any) -> str | None:
@@ -181,10 +185,10 @@ def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | No
                      mask_grow)
     refs = reference_images(inputs.references, limit)
     loras = [(resolve_lora(config.lora_dir, name), scale) for name, scale in settings.loras()]
-    scheduler = "default"
+    job = Job(settings=settings, image=image, mask=mask, references=refs, loras=loras, scheduler="default",
+              seeds=[seed + i for i in range(variations)])
     if inputs.mode == MODE_LIGHTNING:
-        loras, steps, cfg = lightning_loras(loras, lightning_lora or config.lightning_lora, steps)
-        settings = dataclasses.replace(settings, steps=steps, cfg=cfg)
-        scheduler = "lightning"
-    return Job(settings=settings, image=image, mask=mask, references=refs, loras=loras, scheduler=scheduler,
-               variations=variations, seeds=[seed + i for i in range(variations)])
+        job.loras, steps, cfg = lightning_loras(loras, lightning_lora or config.lightning_lora, steps)
+        job.settings, job.scheduler = dataclasses.replace(settings, steps=steps, cfg=cfg), "lightning"
+        job.lightning_lora = next((p for p, _ in job.loras[len(loras):]), None)
+    return job

@@ -30,11 +30,16 @@ def brush_size(size: tuple[int, int]) -> int:
 
 def editor_digest(value: Any) -> str | None:
     """A digest of what the image editor holds (image pixels and paint), or None when it holds no image."""
-    try:
-        image = image_from_editor(value)
-    except UIError:
+    if editor_parts(value)[0] is None:
         return None
-    painted = mask_from_editor(value, size=image.size)
+    image = image_from_editor(value)
+    return content_digest(image, mask_from_editor(value, size=image.size))
+
+
+def content_digest(image: Image.Image | None, painted: Image.Image | None) -> str | None:
+    """:func:`editor_digest` of a decoded editor value (its image and painted mask)."""
+    if image is None:
+        return None
     h = hashlib.sha1(repr(image.size).encode())
     h.update(np.ascontiguousarray(np.asarray(image)).tobytes())
     if painted is not None:

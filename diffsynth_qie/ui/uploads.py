@@ -27,6 +27,9 @@ from ..utils.dir_lock import UITempLock
 log = logging.getLogger(__name__)
 
 
+NO_IMAGE = "upload an image to edit first (drop it on the image editor)"
+
+
 class UIError(ValueError):
     """A problem the user can fix; its message is shown in the UI as is."""
 
@@ -214,7 +217,7 @@ def image_from_editor(value: Any, max_bytes: int | None = None) -> Image.Image:
     """The image to edit (RGB) from the editor's value; UIError if none was uploaded."""
     background, _ = editor_parts(value)
     if background is None:
-        raise UIError("upload an image to edit first (drop it on the image editor)")
+        raise UIError(NO_IMAGE)
     if max_bytes is not None:
         check_upload(background, max_bytes, "image")
     return to_rgb_image(background)
