@@ -6,7 +6,7 @@ import os
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -173,21 +173,12 @@ class LoraManager:
         self._active, self._reports, self._states = [], [], []
 
 
-def lora_family(state: LoraState | str | os.PathLike) -> str | None:
-    """The model family a LoRA (a loaded state, or a file: only its header is read) was trained for, from its
-    ``preset`` metadata (ours); None when unknown."""
+def lora_family(source: LoraState | Mapping[str, str]) -> str | None:
+    """The model family a LoRA was trained for, from its ``preset`` metadata (ours), given a loaded state or a
+    file's header metadata; None when unknown."""
     from ..models.presets import PRESETS, family_of
 
-    if isinstance(state, LoraState):
-        metadata = state.metadata
-    else:
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(state), framework="pt", device="cpu") as f:
-                metadata = f.metadata() or {}
-        except Exception:  # not a readable safetensors file: its loading will say so
-            return None
+    metadata = source.metadata if isinstance(source, LoraState) else source
     preset = metadata.get("preset")
     return family_of(preset).name if preset in PRESETS else None
 

@@ -192,13 +192,17 @@ class UIHandlers:
                 "Generate (the first run takes longer).")
 
     # LoRAs ------------------------------------------------------------------------------
-    def lora_choices(self) -> list[str]:
-        """The LoRA files under the folder, without those trained for the other model family (by metadata)."""
-        from ..lora.manager import lora_family
+    def loras(self) -> list[LoraInfo]:
+        """The LoRA files under the folder with their metadata (one header read each), without those trained for
+        the other model family."""
         from ..models.presets import family_of
 
-        family, root = family_of(self.config.model).name, Path(self.config.lora_dir).expanduser()
-        return [NO_LORA] + [n for n in list_loras(root) if lora_family(root / n) in (None, family)]
+        family, root = family_of(self.config.model).name, self.config.lora_dir
+        return [info for info in (lora_info(root, n) for n in list_loras(root)) if info.family in (None, family)]
+
+    def lora_choices(self) -> list[str]:
+        """:data:`NO_LORA` and the names of :meth:`loras`."""
+        return [NO_LORA] + [info.name for info in self.loras()]
 
     def lora_info(self, name: str | None) -> LoraInfo | None:
         if not name or name == NO_LORA:
@@ -207,8 +211,7 @@ class UIHandlers:
 
     def lora_options(self) -> list[tuple[str, str]]:
         """The picker's (label, name) pairs: each LoRA with its loss, preset, rank and step from its metadata."""
-        return [(NO_LORA, NO_LORA)] + [(lora_info(self.config.lora_dir, n).label(self.config.model), n)
-                                      for n in self.lora_choices()[1:]]
+        return [(NO_LORA, NO_LORA)] + [(info.label(self.config.model), info.name) for info in self.loras()]
 
     def default_lora(self) -> str:
         """The LoRA picked at start: ``--lora`` if given, else the folder's own ``lora.safetensors`` (a run's
@@ -231,8 +234,7 @@ class UIHandlers:
         """The Lightning LoRA the Lightning sampler uses: ``--lightning_lora``, else the first in the LoRA folder."""
         if self.config.lightning_lora:
             return self.config.lightning_lora
-        found = (n for n in self.lora_choices()[1:] if lora_info(self.config.lora_dir, n).lightning)
-        name = next(found, None)
+        name = next((info.name for info in self.loras() if info.lightning), None)
         return str(resolve_lora(self.config.lora_dir, name)) if name else None
 
     def lightning_available(self) -> bool:

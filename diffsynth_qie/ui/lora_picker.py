@@ -112,6 +112,7 @@ class LoraInfo:
     rank: int | None = None
     step: int | None = None    # the training step it was saved at
     lightning: bool = False
+    family: str | None = None  # the model family of ``preset``
 
     @property
     def is_lbm(self) -> bool:
@@ -151,6 +152,7 @@ def lora_info(root: str | os.PathLike, name: str) -> LoraInfo:
     """The metadata of ``root/name`` (header only; an unreadable header gives a bare :class:`LoraInfo`)."""
     from safetensors import safe_open
 
+    from ..lora.manager import lora_family
     from ..models.lightning import is_lightning_lora
 
     path = Path(root).expanduser() / name
@@ -163,4 +165,4 @@ def lora_info(root: str | os.PathLike, name: str) -> LoraInfo:
     rank, step = _plain(meta.get("rank")), _plain(meta.get("step"))
     return LoraInfo(name=name, loss=_plain(meta.get("loss")), preset=_plain(meta.get("preset")),
                     rank=rank if isinstance(rank, int) else None, step=step if isinstance(step, int) else None,
-                    lightning=is_lightning_lora(path, meta))
+                    lightning=is_lightning_lora(path, meta), family=lora_family(meta))
