@@ -39,6 +39,12 @@ def steps_for_mode(new: str, prev: str, steps: float, saved: float | None) -> tu
     return steps, saved
 
 
+def shown_for_mode(mode: str) -> dict[str, bool]:
+    """Which sampler widgets ``mode`` shows: LBM has its own steps and no CFG; Lightning runs 4/8 steps at CFG 1."""
+    lbm, few = mode == MODE_LBM, mode == MODE_LIGHTNING
+    return {"steps": not lbm, "cfg": not (lbm or few), "lbm_steps": lbm}
+
+
 def _inputs(values: dict) -> GenerateInputs:
     return GenerateInputs(**{f.name: values[f.name] for f in dataclasses.fields(GenerateInputs)})
 
@@ -85,11 +91,11 @@ class Callbacks:
 
     # sampler, LoRA, mask tools ----------------------------------------------------------------
     def switch_mode(self, selected: str, prev: str, steps: float, saved: float | None):
-        """Show the widgets of ``selected``: LBM has its own steps and no CFG; Lightning runs 4/8 steps at CFG 1."""
-        lbm, few = selected == MODE_LBM, selected == MODE_LIGHTNING
+        """Show the widgets of ``selected`` (:func:`shown_for_mode`; LBM's sub-stream output with LBM)."""
+        shown = shown_for_mode(selected)
         shown_steps, saved = steps_for_mode(selected, prev, steps, saved)
-        return (gr.update(visible=not lbm, value=shown_steps), gr.update(visible=not (lbm or few)),
-                gr.update(visible=lbm), gr.update(visible=lbm), selected, saved)
+        return (gr.update(visible=shown["steps"], value=shown_steps), gr.update(visible=shown["cfg"]),
+                gr.update(visible=shown["lbm_steps"]), gr.update(visible=shown["lbm_steps"]), selected, saved)
 
     def pick_lora(self, name: str, mode: str, prev: str, steps: float, saved: float | None):
         """A picked LoRA sets the sampler it was trained for (LBM or flow matching) and says if its model differs."""
@@ -200,13 +206,12 @@ class Callbacks:
         """A history click: the entry's settings back in the widgets, the entry in the slider."""
         entry = history[evt.index]
         s = entry.settings
-        lbm, few = s.mode == MODE_LBM, s.mode == MODE_LIGHTNING
         values = dict(zip(hist.RESTORED, hist.restore(entry, self.h.lora_choices())))
-        values.update(steps=gr.update(visible=not lbm, value=s.steps),
-                      lbm_steps=gr.update(visible=lbm, value=s.lbm_steps),
-                      cfg=gr.update(visible=not (lbm or few), value=s.cfg))
+        values.update({name: gr.update(visible=visible, value=values[name])
+                       for name, visible in shown_for_mode(s.mode).items()})
         return (*(values[name] for name in hist.RESTORED), *self._show(entry), s.mode,
-                FLOW_DEFAULT_STEPS if few else s.steps, f"Restored from the history: {s.summary()}.")
+                FLOW_DEFAULT_STEPS if s.mode == MODE_LIGHTNING else s.steps,
+                f"Restored from the history: {s.summary()}.")
 
     def show_variation(self, batch: list[HistoryEntry], evt: gr.SelectData):
         return self._show(batch[evt.index])
