@@ -82,7 +82,6 @@ class GenerateOutput:
     status: str
     result: "EditResult"
     entries: list[HistoryEntry] = field(default_factory=list)  # one per variation, first seed first
-    command: str = ""                # the `qie edit` command that repeats the first variation
 
 
 class UIHandlers:
@@ -315,7 +314,7 @@ class UIHandlers:
         log.info("generated %d image(s) in %.2f s (%s)", len(results), seconds, s.summary())
         return GenerateOutput(image=first.image, sub_image=first.sub_image if lbm else None, seed=s.seed,
                               status=self._status(job, first, seconds, started - (queued_at or started)),
-                              result=first, entries=entries, command=entries[0].command)
+                              result=first, entries=entries)
 
     @contextlib.contextmanager
     def _running_as(self, session: str | None):
