@@ -333,6 +333,10 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             page.wait_for_selector("#references img")
             assert page.eval_on_selector("#references img", "e => getComputedStyle(e).objectFit") == "contain"
             page.wait_for_function("() => document.documentElement.scrollWidth <= 390")
+        except Exception as exc:  # what the page and the server showed, for a failure seen only in CI
+            seen = page.evaluate("() => ({status: document.querySelector('#status')?.innerText, toasts: "
+                                 "[...document.querySelectorAll('[data-testid=toast-text]')].map(t => t.innerText)})")
+            raise AssertionError(f"{exc}\npage: {seen}\nserver log (end):\n{log_path.read_text()[-3000:]}") from exc
         finally:
             browser.close()
 

@@ -510,3 +510,12 @@ def test_stop_ends_a_generation_at_its_next_step(ui):
 
     out = ui.generate(_inputs(steps=3), progress=other_tab_stops, session="tab-a")
     assert "3 steps" in out.status and max(steps_seen) == 3
+
+    # A Stop for a generation still queued stops it as it starts; one that found nothing to stop is forgotten.
+    steps_seen.clear()
+    with pytest.raises(Stopped):
+        ui.generate(_inputs(steps=3), progress=lambda done, total, desc: steps_seen.append(done), session="tab-b")
+    assert [d for d in steps_seen if d > 0] == []
+    ui.request_stop("tab-c")
+    ui.forget_stop("tab-c")
+    assert "3 steps" in ui.generate(_inputs(steps=3), session="tab-c").status

@@ -158,7 +158,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 lora_status = gr.Markdown(handlers.lora_status(handlers.default_lora()), elem_id="lora-status")
                 with gr.Row():
                     generate = gr.Button("Generate", variant="primary", elem_id="generate")
-                    stop = gr.Button("Stop", variant="stop", interactive=False, elem_id="stop")
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop")  # always clickable: harmless when idle
         status = gr.Markdown("", elem_id="status")
         with gr.Row():
             result = gr.ImageSlider(label="Before / after (drag the handle)", type="filepath", interactive=False,
@@ -207,14 +207,16 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
 
         # Checked in the queue (so a refusal shows its toast) but outside the one-at-a-time limit, so it answers at
         # once even while another generation runs.
-        checked = generate.click(cb.precheck, gen_inputs, [generate, stop, queued_at], concurrency_limit=None,
+        checked = generate.click(cb.precheck, gen_inputs, [generate, queued_at], concurrency_limit=None,
                                  show_progress="hidden")
         running = checked.success(
             cb.run, [*gen_inputs, history, queued_at],
             [*shown, status, model_status, variants, history, gallery, batch], show_progress_on=[result],
             concurrency_limit=1)
-        running.then(cb.finished, None, [generate, stop, model_status], queue=False)
-        stop.click(cb.stop, None, [generate, stop, status], queue=False, cancels=[running])
+        running.then(cb.finished, None, [generate, model_status], queue=False)
+        # Stop is cooperative, not gradio's `cancels`: the run itself ends (at its start when still queued, else at its
+        # next step) and reports "Stopped.", so one path sets the status and `finished` always runs after it.
+        stop.click(cb.stop, None, None, queue=False)
         restored = [widgets[name] for name in RESTORED]
         gallery.select(cb.restore, [history], [*restored, *shown, prev_mode, saved_steps, status], queue=False)
         variants.select(cb.show_variation, [batch], shown, queue=False)

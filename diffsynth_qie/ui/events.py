@@ -162,7 +162,7 @@ class Callbacks:
                 raise gr.Error("this tab already has a generation queued or running; wait for it, or press Stop",
                                duration=4, print_exception=False)
             self._pending.add(session)
-        return gr.update(interactive=False), gr.update(interactive=True), time.time()
+        return gr.update(interactive=False), time.time()
 
     def run(self, editor, references, prompt, negative_prompt, mode, steps, lbm_steps, cfg, seed, mask_blend, lora,
             lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file, mask_invert,
@@ -187,12 +187,17 @@ class Callbacks:
 
     def finished(self, request: gr.Request):
         self._release(request)
-        return gr.update(interactive=True), gr.update(interactive=False), self.h.model_status()
+        self.h.forget_stop(getattr(request, "session_hash", None))
+        return gr.update(interactive=True), self.h.model_status()
 
     def stop(self, request: gr.Request):
-        self._release(request)
-        self.h.request_stop(getattr(request, "session_hash", None))
-        return gr.update(interactive=True), gr.update(interactive=False), "Stopped."
+        """Stop this tab's generation (queued or running); it reports "Stopped." itself, then Generate unlocks."""
+        session = getattr(request, "session_hash", None)
+        with self._pending_lock:
+            pending = session in self._pending
+        log.info("Stop pressed (%s)", "stopping this tab's generation" if pending else "nothing of this tab to stop")
+        if pending:
+            self.h.request_stop(session)
 
     # results and history --------------------------------------------------------------------
     @staticmethod

@@ -101,6 +101,8 @@ class UIHandlers:
         self._lock = threading.Lock()        # one generation at a time
         self._stop = threading.Event()       # set by Stop; cleared when the next generation starts
         self._running: str | None = None     # the browser session whose generation runs
+        self._stop_queued: set[str] = set()  # sessions whose generation was stopped before it ran
+        self._stop_lock = threading.Lock()
         self._load_lock = threading.Lock()   # one model load
         self._loading = False
         self.load_count = 0
@@ -263,12 +265,18 @@ class UIHandlers:
         return check_job(inputs, self.config, lightning, self.known_images)
 
     def request_stop(self, session: str | None = None) -> None:
-        """Stop the running generation at its next denoising step, if it is ``session``'s (None: whichever runs).
+        """Stop ``session``'s generation: the running one at its next denoising step, a queued one as it starts.
+        Another tab's generation is left alone; None stops whichever runs (API callers, tests)."""
+        with self._stop_lock:
+            if session is None or session == self._running:
+                self._stop.set()
+            else:
+                self._stop_queued.add(session)
 
-        A generation still queued is cancelled by the UI; another tab's running one is left alone.
-        """
-        if session is None or session == self._running:
-            self._stop.set()
+    def forget_stop(self, session: str | None) -> None:
+        """Drop a Stop that found nothing left to stop (the generation had ended): it must not stop the next one."""
+        with self._stop_lock:
+            self._stop_queued.discard(session)
 
     def generate(self, inputs: GenerateInputs, progress: ProgressFn | None = None,
                  queued_at: float | None = None, session: str | None = None) -> GenerateOutput:
@@ -290,6 +298,7 @@ class UIHandlers:
             report(done, total, "denoising")
 
         with self._lock, self._running_as(session):
+            step(0, 0)  # stopped while queued: before any work
             started = time.time()
             if not self.loaded:
                 report(0, 1, f"loading model {self.config.model} (first run only)")
@@ -318,8 +327,12 @@ class UIHandlers:
 
     @contextlib.contextmanager
     def _running_as(self, session: str | None):
-        self._stop.clear()
-        self._running = session
+        with self._stop_lock:
+            self._stop.clear()
+            self._running = session
+            if session is not None and session in self._stop_queued:  # stopped while it waited in the queue
+                self._stop_queued.discard(session)
+                self._stop.set()
         try:
             yield
         finally:
