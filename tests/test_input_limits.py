@@ -61,11 +61,12 @@ def test_tiny_image_is_refused_naming_the_minimum(tmp_path, tiny_model_dir):
     assert fit_image((16, 20), 1024 * 1024, 16) == (16, 16)  # at the minimum: trimmed, not enlarged
 
     from diffsynth_qie.data.rows import EditRow
+    from diffsynth_qie.models.family_ops import ops_for
     Image.new("RGB", (1, 1), "red").save(tmp_path / "dot.png")
     Image.new("RGB", (64, 64), "red").save(tmp_path / "src.png")
     row = EditRow(row_id="r0", target=tmp_path / "dot.png", edit_images=[tmp_path / "src.png"], prompts=["x"])
     with pytest.raises(ValueError, match=r"dot\.png is 1x1 pixels.*at least 16"):
-        prepare_row(row, CacheConfig(max_pixels=128 * 128))
+        prepare_row(row, CacheConfig(max_pixels=128 * 128), ops_for("qwen-image-edit"))
 
     from diffsynth_qie.inference.editor import EditRequest, output_size, reference_size
     dot = Image.new("RGB", (1, 1), "red")

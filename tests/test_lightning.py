@@ -15,7 +15,9 @@ from diffsynth_qie.models.lightning import (is_lightning_lora, lightning_schedul
                                             sampling_plan)
 from diffsynth_qie.lora.apply import apply_lora
 from diffsynth_qie.lora.formats import load_lora_state
-from diffsynth_qie.models.sampling import flow_match_scheduler, sample_flow_match
+from diffsynth_qie.models.family_ops import ops_for
+from diffsynth_qie.models.sampling import sample_flow_match
+from diffsynth_qie.models.schedules import ScheduleSpec, flow_match_scheduler
 
 # The scheduler configuration of ModelTC/Qwen-Image-Lightning's generate_with_diffusers.py
 # (github.com/ModelTC/Qwen-Image-Lightning, the README's "Run Evaluation and Test with Diffusers"
@@ -73,14 +75,15 @@ def test_sampler_visits_the_lightning_timesteps():
         return torch.ones_like(x)
 
     noise = torch.zeros(2, 16, 8, 8)
-    out = sample_flow_match(velocity, noise, 4, scheduler="lightning")
+    edit = ops_for("qwen-image-edit")
+    out = sample_flow_match(velocity, noise, ScheduleSpec(4, (8, 8), "lightning"), edit.schedule)
     _, want = diffusers_reference(PUBLISHED_CONFIG, 4, 16)
     assert [t.shape for t in seen] == [torch.Size([2])] * 4  # per-sample timesteps
     np.testing.assert_allclose([float(t[0]) for t in seen], want, atol=1e-3)
     # v = 1 integrated from σ = 1 to σ = 0 moves x by -1 whatever the schedule.
     assert torch.allclose(out, torch.full_like(out, -1.0), atol=1e-6)
     with pytest.raises(ValueError, match="scheduler 'turbo'"):
-        sample_flow_match(velocity, noise, 4, scheduler="turbo")
+        sample_flow_match(velocity, noise, ScheduleSpec(4, (8, 8), "turbo"), edit.schedule)
 
 
 # The 12 linear layers per block the lightx2v Lightning files patch (720 modules for the

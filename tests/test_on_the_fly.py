@@ -82,6 +82,7 @@ def test_augmentation_keeps_target_references_and_mask_aligned(tmp_path):
     from diffsynth_qie.cache.encode import prepare_row
     from diffsynth_qie.cache.live import augmenter
     from diffsynth_qie.data.rows import EditRow
+    from diffsynth_qie.models.family_ops import ops_for
 
     def scene(w, h, colour, mode="RGB"):
         im = Image.new(mode, (w, h), 255 if mode == "L" else (255, 255, 255))
@@ -92,10 +93,10 @@ def test_augmentation_keeps_target_references_and_mask_aligned(tmp_path):
     scene(64, 48, (255, 0, 0)).save(tmp_path / "r.png")
     Image.eval(scene(128, 96, None, "L"), lambda v: 255 - v).save(tmp_path / "m.png")  # white = the square
     row = EditRow("r", ["x"], tmp_path / "t.png", [tmp_path / "r.png"], back_mask=tmp_path / "m.png")
-    config = CacheConfig(max_pixels=128 * 96)
+    config, ops = CacheConfig(max_pixels=128 * 96), ops_for("qwen-image-edit")
     flips = set()
     for seed in range(8):
-        prep = prepare_row(row, config, augment=augmenter(random.Random(seed)))
+        prep = prepare_row(row, config, ops, augment=augmenter(random.Random(seed)))
         t = np.asarray(prep.target)[..., 0] < 128  # the blue square
         r = np.asarray(prep.edits[0].resize(prep.target.size, Image.NEAREST))[..., 1] < 128  # the red square
         m = torch.nn.functional.interpolate(prep.back_mask[None], size=t.shape, mode="nearest")[0, 0].numpy() > 0.5
@@ -105,8 +106,8 @@ def test_augmentation_keeps_target_references_and_mask_aligned(tmp_path):
         assert np.abs(np.argwhere(m).mean(0) - centres[0]).max() <= 4  # the mask at latent resolution (8 px cells)
         flips.add(bool(centres[0][1] > 64))
     assert flips == {True, False}
-    plain = prepare_row(row, config)
-    assert np.array_equal(np.asarray(prepare_row(row, config).target), np.asarray(plain.target))  # no augment: as cached
+    plain = prepare_row(row, config, ops)
+    assert np.array_equal(np.asarray(prepare_row(row, config, ops).target), np.asarray(plain.target))  # no augment: as cached
 
 
 def test_the_encoders_run_on_their_devices(demo_data_dir, tiny_model_dir, tmp_path, monkeypatch):

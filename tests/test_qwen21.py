@@ -110,7 +110,9 @@ def test_editor_matches_diffsynths_21_pipeline(pipe21, cfg, refs):
 def test_the_prefix_kv_cache_gives_the_same_latents_and_skips_the_prefix(pipe21):
     """With the cache the prefix (prompt + reference tokens) goes through the blocks on the first step only."""
     from diffsynth_qie.models import qwen21
+    from diffsynth_qie.models.family_ops import ops_for
     from diffsynth_qie.models.sampling import sample_flow_match, seeded_noise
+    from diffsynth_qie.models.schedules import ScheduleSpec
 
     refs = qwen21.reference_images21(pipe21, [_image(64, 64, (200, 30, 30))], 64, 64)
     ref_latents = [qwen21.encode_image21(pipe21, im) for im in refs]
@@ -123,8 +125,8 @@ def test_the_prefix_kv_cache_gives_the_same_latents_and_skips_the_prefix(pipe21)
             lambda m, a, kw, out: seen.append(kw["hidden_states"].shape[1]), with_kwargs=True)
         try:
             cond = qwen21.Cond21(prompts=[prompt], ref_latents=[ref_latents], kv_cache=use_cache)
-            results[use_cache] = sample_flow_match(qwen21.velocity21(pipe21.dit, cond), noise, 5,
-                                                   schedule=qwen21.scheduler21(5, 4, 4))
+            results[use_cache] = sample_flow_match(qwen21.velocity21(pipe21.dit, cond), noise, ScheduleSpec(5, (4, 4)),
+                                                   ops_for("qwen-image-2.1").schedule)
         finally:
             hook.remove()
         tokens[use_cache] = seen

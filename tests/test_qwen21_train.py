@@ -57,7 +57,9 @@ def test_the_21_cache_holds_the_familys_tensors(cache21):
         assert entry.lbm_source_latents is None  # (no LBM for 2.1)
         # each reference slot of the prompt takes a 2x2 block of the reference's latents (Qwen3-VL merges 2x2)
         ref_tokens = sum(z.shape[1] * z.shape[2] for z in entry.edit_latents)
-        for emb, pad in zip(entry.prompt_embs + [entry.empty_prompt_emb], entry.prompt_pads + [entry.empty_prompt_pad]):
+        assert meta.prompt_tensors == ["pad"]  # the family's prompt-tensor schema (Family.prompt_tensors)
+        pads = [x["pad"] for x in entry.prompt_extras + [entry.empty_prompt_extras]]
+        for emb, pad in zip(entry.prompt_embs + [entry.empty_prompt_emb], pads):
             assert pad.dtype == torch.bool and pad.shape == emb.shape[:1] and 4 * int(pad.sum()) == ref_tokens
         if entry.back_mask is not None:
             assert entry.back_mask.shape == (1, *entry.target_latents.shape[1:])

@@ -54,6 +54,7 @@ def test_one_step_covers_every_stratum_over_ranks_and_unequal_micro_batches(boun
     from diffsynth_qie.training.accumulation import step_sample_starts
     from diffsynth_qie.training.config import TimestepConfig
     from diffsynth_qie.training.loop import micro_seed
+    from diffsynth_qie.models.family import EDIT
     from diffsynth_qie.training.timesteps import Strata, draw_timesteps, micro_strata, step_strata
 
     cfg = TimestepConfig(timestep_sampling="stratified", min_timestep_boundary=boundaries[0],
@@ -70,7 +71,7 @@ def test_one_step_covers_every_stratum_over_ranks_and_unequal_micro_batches(boun
             for m, strata in enumerate(micro_strata(step_strata(0, step, total), starts, sizes)):
                 gen = torch.Generator().manual_seed(micro_seed(0, rank, step, m))
                 for k in strata.strata:  # the loss draws sample by sample
-                    d = draw_timesteps(1, cfg, gen, strata=Strata((k,), strata.count))
+                    d = draw_timesteps(1, cfg, gen, strata=Strata((k,), strata.count), family=EDIT)
                     indices.append(int(d.index[0]))
         assert sorted(starts_all) == [0, 2, 3, 6, 7, 11]  # every sample has its own global index
         assert one_per_stratum(indices, sum(totals), lo, hi), (step, sorted(indices))
@@ -78,19 +79,20 @@ def test_one_step_covers_every_stratum_over_ranks_and_unequal_micro_batches(boun
     assert step_strata(0, 1, 13) != step_strata(0, 2, 13) and step_strata(0, 1, 13) == step_strata(0, 1, 13)
     assert sorted(step_strata(5, 3, 13)) == list(range(13))
     # without a step's strata (a batch alone) the batch covers its own strata
-    d = draw_timesteps(10, cfg, torch.Generator().manual_seed(0))
+    d = draw_timesteps(10, cfg, torch.Generator().manual_seed(0), family=EDIT)
     assert one_per_stratum(d.index.tolist(), 10, lo, hi)
 
 
 def test_each_stratified_draw_is_marginally_uniform():
     """Strata spread the step's σ's; each sample's own distribution is still the uniform one."""
     from diffsynth_qie.training.config import TimestepConfig
+    from diffsynth_qie.models.family import EDIT
     from diffsynth_qie.training.timesteps import draw_timesteps
 
     g = torch.Generator().manual_seed(0)
-    strat = torch.cat([draw_timesteps(8, TimestepConfig(timestep_sampling="stratified"), g).index
+    strat = torch.cat([draw_timesteps(8, TimestepConfig(timestep_sampling="stratified"), g, family=EDIT).index
                        for _ in range(2000)]).float()
-    unif = draw_timesteps(16000, TimestepConfig(), g).index.float()
+    unif = draw_timesteps(16000, TimestepConfig(), g, family=EDIT).index.float()
     for q in (0.1, 0.25, 0.5, 0.75, 0.9):
         assert abs(float(strat.quantile(q)) - q * 1000) < 15, q  # uniform over [0, 1000)
         assert abs(float(strat.quantile(q)) - float(unif.quantile(q))) < 20, q

@@ -178,20 +178,23 @@ def test_timesteps_are_per_sample_from_the_qwen_schedule():
     from diffsynth.diffusion.flow_match import FlowMatchScheduler
 
     from diffsynth_qie.training.config import TimestepConfig
+    from diffsynth_qie.models.family import EDIT
     from diffsynth_qie.training.timesteps import draw_timesteps
 
     ref = FlowMatchScheduler("Qwen-Image")
     ref.set_timesteps(1000, training=True)
-    d = draw_timesteps(64, TimestepConfig(), torch.Generator().manual_seed(0))
+    d = draw_timesteps(64, TimestepConfig(), torch.Generator().manual_seed(0), family=EDIT)
     assert len(set(d.index.tolist())) > 40  # per sample, not one per batch
     assert torch.equal(d.sigmas, ref.sigmas[d.index].float())
     assert torch.allclose(d.timesteps, d.sigmas * 1000)
     for t, w in zip(d.timesteps, d.weights):  # DiffSynth's own per-timestep weight
         assert float(ref.training_weight(t)) == pytest.approx(float(w))
     # boundaries and logit-normal stay inside the table
-    high = draw_timesteps(256, TimestepConfig(min_timestep_boundary=0.5), torch.Generator().manual_seed(1))
+    high = draw_timesteps(256, TimestepConfig(min_timestep_boundary=0.5), torch.Generator().manual_seed(1),
+                          family=EDIT)
     assert int(high.index.min()) >= 500 and float(high.sigmas.max()) <= float(ref.sigmas[500]) + 1e-6
-    ln = draw_timesteps(4096, TimestepConfig(timestep_sampling="logit_normal"), torch.Generator().manual_seed(2))
+    ln = draw_timesteps(4096, TimestepConfig(timestep_sampling="logit_normal"), torch.Generator().manual_seed(2),
+                        family=EDIT)
     assert 0 <= int(ln.index.min()) and int(ln.index.max()) <= 999
     frac_mid = float(((ln.index > 250) & (ln.index < 750)).float().mean())
     assert frac_mid > 0.6  # logit-normal(0, 1) puts ~68 % of mass in the middle half of u

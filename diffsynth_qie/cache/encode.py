@@ -56,17 +56,14 @@ def _fit(img, max_pixels: int, divisor: int, path):
     return resize_to(img, fit_image(img.size, max_pixels, divisor, f"image {path}"))
 
 
-def prepare_row(row: EditRow, config: CacheConfig, ops=None, augment=None) -> _Prepared:
+def prepare_row(row: EditRow, config: CacheConfig, ops, augment=None) -> _Prepared:
     """Decode and resize a row's images as documented in the module docstring (``ops``: the model family's,
-    ``models.family_ops.ops_for``; default Qwen-Image-Edit's). ``augment(image)``, when given, transforms every
+    ``models.family_ops.ops_for``). ``augment(image)``, when given, transforms every
     image of the row the same way (``live.augmenter``), the mask before it is pooled to latent resolution."""
     import numpy as np
     import torch
     import torch.nn.functional as F
 
-    from ..models.family_ops import ops_for
-
-    ops = ops or ops_for("qwen-image-edit")
     divisor = max(config.divisor, ops.family.size_divisor)
     same = augment or (lambda im: im)
     target = same(_fit(load_rgb(row.target), config.max_pixels, divisor, row.target))
@@ -136,14 +133,12 @@ def vae_encode_many(pipe, images: list, ops) -> list:
     return out
 
 
-def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops=None) -> CacheEntry:
+def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops) -> CacheEntry:
     """The tensors of one row (``sub_noise`` left to the caller: it is shared per size); the VAE and the text
-    encoder each run where their weights are (:func:`placed`)."""
+    encoder each run where their weights are (:func:`placed`). The prompts' tensors follow the family's
+    ``Family.prompt_tensors`` (``ops.split_prompt``)."""
     import torch
 
-    from ..models.family_ops import ops_for
-
-    ops = ops or ops_for("qwen-image-edit")
     row = prep.row
     images = [prep.target, *prep.edits]
     own_lbm = prep.lbm_source is not None and (not prep.edits or prep.lbm_source is not prep.edits[0])
@@ -161,8 +156,11 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops=None) -> Cache
     prompts = [p for p in row.prompts if not is_empty_prompt(p)]
     with placed(pipe, "text_encoder"):
         encoded = [ops.split_prompt(ops.encode_prompt(pipe, p, prep.edits, edits, multi_image, None)) for p in prompts]
-        empty, empty_pad = ops.split_prompt(ops.encode_prompt(pipe, "", prep.edits, edits, multi_image, None))
+        empty, empty_extras = ops.split_prompt(ops.encode_prompt(pipe, "", prep.edits, edits, multi_image, None))
     embs = [e for e, _ in encoded]
+
+    def host(extras: dict) -> dict:
+        return {name: extras[name].cpu() for name in ops.family.prompt_tensors}
 
     def ones(emb):
         return torch.ones(emb.shape[0], dtype=torch.long)
@@ -173,8 +171,7 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops=None) -> Cache
         empty_prompt_emb=empty, empty_prompt_mask=ones(empty),
         target_latents=target, edit_latents=list(edits), sub_noise=None,  # type: ignore[arg-type]
         back_mask=prep.back_mask, ref_gt_latents=ref_gt, lbm_source_latents=lbm,
-        prompt_pads=None if empty_pad is None else [pad.cpu() for _, pad in encoded],
-        empty_prompt_pad=None if empty_pad is None else empty_pad.cpu(),
+        prompt_extras=[host(x) for _, x in encoded], empty_prompt_extras=host(empty_extras),
     )
 
 
@@ -193,19 +190,17 @@ def placed(pipe, component: str):
         pipe.device = saved
 
 
-def white_key(pipe, writer: ShardWriter, size: tuple[int, int], ops=None) -> str:
+def white_key(pipe, writer: ShardWriter, size: tuple[int, int], ops) -> str:
     """Key of the white latents for a (W, H) pixel size, computing them once per cache."""
-    from ..models.family_ops import ops_for
-
     key = store.sub_noise_key(size[1], size[0])
     if not writer.has_shared(key):
         with placed(pipe, "vae"):
-            writer.add_shared(key, (ops or ops_for("qwen-image-edit")).white(pipe, size[0], size[1]))
+            writer.add_shared(key, ops.white(pipe, size[0], size[1]))
     return key
 
 
 def entry_meta(prep: _Prepared, entry: CacheEntry, content_hash: str, sub_key: str, sub_ref_key: str | None,
-               base: Path, patch: int = 2) -> EntryMeta:
+               base: Path, patch: int) -> EntryMeta:
     def rel(p) -> str:
         try:
             return str(Path(p).relative_to(base))
@@ -229,5 +224,5 @@ def entry_meta(prep: _Prepared, entry: CacheEntry, content_hash: str, sub_key: s
         dtype=str(entry.target_latents.dtype).replace("torch.", ""),
         sources={name: rel(p) for name, p in row.image_paths().items()},
         patch=patch,
-        has_prompt_pads=entry.prompt_pads is not None,
+        prompt_tensors=list(entry.empty_prompt_extras),
     )

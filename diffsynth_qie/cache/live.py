@@ -138,7 +138,7 @@ class LiveStore:
             target_size=(target[1], target[0]), target_shape=shape(target), edit_shapes=[shape(e) for e in edits],
             has_back_mask=row.back_mask is not None, ref_gt_shape=shape(ref_gt) if ref_gt else None,
             lbm_source=store_mod.LBM_NONE, sub_noise_key="", sub_noise_ref_gt_key=None, dtype="", patch=family.patch,
-            has_prompt_pads=not family.has_tokenizer)
+            prompt_tensors=list(family.prompt_tensors))
 
 
 def augmenter(rng: random.Random):

@@ -39,9 +39,10 @@ ones; kept so the trainer can pad and mask uniformly), latents ``[16, h, w]`` wi
 ``h, w`` = pixel size / 8, ``back_mask`` ``[1, h, w]`` float32 in [0, 1] (area
 average, so partly covered latent pixels are fractional).
 
-A Qwen-Image-2.1 cache (manifest ``"family": "qwen-image-2.1"``) differs where the model does: latents
-``[64, h, w]`` with ``h, w`` = pixel size / 16 (one DiT token each), and each prompt embedding has its
-references' slot mask ``prompt_pad.<k>`` / ``empty_prompt_pad`` ``[L]`` (bool: which positions the
+The model family (manifest ``"family"``) decides the latents' channels and scale (Qwen-Image-2.1: ``[64, h, w]``
+with ``h, w`` = pixel size / 16, one DiT token each) and the tensors each prompt has beside its embedding, one
+per name of its ``Family.prompt_tensors``, stored as ``prompt_<name>.<k>`` / ``empty_prompt_<name>`` and listed
+in each entry's ``prompt_tensors`` (2.1: ``pad``, the references' slot mask ``[L]``, bool: which positions the
 reference latents fill). A cache of one family is refused for the other.
 
 Readers: ``CacheStore.open(cache_dir)`` then ``len``, ``entry_ids``, ``meta(i)``
@@ -56,14 +57,14 @@ every listing goes through ``utils.atomic.finished_files``.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from .entry import (LBM_EDIT0, LBM_NONE, LBM_OWN, CacheEntry, EntryMeta, lbm_source_mode,  # noqa: F401 (re-exported)
+                    sub_noise_key)
 
 if TYPE_CHECKING:  # torch is imported lazily so `qie --help` stays fast
     import torch
@@ -77,156 +78,6 @@ SHARED_PATTERN = "shared*.safetensors"
 SHARDS_DIR = "shards"
 PARTS_DIR = "parts"
 SKIPPED_NAME = "skipped.jsonl"
-
-LBM_NONE, LBM_EDIT0, LBM_OWN = "none", "edit0", "own"
-
-
-def sub_noise_key(height: int, width: int) -> str:
-    """Key of the white-image latents for a ``height x width`` *pixel* image in shared.safetensors."""
-    return f"sub_noise/{int(height)}x{int(width)}"
-
-
-@dataclass
-class EntryMeta:
-    """Everything about an entry that needs no tensor read (bucketing, sampling, filtering).
-
-    Shapes are latent shapes ``(16, h, w)``; ``target_size`` is the pixel ``(H, W)``.
-    """
-
-    entry_id: str
-    row_id: str
-    dataset: str
-    inverse: bool
-    content_hash: str
-    prompts: list[str]
-    prompt_lengths: list[int]
-    empty_prompt_length: int
-    prompt_dim: int
-    target_size: tuple[int, int]
-    target_shape: tuple[int, int, int]
-    edit_shapes: list[tuple[int, int, int]]
-    has_back_mask: bool
-    ref_gt_shape: Optional[tuple[int, int, int]]
-    lbm_source: str  # LBM_NONE | LBM_EDIT0 (same tensor as edit_latents[0]) | LBM_OWN
-    sub_noise_key: str
-    sub_noise_ref_gt_key: Optional[str]
-    dtype: str
-    sources: dict[str, Any] = field(default_factory=dict)  # relative input paths, for humans/debugging
-    patch: int = 2  # latent pixels per DiT token side (2: Qwen-Image-Edit's 2x2 patches; 1: Qwen-Image-2.1)
-    has_prompt_pads: bool = False  # the references' slot masks per prompt (Qwen-Image-2.1)
-    mask_derived: bool = False  # back_mask derived by --auto_mask (not the row's own)
-    shard: str = ""  # shard file name under shards/, set by ShardWriter
-    key: str = ""  # tensor key prefix inside the shard, set by ShardWriter
-
-    @property
-    def n_edit(self) -> int:
-        return len(self.edit_shapes)
-
-    @property
-    def n_prompts(self) -> int:
-        return len(self.prompt_lengths)
-
-    @property
-    def has_ref_gt(self) -> bool:
-        return self.ref_gt_shape is not None
-
-    @property
-    def has_lbm_source(self) -> bool:
-        return self.lbm_source != LBM_NONE
-
-    @property
-    def image_tokens(self) -> int:
-        """DiT image tokens (``patch`` x ``patch`` latent pixels each) of the target plus all reference images."""
-        return sum((s[1] // self.patch) * (s[2] // self.patch) for s in [self.target_shape, *self.edit_shapes])
-
-    @property
-    def text_tokens(self) -> int:
-        """Longest prompt alternative (what a batch must be padded to)."""
-        return max(self.prompt_lengths)
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "EntryMeta":
-        d = dict(d)
-        d["target_size"] = tuple(d["target_size"])
-        d["target_shape"] = tuple(d["target_shape"])
-        d["edit_shapes"] = [tuple(s) for s in d["edit_shapes"]]
-        d["ref_gt_shape"] = tuple(d["ref_gt_shape"]) if d.get("ref_gt_shape") else None
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-@dataclass
-class CacheEntry:
-    """The tensors of one dataset row (no batch dimension; see the module docstring).
-
-    ``sub_noise`` is always set (white latents at the target's size);
-    ``sub_noise_ref_gt`` is set whenever ``ref_gt_latents`` is (the same tensor as
-    ``sub_noise`` when the sizes match). ``lbm_source_latents`` is the first
-    reference image resized to the target's pixel size and encoded (LBM's
-    main-stream prior), None for text-to-image rows.
-    """
-
-    entry_id: str
-    row_id: str
-    dataset: str
-    inverse: bool
-    prompt_embs: list["torch.Tensor"]
-    prompt_masks: list["torch.Tensor"]
-    empty_prompt_emb: "torch.Tensor"
-    empty_prompt_mask: "torch.Tensor"
-    target_latents: "torch.Tensor"
-    edit_latents: list["torch.Tensor"]
-    sub_noise: "torch.Tensor"
-    back_mask: Optional["torch.Tensor"] = None
-    ref_gt_latents: Optional["torch.Tensor"] = None
-    sub_noise_ref_gt: Optional["torch.Tensor"] = None
-    lbm_source_latents: Optional["torch.Tensor"] = None
-    prompt_pads: Optional[list["torch.Tensor"]] = None  # Qwen-Image-2.1: each prompt's reference-slot mask
-    empty_prompt_pad: Optional["torch.Tensor"] = None
-
-    @property
-    def n_edit(self) -> int:
-        return len(self.edit_latents)
-
-    def own_tensors(self) -> dict[str, "torch.Tensor"]:
-        """Per-entry tensors by shard name (shared white latents and an lbm source equal
-        to ``edit_latents[0]`` excluded: those are stored once elsewhere)."""
-        out: dict[str, torch.Tensor] = {}
-        for k, (emb, mask) in enumerate(zip(self.prompt_embs, self.prompt_masks)):
-            out[f"prompt_emb.{k}"] = emb
-            out[f"prompt_mask.{k}"] = mask
-        out["empty_prompt_emb"] = self.empty_prompt_emb
-        out["empty_prompt_mask"] = self.empty_prompt_mask
-        if self.prompt_pads is not None:
-            out.update({f"prompt_pad.{k}": pad for k, pad in enumerate(self.prompt_pads)})
-            out["empty_prompt_pad"] = self.empty_prompt_pad
-        out["target_latents"] = self.target_latents
-        for j, lat in enumerate(self.edit_latents):
-            out[f"edit_latents.{j}"] = lat
-        if self.back_mask is not None:
-            out["back_mask"] = self.back_mask
-        if self.ref_gt_latents is not None:
-            out["ref_gt_latents"] = self.ref_gt_latents
-        if self.lbm_source_latents is not None and lbm_source_mode(self) == LBM_OWN:
-            out["lbm_source_latents"] = self.lbm_source_latents
-        return out
-
-
-def lbm_source_mode(entry: CacheEntry) -> str:
-    """How an entry's LBM source is stored: not at all, as edit_latents[0], or its own tensor."""
-    import torch
-
-    src = entry.lbm_source_latents
-    if src is None:
-        return LBM_NONE
-    if entry.edit_latents and (src is entry.edit_latents[0] or (
-            src.shape == entry.edit_latents[0].shape and torch.equal(src, entry.edit_latents[0]))):
-        return LBM_EDIT0
-    return LBM_OWN
-
 
 # ----------------------------------------------------------------------------- reading
 
@@ -338,8 +189,9 @@ class CacheStore:
                 ref_gt_latents=get("ref_gt_latents") if m.has_ref_gt else None,
                 sub_noise_ref_gt=self.shared(m.sub_noise_ref_gt_key) if m.sub_noise_ref_gt_key else None,
                 lbm_source_latents=lbm,
-                prompt_pads=[get(f"prompt_pad.{k}") for k in range(m.n_prompts)] if m.has_prompt_pads else None,
-                empty_prompt_pad=get("empty_prompt_pad") if m.has_prompt_pads else None,
+                prompt_extras=[{name: get(f"prompt_{name}.{k}") for name in m.prompt_tensors}
+                               for k in range(m.n_prompts)],
+                empty_prompt_extras={name: get(f"empty_prompt_{name}") for name in m.prompt_tensors},
             )
         return entry
 

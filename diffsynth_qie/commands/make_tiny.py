@@ -1,5 +1,7 @@
-"""`qie make-tiny`: build the tiny Qwen-Image-Edit (``tiny/build.py``) or, with ``--model tiny-2.1``, the tiny
-Qwen-Image-2.1 (``tiny/qwen21.py``) on disk.
+"""`qie make-tiny`: build a locally built preset's model on disk: the tiny Qwen-Image-Edit (``tiny/build.py``) or,
+with ``--model tiny-2.1``, the tiny Qwen-Image-2.1 (``tiny/qwen21.py``). The choices are the presets with a
+``Preset.provider``; the provider's module says how to build (its ``MAKE_TINY``: ``replaceable``, ``complete``,
+``ensure``, ``what``).
 
 The result has the real repositories' layout, so every other command takes it via
 ``--model tiny --model_dir DIR``. Idempotent: an existing complete build from the
@@ -20,9 +22,30 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+PRETRAINED_PRESET = "tiny"  # --pretrained: the tiny Qwen-Image-Edit's pretrained base (training/pretrain_tiny.py)
+
+
+def buildable() -> dict:
+    """Preset name -> description, for every preset built locally (``Preset.provider``)."""
+    from ..models.presets import PRESETS
+
+    return {name: p.description for name, p in PRESETS.items() if p.provider}
+
+
+def local_build(preset_name: str) -> dict:
+    """The ``MAKE_TINY`` hooks of the preset's provider module."""
+    import importlib
+
+    from ..models.presets import get_preset
+
+    module = get_preset(preset_name).provider.partition(":")[0]
+    return getattr(importlib.import_module(module), "MAKE_TINY")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", choices=("tiny", "tiny-2.1"),
-                        help="which tiny model: Qwen-Image-Edit (tiny) or Qwen-Image-2.1 (tiny-2.1)")
+    models = buildable()
+    parser.add_argument("--model", default=PRETRAINED_PRESET, choices=tuple(models),
+                        help="which model to build: " + "; ".join(f"{n}: {d}" for n, d in models.items()))
     parser.add_argument("--out", default=None,
                         help="output directory (the model's root; created if missing). Required without "
                              "--pretrained; with it, default $QIE_HOME/models/Qwen-Image-Edit-tiny-pretrained")
@@ -39,21 +62,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tiny.build import ensure_tiny, is_complete, looks_like_tiny_dir
     from ..utils.logging import library_warnings_once
 
     library_warnings_once()  # building the text encoder config warns about its RoPE keys (harmless)
     if args.pretrained:
-        if args.model != "tiny":
-            raise ValueError("--pretrained builds the pretrained tiny Qwen-Image-Edit; drop --model tiny-2.1")
+        if args.model != PRETRAINED_PRESET:
+            raise ValueError(f"--pretrained builds the pretrained {PRETRAINED_PRESET} model; drop --model {args.model}")
         return _run_pretrained(args)
     if args.out is None:
         raise ValueError("--out is required (or pass --pretrained for the pretrained base's default directory)")
     out = Path(args.out)
-    if args.model == "tiny-2.1":
-        return _run_tiny21(out, args)
-    if _build(out, args, looks_like_tiny_dir, is_complete, ensure_tiny, "tiny model"):
-        log.info("tiny Qwen-Image-Edit written to %s (use it with: --model tiny --model_dir %s)", out, out)
+    hooks = local_build(args.model)
+    if _build(out, args, **hooks):
+        log.info("%s written to %s (use it with: --model %s --model_dir %s)", hooks["what"], out, args.model, out)
     return 0
 
 
@@ -84,12 +105,4 @@ def _run_pretrained(args: argparse.Namespace) -> int:
     if args.write_shipped:
         log.info("shipped copy written to %s", tiny_pretrained.write_shipped(out, Path(args.write_shipped)))
     log.info("pretrained tiny base in %s (use it with: --model tiny --model_dir %s)", out, out)
-    return 0
-
-
-def _run_tiny21(out: Path, args: argparse.Namespace) -> int:
-    from ..tiny.qwen21 import ensure_tiny21, is_complete21, replaceable21
-
-    if _build(out, args, replaceable21, is_complete21, ensure_tiny21, "tiny Qwen-Image-2.1"):
-        log.info("tiny Qwen-Image-2.1 written to %s (use it with: --model tiny-2.1 --model_dir %s)", out, out)
     return 0

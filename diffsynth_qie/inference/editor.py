@@ -44,9 +44,11 @@ from PIL import Image
 from ..data.images import MAX_IMAGE_PIXELS, fit_image, resize_to, to_rgb
 from ..models.encoding import DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, white_latents
 from ..models.family import EDIT, family_of_pipe
-from ..models.family_ops import ops_for, reference_size  # noqa: F401 (reference_size: public here)
+from ..models.edit_ops import reference_size  # noqa: F401 (public here)
+from ..models.family_ops import ops_for
 from ..models.forward import bound_rope_cache
 from ..models.sampling import sample_bridge, sample_flow_match, seeded_noise, uses_cfg
+from ..models.schedules import ScheduleSpec
 from .checks import check_request
 from .devices import COMPONENTS, _module_device, device_map_with, parse_device_map, parse_dtype  # noqa: F401
 from .masking import LatentMaskBlend, blend_pixels, latent_keep_weight
@@ -327,10 +329,9 @@ class Editor:
             velocity = self.ops.velocity(self.pipe.dit, cond, cfg)
             keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
             steps = self.default_steps() if request.steps is None else int(request.steps)
-            return sample_flow_match(
-                velocity, noise, steps, keep, request.progress, scheduler=request.scheduler,
-                schedule=self.ops.schedule(self.preset, steps, latent_hw, request.scheduler, request.strength),
-                strength=request.strength, source=None if z_src is None else to_dit(z_src)[None])
+            spec = ScheduleSpec.for_preset(self.preset, steps, latent_hw, request.scheduler, request.strength)
+            return sample_flow_match(velocity, noise, spec, self.ops.schedule, keep, request.progress,
+                                     source=None if z_src is None else to_dit(z_src)[None])
 
     def default_steps(self) -> int:
         """The model's own step count: a fixed grid's length (2.1-turbo), else the family's default (40)."""

@@ -41,6 +41,11 @@ class Family:
     licence: str
     has_tokenizer: bool                  # a tokenizer folder beside the processor (the Edit family)
     lora_targets: tuple[str, ...]        # default LoRA target module names
+    ops: str                             # dotted path of its ``family_ops.FamilyOps`` (the behaviour)
+    training_template: str               # DiffSynth's ``FlowMatchScheduler`` template of the training σ schedule
+    # The tensors of an encoded prompt the cache stores beside its embedding [L, D], one per name, as
+    # ``prompt_<name>.<k>`` / ``empty_prompt_<name>`` (``FamilyOps.split_prompt`` makes them).
+    prompt_tensors: tuple[str, ...]
     fullsize_verify: bool = False        # ``qie plan --verify`` and the preflight run this family at full size
     # DiffSynth's classes at their real sizes (default arguments), for ``qie plan``'s census on the meta device
     dit_class: str = ""
@@ -95,6 +100,7 @@ EDIT = Family(
     model_names={"dit": "qwen_image_dit", "text_encoder": "qwen_image_text_encoder", "vae": "qwen_image_vae"},
     latent_channels=16, vae_factor=8, token_pixels=16, size_divisor=16, default_steps=40, default_cfg=4.0,
     max_references=3, licence="Apache-2.0", has_tokenizer=True, lora_targets=EDIT_LORA_TARGETS,
+    ops="diffsynth_qie.models.edit_ops.EditOps", training_template="Qwen-Image", prompt_tensors=(),
     fullsize_verify=True, dit_class="diffsynth.models.qwen_image_dit.QwenImageDiT",
     text_encoder_class="diffsynth.models.qwen_image_text_encoder.QwenImageTextEncoder",
     vae_class="diffsynth.models.qwen_image_vae.QwenImageVAE", streams=2,
@@ -106,7 +112,9 @@ QWEN21 = Family(
                  "vae": "qwen_image_21_vae"},
     latent_channels=64, vae_factor=16, token_pixels=16, size_divisor=32, default_steps=40, default_cfg=1.0,
     max_references=10, licence="Qwen Research License (non-commercial use only)", has_tokenizer=False,
-    lora_targets=QWEN21_LORA_TARGETS, dit_class="diffsynth.models.qwen_image_21_dit.QwenImage21DiT",
+    lora_targets=QWEN21_LORA_TARGETS, ops="diffsynth_qie.models.qwen21_ops.Qwen21Ops",
+    training_template="Qwen-Image", prompt_tensors=("pad",),  # pad: the references' slots in the prompt [L], bool
+    dit_class="diffsynth.models.qwen_image_21_dit.QwenImage21DiT",
     text_encoder_class="diffsynth.models.qwen_image_21_text_encoder.QwenImage21TextEncoder",
     vae_class="diffsynth.models.qwen_image_21_vae.QwenImage21VAE", streams=1,
 )

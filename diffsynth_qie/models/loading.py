@@ -20,6 +20,8 @@ Where files are looked for, per component:
 3. otherwise DiffSynth downloads it, unless ``DIFFSYNTH_SKIP_DOWNLOAD`` is true or
    the hub is unreachable, in which case :func:`load_pipeline` fails fast.
 
+The folders and the hub check are ``hub.py``'s; this module resolves a preset's files and loads.
+
 DiffSynth's loader prints a download-source box, every loaded model's config as
 JSON and a line per optional model it did not find; :func:`load_pipeline` sends
 those lines to the ``diffsynth`` logger at DEBUG (``qie --verbose`` shows them).
@@ -33,59 +35,18 @@ import glob
 import json
 import logging
 import os
-import socket
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
-from urllib.parse import urlparse
 
-from ..utils.logging import library_logs_to_debug, library_warnings_once, prints_to_log
+from ..utils.logging import library_warnings_once, prints_to_log
+from .hub import (HUB_CHECK_TIMEOUT_S, default_tiny_dir, diffsynth_model_base, hub_reachable,  # noqa: F401 (re-exported)
+                  modelscope_snapshot, qie_home, why_no_download)
 from .presets import Preset, Source, get_preset
 
 log = logging.getLogger(__name__)
 
 MODEL_COMPONENTS = ("dit", "text_encoder", "vae")
-HUB_CHECK_TIMEOUT_S = 3.0
-
-
-# --- locations -------------------------------------------------------------------
-def qie_home() -> Path:
-    """Root for our own downloads/builds: ``$QIE_HOME``, default ``~/.cache/diffsynth-qie``."""
-    return Path(os.environ.get("QIE_HOME") or Path.home() / ".cache" / "diffsynth-qie").expanduser()
-
-
-def default_tiny_dir() -> Path:
-    return qie_home() / "models" / "Qwen-Image-Edit-tiny"
-
-
-def diffsynth_model_base() -> Path:
-    """The folder DiffSynth downloads into (``ModelConfig.reset_local_model_path``)."""
-    return Path(os.environ.get("DIFFSYNTH_MODEL_BASE_PATH") or "./models")
-
-
-def _modelscope_snapshot(model_id: str) -> list[Path]:
-    """ModelScope's cached snapshot folder of ``model_id`` (``[]`` if it has none), found by ModelScope's own
-    ``snapshot_download(local_files_only=True)``: no network, nothing created, every cache layout it knows
-    (current and pre-1.38). Not asked at all when the cache root (``$MODELSCOPE_CACHE``, default
-    ``~/.cache/modelscope``) does not exist, which keeps a hopeless load fast."""
-    root = Path(os.environ.get("MODELSCOPE_CACHE") or Path.home() / ".cache" / "modelscope").expanduser()
-    if not root.is_dir():
-        return []
-    try:  # modelscope >= 1.38 delegates to the light modelscope-hub package (no torch import)
-        from modelscope_hub.compat.snapshot_download import snapshot_download
-    except ImportError:
-        from modelscope.hub.snapshot_download import snapshot_download
-    with library_logs_to_debug("modelscope", "modelscope_hub"):  # "using cached revision ..." is not news
-        try:
-            return [Path(snapshot_download(model_id=model_id, local_files_only=True))]
-        except Exception as e:  # CacheNotFound and friends: not cached here
-            log.debug("no ModelScope cache of %s: %s", model_id, e)
-            return []
-
-
-def _skip_download() -> bool:
-    return os.environ.get("DIFFSYNTH_SKIP_DOWNLOAD", "").strip().lower() == "true"
 
 
 # --- resolution ------------------------------------------------------------------
@@ -147,7 +108,7 @@ def _candidate_roots(repos: Sequence[str]):
     for repo in repos:
         yield diffsynth_model_base() / repo
     for repo in repos:
-        yield from _modelscope_snapshot(repo)
+        yield from modelscope_snapshot(repo)
 
 
 class MissingModelFiles(FileNotFoundError):
@@ -217,7 +178,7 @@ def resolve_model_configs(preset: str | Preset, model_dir: str | os.PathLike | N
             f"model_dir {model_dir} lacks files of the {preset.name} preset:{listing}\n"
             f"{_download_hint(preset, model_dir)}")
     if missing:
-        reason = _why_no_download()
+        reason = why_no_download()
         if reason:
             raise MissingModelFiles(
                 f"{preset.name} ({preset.repo_id}) weights are not downloaded and {reason}. Missing:{listing}\n"
@@ -245,55 +206,6 @@ def _attach(resolved: ResolvedModels, name: str, config) -> None:
     else:
         resolved.model_configs.append(config)
         resolved.model_components.append(name)
-
-
-# --- can we download? ------------------------------------------------------------
-def _hub_address() -> tuple[str, int]:
-    """Host/port a download would connect to first (the proxy if one is set)."""
-    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
-        if os.environ.get(var):
-            url = urlparse(os.environ[var] if "://" in os.environ[var] else "http://" + os.environ[var])
-            return url.hostname or "", url.port or 80
-    if os.environ.get("DIFFSYNTH_DOWNLOAD_SOURCE", "").lower() == "huggingface":
-        url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    else:
-        url = urlparse(os.environ.get("MODELSCOPE_ENDPOINT") or os.environ.get("MODELSCOPE_DOMAIN")
-                       or "https://www.modelscope.cn")
-        if not url.hostname:  # MODELSCOPE_DOMAIN may be a bare host name
-            url = urlparse("https://" + (os.environ.get("MODELSCOPE_DOMAIN") or "www.modelscope.cn"))
-    return url.hostname or "", url.port or (443 if url.scheme != "http" else 80)
-
-
-def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
-    """One TCP connect to the hub (DNS included) bounded by ``timeout`` seconds.
-
-    Not a ModelScope API call: ``HubApi(timeout=..., max_retries=0).get_model`` still
-    takes about 16 s to give up on a refused connection, which is the wait this check
-    exists to avoid."""
-    host, port = _hub_address()
-    result: list[bool] = []
-
-    def probe():
-        try:
-            with socket.create_connection((host, port), timeout=timeout):
-                result.append(True)
-        except OSError:
-            result.append(False)
-
-    # A daemon thread bounds a hanging DNS lookup too (create_connection's timeout doesn't).
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return bool(result and result[0])
-
-
-def _why_no_download() -> str | None:
-    if _skip_download():
-        return "DIFFSYNTH_SKIP_DOWNLOAD is set"
-    host, port = _hub_address()
-    if not hub_reachable():
-        return f"the model hub ({host}:{port}) is unreachable"
-    return None
 
 
 # --- loading ---------------------------------------------------------------------

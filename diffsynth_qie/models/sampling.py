@@ -9,9 +9,9 @@ toy model in the LBM tests, or a DiT under training (validation). Convention
 (DiffSynth's): σ = 1 at the prior (noise, or the LBM source), σ = 0 at the data;
 ``v = dx/dσ`` and the DiT sees ``timestep = 1000·σ``.
 
-- **Flow matching** reuses DiffSynth's ``FlowMatchScheduler("Qwen-Image")``
-  (``set_timesteps(steps, dynamic_shift_len=(H/16)·(W/16))`` and ``step``): the very
-  schedule ``QwenImagePipeline.__call__`` uses, so results match it (tests pin it).
+- **Flow matching** steps with DiffSynth's ``FlowMatchScheduler.step`` on the schedule the
+  model family returns for a :class:`~.schedules.ScheduleSpec` (``schedules.py``: one route
+  for the default, Lightning and fixed-grid schedules of every family).
 - **True CFG** runs the positive and negative prompt as ONE batch of 2B through
   :func:`~diffsynth_qie.models.forward.dit_forward` (DiffSynth runs two sequential
   batch-1 passes); ``v = v_neg + cfg·(v_pos − v_neg)``. Like DiffSynth, any
@@ -28,14 +28,14 @@ same values at training, validation and inference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .bridge import (bridge_interpolate, bridge_noise_scale, bridge_sigmas,  # noqa: F401 (re-exported)
                              bridge_step, bridge_target)
 from .forward import dit_forward
-from .lightning import check_scheduler, lightning_scheduler
+from .schedules import ScheduleSpec
 
 Tensor = torch.Tensor
 #: (x [B, 16, h, w], timesteps [B] on the 0..1000 scale) -> velocity [B, 16, h, w]
@@ -44,6 +44,8 @@ VelocityFn = Callable[[Tensor, Tensor], Tensor]
 KeepFn = Callable[[Tensor, float], Tensor]
 #: progress(step, total), step counts from 1
 ProgressFn = Callable[[int, int], None]
+#: a model family's schedule for a spec (``FamilyOps.schedule``) -> DiffSynth ``FlowMatchScheduler``
+ScheduleFn = Callable[[ScheduleSpec], Any]
 
 
 # --- conditioning + DiT velocity --------------------------------------------------
@@ -136,42 +138,26 @@ def dit_velocity(dit, cond: Conditioning, cfg: float = 1.0) -> VelocityFn:
 
 
 # --- flow matching ----------------------------------------------------------------
-def flow_match_scheduler(steps: int, latent_h: int, latent_w: int, strength: float = 1.0):
-    """DiffSynth's Qwen-Image scheduler set up as ``QwenImagePipeline.__call__`` does (``strength`` < 1: its
-    ``denoising_strength``, the schedule of an edit that starts part-way)."""
-    from diffsynth.diffusion import FlowMatchScheduler
-
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    scheduler = FlowMatchScheduler("Qwen-Image")
-    height, width = latent_h * 8, latent_w * 8
-    scheduler.set_timesteps(steps, denoising_strength=strength, dynamic_shift_len=(height // 16) * (width // 16))
-    return scheduler
-
-
 @torch.no_grad()
-def sample_flow_match(velocity: VelocityFn, noise: Tensor, steps: int, keep: KeepFn | None = None,
-                      progress: ProgressFn | None = None, scheduler: str = "default", schedule=None,
-                      strength: float = 1.0, source: Tensor | None = None) -> Tensor:
-    """Integrate from ``noise`` [B, C, h, w] (σ = 1) to σ = 0 with DiffSynth's schedule and Euler step.
+def sample_flow_match(velocity: VelocityFn, noise: Tensor, spec: ScheduleSpec, schedule: ScheduleFn,
+                      keep: KeepFn | None = None, progress: ProgressFn | None = None,
+                      source: Tensor | None = None) -> Tensor:
+    """Integrate from ``noise`` [B, C, h, w] (σ = 1) to σ = 0 with DiffSynth's Euler step on the schedule the
+    model family builds for ``spec`` (``schedule(spec)``: the family's ``FamilyOps.schedule``).
 
     ``keep(x, σ)`` runs on the initial latents and after every step with the σ the
-    latents are now at (the mask's latent blend). ``scheduler="lightning"`` uses the
-    schedule the Lightning few-step LoRAs were distilled with (``models/lightning.py``).
-    ``schedule``: a ready DiffSynth ``FlowMatchScheduler`` instead (a model family's own set-up).
-    ``strength`` < 1 (SDEdit): the schedule starts part-way (DiffSynth's ``denoising_strength``) from ``source``
-    noised to the first σ, ``(1 − σ₀)·source + σ₀·noise``; 0 returns ``source``; 1 is the plain sampler.
+    latents are now at (the mask's latent blend).
+    ``spec.strength`` < 1 (SDEdit): the schedule starts part-way (DiffSynth's ``denoising_strength``) from
+    ``source`` noised to the first σ, ``(1 − σ₀)·source + σ₀·noise``; 0 returns ``source``; 1 is the plain sampler.
     """
+    strength = spec.strength
     if strength < 1.0 and source is None:
         raise ValueError(f"strength {strength} starts from the source image's latents; none were given")
+    if tuple(noise.shape[-2:]) != spec.latent_hw:
+        raise ValueError(f"the schedule was asked for latents of {spec.latent_hw}, the noise is {tuple(noise.shape[-2:])}")
     if strength <= 0.0:
         return source
-    if schedule is not None:
-        scheduler = schedule
-    elif check_scheduler(scheduler) == "lightning":
-        scheduler = lightning_scheduler(steps, noise.shape[-2], noise.shape[-1], strength)
-    else:
-        scheduler = flow_match_scheduler(steps, noise.shape[-2], noise.shape[-1], strength)
+    scheduler = schedule(spec)
     sigmas = [float(s) for s in scheduler.sigmas] + [0.0]
     x = noise if strength >= 1.0 else ((1 - sigmas[0]) * source.float() + sigmas[0] * noise.float()).to(noise.dtype)
     if keep is not None:

@@ -274,6 +274,11 @@ def ensure_tiny(out_dir: str | os.PathLike, seed: int | None = None) -> Path:
     return ensure_built(out_dir, seed, build_tiny, is_complete, looks_like_tiny_dir, "tiny Qwen-Image-Edit")
 
 
+# What `qie make-tiny --model tiny` builds with (found through the preset's provider, this module).
+MAKE_TINY = {"replaceable": looks_like_tiny_dir, "complete": is_complete, "ensure": ensure_tiny,
+             "what": "tiny Qwen-Image-Edit"}
+
+
 def ensure_built(out_dir: str | os.PathLike, seed: int | None, build, complete, replaceable, what: str) -> Path:
     """:func:`ensure_tiny` for any locally built model: ``build(dir, seed=)`` writes it, ``complete(dir, seed=)``
     says a directory holds a finished build, ``replaceable(dir)`` that it holds nothing else."""

@@ -195,6 +195,11 @@ def ensure_tiny21(out_dir: str | os.PathLike, seed: int | None = None) -> Path:
     return ensure_built(out_dir, seed, build_tiny21, is_complete21, replaceable21, "tiny Qwen-Image-2.1")
 
 
+# What `qie make-tiny --model tiny-2.1` builds with (found through the preset's provider, this module).
+MAKE_TINY = {"replaceable": replaceable21, "complete": is_complete21, "ensure": ensure_tiny21,
+             "what": "tiny Qwen-Image-2.1"}
+
+
 _TEXT_ENCODER_CLASS = f"{__name__}.TinyQwenImage21TextEncoder"
 
 

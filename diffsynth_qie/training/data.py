@@ -132,12 +132,11 @@ class CacheDataset(torch.utils.data.Dataset):
         entry = part.store.load(store_index, epoch=key.epoch)
         rng_key = store_index if part_index == 0 else f"{part_index}:{store_index}"
         dropped = self.cfg_dropout > 0 and sample_rng(self.seed, key.epoch, rng_key, "cfg").random() < self.cfg_dropout
-        pads = entry.prompt_pads  # Qwen-Image-2.1: which prompt positions the reference latents fill
         if dropped:
-            prompt_index, prompt, pad = -1, entry.empty_prompt_emb, entry.empty_prompt_pad
+            prompt_index, prompt = -1, entry.empty_prompt_emb
         else:
             prompt_index = sample_rng(self.seed, key.epoch, rng_key, "prompt").randrange(len(entry.prompt_embs))
-            prompt, pad = entry.prompt_embs[prompt_index], None if pads is None else pads[prompt_index]
+            prompt = entry.prompt_embs[prompt_index]
         return {
             "index": store_index,
             "position": key.index,
@@ -147,7 +146,7 @@ class CacheDataset(torch.utils.data.Dataset):
             "prompt_index": prompt_index,
             "dropped": dropped,
             "prompt_emb": prompt,
-            "prompt_pad": pad,
+            "prompt_extras": entry.extras_of(prompt_index),  # the family's prompt tensors (Family.prompt_tensors)
             "empty_prompt_emb": entry.empty_prompt_emb,
             "target_latents": entry.target_latents,
             "edit_latents": list(entry.edit_latents),

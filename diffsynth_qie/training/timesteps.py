@@ -1,7 +1,8 @@
-"""Per-sample noise levels for flow-matching training, on DiffSynth's Qwen-Image schedule.
+"""Per-sample noise levels for flow-matching training, on the model family's DiffSynth training schedule
+(``Family.training_template``: ``"Qwen-Image"`` for both Qwen-Image-Edit and Qwen-Image-2.1).
 
 DiffSynth's ``FlowMatchSFTLoss`` draws *one* timestep per step (batch size 1) from
-``FlowMatchScheduler("Qwen-Image").set_timesteps(1000, training=True)`` and weights the
+``FlowMatchScheduler(template).set_timesteps(1000, training=True)`` and weights the
 loss with ``scheduler.training_weight``. We keep the same tables — the 1000 shifted
 training σ's (mu = 0.8, terminal shift 0.02), their timesteps (σ·1000) and the
 bell-shaped weights — but draw an index *per sample*:
@@ -27,6 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..models.family import Family
 from .config import TimestepConfig
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -43,8 +45,9 @@ class TimestepDraw:
 
 
 @functools.lru_cache(maxsize=4)
-def training_schedule(template: str = "Qwen-Image") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sigmas, timesteps, weights) of DiffSynth's training schedule, each ``[1000]``."""
+def training_schedule(template: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sigmas, timesteps, weights) of DiffSynth's training schedule ``FlowMatchScheduler(template)`` (a model
+    family's ``Family.training_template``), each ``[1000]``."""
     from diffsynth.diffusion.flow_match import FlowMatchScheduler
 
     scheduler = FlowMatchScheduler(template)
@@ -104,9 +107,10 @@ def sample_indices(batch_size: int, config: TimestepConfig, generator: torch.Gen
 
 
 def draw_timesteps(batch_size: int, config: TimestepConfig, generator: torch.Generator | None = None,
-                   weighting: str = "diffsynth", strata: Optional[Strata] = None) -> TimestepDraw:
-    """Per-sample σ, timesteps and loss weights for a batch (``strata``: see :func:`sample_indices`)."""
-    sigmas, timesteps, weights = training_schedule()
+                   weighting: str = "diffsynth", strata: Optional[Strata] = None, *, family: Family) -> TimestepDraw:
+    """Per-sample σ, timesteps and loss weights for a batch from ``family``'s training schedule (``strata``: see
+    :func:`sample_indices`)."""
+    sigmas, timesteps, weights = training_schedule(family.training_template)
     index = sample_indices(batch_size, config, generator, num=len(sigmas), strata=strata)
     w = weights[index] if weighting == "diffsynth" else torch.ones(batch_size)
     return TimestepDraw(index=index, sigmas=sigmas[index], timesteps=timesteps[index], weights=w)

@@ -95,17 +95,13 @@ class _Job:
 
 
 # --- sampling through models.sampling -------------------------------------------------
-def runner_velocity(run_dit: DiTRunner, cond, cfg: float, ops=None):
+def runner_velocity(run_dit: DiTRunner, cond, cfg: float, ops):
     """The model family's sampler velocity (``ops.velocity``) with every DiT call made by ``run_dit`` (the
     wrapped module).
 
     The velocity is cast to the latents' dtype: accelerate's mixed-precision wrapper
     returns fp32, the Editor's DiT the pipeline dtype; sampling stays in the latents' dtype.
     """
-    from ..models.family_ops import ops_for
-
-    ops = ops or ops_for("qwen-image-edit")
-
     def velocity(x: Tensor, timesteps: Tensor) -> Tensor:
         return run_dit(lambda dit: ops.velocity(dit, cond, cfg)(x, timesteps)).to(x.dtype)
 
@@ -118,11 +114,9 @@ def _conditioning(entries: Sequence[CacheEntry], cfg: float, zero_cond_t: bool, 
     def to(t: Tensor) -> Tensor:
         return t.to(device=device, dtype=dtype)
 
-    def pad(pads, k):
-        return None if pads is None else pads[k]
-
-    prompts = [ops.join_prompt(e.prompt_embs[0], pad(e.prompt_pads, 0)) for e in entries]
-    negatives = [ops.join_prompt(e.empty_prompt_emb, e.empty_prompt_pad) for e in entries] if uses_cfg(cfg) else None
+    prompts = [ops.join_prompt(e.prompt_embs[0], e.prompt_extras[0]) for e in entries]
+    negatives = ([ops.join_prompt(e.empty_prompt_emb, e.empty_prompt_extras) for e in entries]
+                 if uses_cfg(cfg) else None)
     return ops.conditioning(prompts, negatives, [e.edit_latents for e in entries], zero_cond_t, to)
 
 
@@ -164,16 +158,16 @@ def lbm_jobs(entries: Sequence[CacheEntry], names: Sequence[str], sub_target: st
 @torch.no_grad()
 def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequence[_Job], *, lbm: bool, steps: int,
                 cfg: float, zero_cond_t: bool, bridge_noise: float = 0.0, device=None,
-                dtype: torch.dtype = torch.float32, preset=None) -> list[Render]:
+                dtype: torch.dtype = torch.float32, preset) -> list[Render]:
     """Sample every job (flow matching, or LBM when ``lbm``), one sampler call per shape group, the way the
-    ``preset``'s model family samples (default: Qwen-Image-Edit)."""
+    ``preset``'s model family samples."""
     from ..models.family_ops import ops_for
-    from ..models.sampling import sample_bridge, sample_flow_match
-
     from ..models.presets import get_preset
+    from ..models.sampling import sample_bridge, sample_flow_match
+    from ..models.schedules import ScheduleSpec
 
-    preset = get_preset(preset) if preset is not None else None
-    ops = ops_for(preset.family if preset is not None else "qwen-image-edit")
+    preset = get_preset(preset)
+    ops = ops_for(preset.family)
     renders = {}
     for group in _by_shape(jobs):
         cond = _conditioning([entries[j.entry] for j in group], cfg, zero_cond_t, device, dtype, ops)
@@ -183,8 +177,8 @@ def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequenc
             generator = torch.Generator("cpu").manual_seed(entry_seed(group[0].entry))
             out = sample_bridge(velocity, prior, LBM_STEPS, bridge_noise, generator)
         else:
-            out = sample_flow_match(velocity, prior, steps,
-                                    schedule=ops.schedule(preset, steps, tuple(prior.shape[-2:]), "default"))
+            spec = ScheduleSpec.for_preset(preset, steps, prior.shape[-2:])
+            out = sample_flow_match(velocity, prior, spec, ops.schedule)
         for job, lat in zip(group, out):
             renders[job.name] = Render(job.name, job.entry, job.stream, job.target, lat)
     return [renders[j.name] for j in jobs]

@@ -40,13 +40,15 @@ def flow_match_sft_loss(dit, batch: dict, config: RunConfig, generator: torch.Ge
     """Flow-matching SFT loss of a batch (see the module docstring)."""
     targets = batch["target_latents"]
     n = len(targets)
+    ops = ops_for(family_of(config.train.model))  # the model family's DiT call and σ schedule (models/family_ops.py)
     draws = []
     noisy, velocity = [], []
     # --timestep_sampling stratified: the loop puts each sample's stratum of the step into the batch
     strata = batch.get("timestep_strata")
     for b, x0 in enumerate(targets):
         one = None if strata is None else Strata((strata.strata[b],), strata.count)
-        d = draw_timesteps(1, config.timesteps, generator, weighting=config.loss.loss_weighting, strata=one)
+        d = draw_timesteps(1, config.timesteps, generator, weighting=config.loss.loss_weighting, strata=one,
+                           family=ops.family)
         noise = sample_noise(x0, generator)
         sigma = d.sigmas[0].to(x0.device, torch.float32)
         noisy.append(add_noise(x0.float(), noise.float(), sigma).to(x0.dtype))
@@ -54,10 +56,9 @@ def flow_match_sft_loss(dit, batch: dict, config: RunConfig, generator: torch.Ge
         draws.append(d)
     timesteps = torch.cat([d.timesteps for d in draws])
     weights = torch.cat([d.weights for d in draws])
-    ops = ops_for(family_of(config.train.model))  # the model family's DiT call (models/family_ops.py)
-    pads = batch.get("prompt_pad") or [None] * n
+    extras = batch.get("prompt_extras") or [{}] * n
     pred = ops.forward(
-        dit, noisy, timesteps.to(targets[0].device), [ops.join_prompt(e, p) for e, p in zip(batch["prompt_emb"], pads)],
+        dit, noisy, timesteps.to(targets[0].device), [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)],
         batch["edit_latents"], zero_cond_t=bool(config.train.zero_cond_t),
         use_gradient_checkpointing=config.train.gradient_checkpointing and torch.is_grad_enabled(),
     )

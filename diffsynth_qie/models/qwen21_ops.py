@@ -1,0 +1,76 @@
+"""Qwen-Image-2.1's side of the family seam: DiffSynth's ``QwenImage21Pipeline`` units, per-sample DiT calls with
+the prefix KV cache (``qwen21.py``)."""
+from __future__ import annotations
+
+from PIL import Image
+
+from . import qwen21
+from .encoding import check_prompt_length
+from .family import QWEN21, Family
+from .family_ops import FamilyOps
+from .schedules import ScheduleSpec
+
+
+class Qwen21Ops(FamilyOps):
+    """Qwen-Image-2.1 (and its Turbo preset's fixed grid)."""
+
+    family: Family = QWEN21
+    supports_lbm = False  # (LBM is built for the Edit family; 2.1's references sit in a t=0 prefix instead)
+    supports_zero_cond_t = False  # (2.1 conditions its whole prefix at t=0 by design)
+
+    def reference_sizes(self, pipe, images, width, height, ref_max_pixels):
+        """As 2.1's pipeline sizes them: the output's area at each reference's aspect ratio, multiples of 32, at
+        least the processor's minimum (``ref_max_pixels`` unused)."""
+        return [qwen21.reference_size21(im.size, (width, height), qwen21.processor_min_pixels(pipe)) for im in images]
+
+    def cache_reference_size(self, size, target_size, max_pixels, divisor, source):
+        """As the pipeline sizes them at inference: the target's area at the reference's aspect ratio (the
+        processor's minimum is not known here; it matters only for targets below it, 256x256 for the real model)."""
+        return qwen21.reference_size21(size, target_size, None)
+
+    def encode_image(self, pipe, image):
+        return qwen21.encode_image21(pipe, image)
+
+    def vae_pixels(self, pipe, image):
+        return pipe.preprocess_image(image.convert("RGBA")).to(device=pipe.device, dtype=pipe.torch_dtype)
+
+    def white(self, pipe, width, height):
+        return qwen21.encode_image21(pipe, Image.new("RGB", (width, height), (255, 255, 255)))
+
+    def encode_prompt(self, pipe, prompt, refs, ref_latents, multi_image, max_tokens):
+        check_prompt_length(pipe, prompt, max_tokens)
+        return qwen21.encode_prompt21(pipe, prompt, [im.convert("RGBA") for im in refs], ref_latents)
+
+    def split_prompt(self, encoded):
+        return encoded.emb, {"pad": encoded.pad_mask}
+
+    def join_prompt(self, emb, extras):
+        if extras.get("pad") is None:
+            raise ValueError("a Qwen-Image-2.1 prompt needs its reference-slot mask; the cache holds none (was it "
+                             "written for Qwen-Image-Edit?)")
+        return qwen21.Prompt21(emb=emb, pad_mask=extras["pad"].bool())
+
+    def forward(self, dit, latents, timesteps, prompts, ref_latents, zero_cond_t=False,
+                use_gradient_checkpointing=False):
+        return qwen21.forward21(dit, latents, timesteps, prompts, ref_latents,
+                                use_gradient_checkpointing=use_gradient_checkpointing)
+
+    def conditioning(self, prompts, negatives, ref_latents, zero_cond_t, to_dit):
+        def move(p: qwen21.Prompt21) -> qwen21.Prompt21:
+            emb = to_dit(p.emb)
+            return qwen21.Prompt21(emb=emb, pad_mask=p.pad_mask.to(emb.device))
+
+        return qwen21.Cond21(prompts=[move(p) for p in prompts], ref_latents=[[to_dit(z) for z in refs] for refs in ref_latents],
+                             negatives=None if negatives is None else [move(n) for n in negatives])
+
+    def velocity(self, dit, cond, cfg):
+        return qwen21.velocity21(dit, cond, cfg)
+
+    def schedule(self, spec: ScheduleSpec):
+        if spec.lightning:
+            raise ValueError("scheduler 'lightning' is for Qwen-Image-Edit's Lightning LoRAs; Qwen-Image-2.1 samples "
+                             "with its own schedule (use the 2.1-turbo preset for few steps)")
+        return qwen21.scheduler21(spec.steps, *spec.latent_hw, sigmas=spec.sigmas, strength=spec.strength)
+
+    def decode(self, pipe, latents):
+        return qwen21.decode21(pipe, latents)
