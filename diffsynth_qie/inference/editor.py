@@ -43,7 +43,7 @@ from PIL import Image
 
 from ..data.images import MAX_IMAGE_PIXELS, fit_image, resize_to, to_rgb
 from ..models.encoding import DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, white_latents
-from ..models.family import EDIT, family_of_pipe
+from ..models.family import family_of_pipe
 from ..models.edit_ops import reference_size  # noqa: F401 (public here)
 from ..models.family_ops import ops_for
 from ..models.forward import bound_rope_cache
@@ -116,7 +116,7 @@ def output_size(request: EditRequest, first: Image.Image, divisor: int = 16) -> 
 # --- the editor ---------------------------------------------------------------------
 class Editor:
     """Edit images with a loaded pipeline (text encoder + DiT + VAE) of either family; what differs between
-    the families is in ``families.py``."""
+    the families is behind ``models/family_ops.py`` (``FamilyOps``)."""
 
     def __init__(self, pipe, device_map: Mapping[str, str] | str | None = None, cpu_offload: bool = False,
                  zero_cond_t: bool | None = None, offload_device: str = "cpu", lora_merge: bool = False,
@@ -126,7 +126,9 @@ class Editor:
         self.preset = getattr(pipe, "qie_preset", None)
         self.zero_cond_t = bool(self.preset.zero_cond_t if zero_cond_t is None and self.preset else zero_cond_t)
         self.multi_image_prompt = self.preset.multi_image_prompt if self.preset is not None else True
-        self.family = family_of_pipe(pipe) or EDIT
+        if (family := family_of_pipe(pipe)) is None:
+            raise ValueError(f"{type(pipe).__name__} is no known model family's pipeline; use Editor.from_preset")
+        self.family = family
         self.ops = ops_for(self.family)
         self.cpu_offload = bool(cpu_offload)
         self.offload_device = torch.device(offload_device)

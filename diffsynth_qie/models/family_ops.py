@@ -37,7 +37,9 @@ class FamilyOps(abc.ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if not getattr(cls, "__abstractmethods__", None) and not isinstance(getattr(cls, "family", None), Family):
+        complete = not any(getattr(getattr(cls, name), "__isabstractmethod__", False)
+                           for name in FamilyOps.__abstractmethods__)
+        if complete and not isinstance(getattr(cls, "family", None), Family):
             raise TypeError(f"{cls.__name__} must set `family` to its models.family.Family")
 
     # --- sizes -----------------------------------------------------------------------------------------
