@@ -43,7 +43,7 @@ from PIL import Image
 
 from ..data.images import MAX_IMAGE_PIXELS, fit_image, resize_to, to_rgb
 from ..models.encoding import DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, white_latents
-from ..models.family import family_of_pipe
+from ..models.family import EDIT, family_of_pipe
 from ..models.edit_ops import reference_size  # noqa: F401 (public here)
 from ..models.family_ops import ops_for
 from ..models.forward import bound_rope_cache
@@ -126,9 +126,7 @@ class Editor:
         self.preset = getattr(pipe, "qie_preset", None)
         self.zero_cond_t = bool(self.preset.zero_cond_t if zero_cond_t is None and self.preset else zero_cond_t)
         self.multi_image_prompt = self.preset.multi_image_prompt if self.preset is not None else True
-        if (family := family_of_pipe(pipe)) is None:
-            raise ValueError(f"{type(pipe).__name__} is no known model family's pipeline; use Editor.from_preset")
-        self.family = family
+        self.family = family_of_pipe(pipe) or EDIT  # (a stand-in pipeline without a preset: the Edit family)
         self.ops = ops_for(self.family)
         self.cpu_offload = bool(cpu_offload)
         self.offload_device = torch.device(offload_device)
