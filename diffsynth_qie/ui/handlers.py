@@ -27,15 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .config import UIConfig
-from .job import (LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, MODES, GenerateInputs, Job,  # noqa: F401
-                  check_job, lightning_loras)
+from .job import GenerateInputs, Job, check_job, lightning_loras  # noqa: F401
 from .lora_picker import LORA_SUFFIX, NO_LORA, LoraInfo, list_loras, lora_info, resolve_lora  # noqa: F401
 from .outputs import GenerateOutput, save_entry, save_inputs, status_line
-from .settings import request_fields
+from .settings import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, MODES, request_fields  # noqa: F401
 from .uploads import UIError, prune_temp_files
 
 if TYPE_CHECKING:  # heavy imports (torch, diffsynth) stay out of `app_gradio.py --help`
-    from ..inference.editor import Editor, EditResult
+    from ..inference.editor import Editor
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ from .config import UIConfig
 from .lora_picker import resolve_lora
 from .masks import combine, content_digest, grow_mask
 from .results import EditSettings
-from .settings import (LBM_MAX_STEPS, MAX_GROW, MAX_VARIATIONS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING,  # noqa: F401
-                       MODES, RECORDED, SETTINGS, checked_values)
+from .settings import MODE_LIGHTNING, RECORDED, SETTINGS, checked_values
 from .uploads import (NO_IMAGE, UIError, check_upload, editor_parts, image_from_editor, mask_from_editor, reference_images,
                       to_pil, to_rgb_image)
 

@@ -21,7 +21,8 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from ..utils.atomic import atomic_save
-from .settings import MODE_LBM, MODE_LIGHTNING, RECORDED, SETTING, CommandContext, command_flags, summary_parts
+from .settings import (MODE_FLOW, MODE_LBM, MODE_LIGHTNING, RECORDED, SETTING, CommandContext, command_flags,
+                       summary_parts)
 
 PNG_KEY = "diffsynth-qie"
 
@@ -66,7 +67,7 @@ def _slug(text: str, limit: int = 40) -> str:
 
 def file_stem(settings: EditSettings) -> str:
     """``edit_seed42_run1-lora`` (LBM: ``edit-lbm_...``): the download's name says what it holds."""
-    kind = "edit" if settings.mode == "flow" else f"edit-{settings.mode}"
+    kind = "edit" if settings.mode == MODE_FLOW else f"edit-{settings.mode}"
     parts = [kind, f"seed{settings.seed}"]
     if settings.lora:
         parts.append(_slug(str(settings.lora).removesuffix(".safetensors")))
