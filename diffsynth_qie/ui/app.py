@@ -13,10 +13,9 @@ import gradio as gr
 
 from .config import UIConfig
 from .events import Callbacks
-from .handlers import LBM_MAX_STEPS, MODE_FLOW, UIHandlers, user_message
-from .history import RESTORED
-from .job import MAX_GROW, MAX_VARIATIONS
+from .handlers import MODE_FLOW, UIHandlers, user_message
 from .masks import BRUSH_COLOR
+from .settings import RESTORED, build_widget
 from .uploads import check_upload, to_8bit_upload
 
 log = logging.getLogger(__name__)
@@ -91,6 +90,13 @@ def guard_uploads(component: gr.components.Component, handlers: UIHandlers) -> N
 def build_ui(handlers: UIHandlers) -> gr.Blocks:
     """The whole UI; queued so that one generation runs at a time."""
     cb = Callbacks(handlers)
+    widgets: dict[str, gr.components.Component] = {}  # setting name -> its widget
+
+    def add(name: str, **extra: Any) -> gr.components.Component:
+        """Setting ``name``'s widget (declared in ``ui/settings.py``), placed here in the layout."""
+        widgets[name] = build_widget(name, **extra)
+        return widgets[name]
+
     with gr.Blocks(title="Qwen-Image-Edit mask edit", analytics_enabled=False) as demo:
         gr.Markdown(INTRO)
         model_status = gr.Markdown(handlers.model_status(), elem_id="model-status")
@@ -103,58 +109,44 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         batch = gr.State([])            # the entries of the last Generate (its variations)
         with gr.Row():
             with gr.Column(scale=3):
-                editor = gr.ImageEditor(
-                    label="Image and mask (paint the region to edit)", type="filepath", image_mode="RGBA",
-                    sources=["upload", "clipboard"], transforms=(), layers=False, format="png",
-                    brush=gr.Brush(colors=[BRUSH_COLOR], color_mode="fixed"), elem_id="editor")
+                editor = add("editor", brush=gr.Brush(colors=[BRUSH_COLOR], color_mode="fixed"))
                 gr.HTML("<div id='drop-message' role='alert'></div>")
                 with gr.Row(equal_height=True):
                     clear_mask = gr.Button("Clear paint", size="sm", min_width=90, elem_id="mask-clear")
-                    mask_invert = gr.Checkbox(False, label="Invert mask (edit all but the painted part)",
-                                              elem_id="mask-invert")
-                    mask_grow = gr.Slider(0, MAX_GROW, value=0, step=1, label="Grow mask (px)", elem_id="mask-grow")
-                    mask_feather = gr.Slider(0, 32, value=0, step=0.5, label="Feather (px)", elem_id="mask-feather")
+                    add("mask_invert")
+                    add("mask_grow")
+                    add("mask_feather")
                 with gr.Row(equal_height=True):
-                    references = gr.Gallery(label="Extra reference images (optional)", type="filepath",
-                                            interactive=True, columns=4, height=160, file_types=["image"],
-                                            object_fit="contain", scale=3, elem_id="references")
-                    mask_file = gr.Image(label="Mask file (optional; white = edit)", type="filepath",
-                                         image_mode="L", sources=["upload", "clipboard"], height=160, scale=1,
-                                         elem_id="mask-file")
+                    references = add("references")
+                    mask_file = add("mask_file")
                 guard_uploads(editor, handlers)
                 guard_uploads(references, handlers)
-                prompt = gr.Textbox(label="Prompt", lines=2, placeholder="what should change", elem_id="prompt")
-                negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="negative-prompt")
-                loaded = gr.Textbox(visible=False)  # what the UI last put into the editor (Callbacks.lock_generate)
+                prompt = add("prompt")
+                add("negative_prompt")
+                loaded = add("loaded_image")  # what the UI last put into the editor (Callbacks.lock_generate)
                 examples, rows = cb.examples(), None
                 if examples:
                     rows = gr.Examples([[ex.editor_value(), ex.mask, ex.prompt] for ex in examples],
                                        [editor, mask_file, prompt], elem_id="examples", examples_per_page=4,
                                        label="Examples (held-out rows: click one, then Generate)")
             with gr.Column(scale=2):
-                mode = gr.Radio(handlers.mode_choices(), value=MODE_FLOW, label="Sampler", elem_id="mode")
-                steps = gr.Slider(1, 100, value=40, step=1, label="Steps", elem_id="steps")
-                lbm_steps = gr.Slider(1, LBM_MAX_STEPS, value=1, step=1, label="LBM steps", visible=False,
-                                      elem_id="lbm-steps")
-                cfg = gr.Slider(1.0, 10.0, value=4.0, step=0.5, label="CFG", elem_id="cfg")
+                mode = add("mode", choices=handlers.mode_choices())
+                steps = add("steps")
+                lbm_steps = add("lbm_steps")
+                cfg = add("cfg")
                 with gr.Row(equal_height=True):
-                    seed = gr.Number(value=0, precision=0, label="Seed (-1 = random)", elem_id="seed")
-                    variations = gr.Slider(1, MAX_VARIATIONS, value=1, step=1, label="Variations (seed, seed+1, …)",
-                                           elem_id="variations")
+                    add("seed")
+                    add("variations")
                 with gr.Row(equal_height=True):
-                    lora = gr.Dropdown(handlers.lora_options(), value=handlers.default_lora(), label="LoRA", scale=5,
-                                       elem_id="lora")
+                    lora = add("lora", choices=handlers.lora_options(), value=handlers.default_lora())
                     refresh = gr.Button("Refresh", scale=1, min_width=80, elem_id="lora-refresh")
                 with gr.Row(equal_height=True):
-                    lora_scale = gr.Slider(-2.0, 2.0, value=1.0, step=0.05, label="LoRA scale", elem_id="lora-scale")
-                    strength = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Edit strength (0 = source, 1 = full)",
-                                         elem_id="strength")
+                    add("lora_scale")
+                    add("strength")
                 with gr.Accordion("Second LoRA (stacked)", open=False):
-                    lora2 = gr.Dropdown(handlers.lora_options(), value="(none)", label="Second LoRA", elem_id="lora2")
-                    lora2_scale = gr.Slider(-2.0, 2.0, value=1.0, step=0.05, label="Second LoRA scale",
-                                            elem_id="lora2-scale")
-                mask_blend = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Mask blend strength",
-                                       elem_id="mask-blend")
+                    lora2 = add("lora2", choices=handlers.lora_options())
+                    add("lora2_scale")
+                add("mask_blend")
                 lora_status = gr.Markdown(handlers.lora_status(handlers.default_lora()), elem_id="lora-status")
                 with gr.Row():
                     generate = gr.Button("Generate", variant="primary", elem_id="generate")
@@ -178,14 +170,10 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                              fit_columns=False, object_fit="contain", allow_preview=False, elem_id="history")
 
         mode_outputs = [steps, cfg, lbm_steps, sub_output, prev_mode, saved_steps]
-        gen_inputs = [editor, references, prompt, negative, mode, steps, lbm_steps, cfg, seed, mask_blend, lora,
-                      lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file,
-                      mask_invert, loaded]
         shown = [result, sub_output, downloads, command, edit_this, current]
-        widgets = dict(prompt=prompt, negative_prompt=negative, mode=mode, steps=steps, lbm_steps=lbm_steps, cfg=cfg,
-                       seed=seed, lora=lora, lora_scale=lora_scale, lora2=lora2, lora2_scale=lora2_scale,
-                       strength=strength, mask_blend=mask_blend, mask_grow=mask_grow, mask_invert=mask_invert,
-                       mask_feather=mask_feather)
+        # Generate's inputs: every setting's widget, given to the callbacks as one dict (named by Callbacks.bind).
+        gen_inputs = cb.bind(widgets)
+        run_inputs = cb.bind(widgets, history=history, queued_at=queued_at)
 
         demo.load(cb.refresh_loras, [lora, lora2], [lora, lora2, lora_status, mode], queue=False)
         demo.load(handlers.model_status, None, model_status, queue=False)
@@ -210,7 +198,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         checked = generate.click(cb.precheck, gen_inputs, [generate, queued_at], concurrency_limit=None,
                                  show_progress="hidden")
         running = checked.success(
-            cb.run, [*gen_inputs, history, queued_at],
+            cb.run, run_inputs,
             [*shown, status, model_status, variants, history, gallery, batch], show_progress_on=[result],
             concurrency_limit=1)
         running.then(cb.finished, None, [generate, model_status], queue=False)

@@ -6,7 +6,6 @@ its errors into ``gr.Error`` toasts.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -19,6 +18,7 @@ from . import masks
 from .examples import Example, examples_file, load_examples
 from .handlers import MODE_LBM, MODE_LIGHTNING, NO_LORA, GenerateInputs, Stopped, UIHandlers, user_message
 from .history import HistoryEntry
+from .settings import INPUT_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,6 @@ def shown_for_mode(mode: str) -> dict[str, bool]:
     return {"steps": not lbm, "cfg": not (lbm or few), "lbm_steps": lbm}
 
 
-def _inputs(values: dict) -> GenerateInputs:
-    return GenerateInputs(**{f.name: values[f.name] for f in dataclasses.fields(GenerateInputs)})
-
-
 def _error(exc: BaseException) -> gr.Error:
     return gr.Error(user_message(exc), duration=None, print_exception=False)
 
@@ -61,6 +57,7 @@ class Callbacks:
         self._pending: set[str] = set()   # browser sessions with a generation queued or running
         self._pending_lock = threading.Lock()
         self._examples: list[Example] = []
+        self._names: dict[Any, str] = {}  # component -> its setting's (or state's) name (see bind)
 
     @property
     def folder(self):
@@ -142,18 +139,33 @@ class Callbacks:
         return (cleared, masks.loaded_record(cleared["background"], value), self._unlocked(request),
                 "Paint cleared (the image stays).")
 
-    # Generate's inputs, in the order of ``app.py``'s ``gen_inputs``, named as GenerateInputs' fields. Gradio
-    # injects gr.Request and gr.Progress only into positional parameters, hence the spelled-out signatures.
-    def precheck(self, editor, references, prompt, negative_prompt, mode, steps, lbm_steps, cfg, seed, mask_blend,
-                 lora, lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file,
-                 mask_invert, loaded_image, request: gr.Request):
+    # Generate's inputs ------------------------------------------------------------------------
+    def bind(self, widgets: dict[str, Any], **states: Any) -> set:
+        """The inputs of an event whose callback takes ``widgets`` (setting name -> component, every setting of
+        ``ui/settings.py``) and ``states`` as one dict: gradio passes {component: value}, :meth:`named` names them."""
+        missing = [name for name in INPUT_NAMES if name not in widgets]
+        if missing:
+            raise RuntimeError(f"the layout has no widget for the settings {missing}")
+        named = {**widgets, **states}
+        self._names.update({component: name for name, component in named.items()})
+        return set(named.values())
+
+    def named(self, values: dict) -> dict[str, Any]:
+        """{name: value} of gradio's {component: value} for an event's inputs made by :meth:`bind`."""
+        return {self._names[component]: value for component, value in values.items()}
+
+    def inputs(self, values: dict) -> GenerateInputs:
+        named = self.named(values)
+        return GenerateInputs(**{name: named[name] for name in INPUT_NAMES})
+
+    def precheck(self, values: dict, request: gr.Request):
         """Before queueing: refuse bad input with a toast (the last result stays), then lock Generate.
 
         One generation per browser tab: a second click while one is queued or running (a double
         click arrives before the button is disabled) is refused instead of queueing a duplicate.
         """
         try:
-            self.h.check(_inputs(locals()))
+            self.h.check(self.inputs(values))
         except Exception as exc:  # noqa: BLE001
             raise _error(exc) from None
         session = getattr(request, "session_hash", None)
@@ -164,12 +176,13 @@ class Callbacks:
             self._pending.add(session)
         return gr.update(interactive=False), time.time()
 
-    def run(self, editor, references, prompt, negative_prompt, mode, steps, lbm_steps, cfg, seed, mask_blend, lora,
-            lora_scale, strength, lora2, lora2_scale, mask_grow, mask_feather, variations, mask_file, mask_invert,
-            loaded_image, history, queued_at, request: gr.Request, progress=gr.Progress()):
+    def run(self, values: dict, request: gr.Request, progress=gr.Progress()):
+        """Generate (``values``: the settings' widgets, ``history`` and ``queued_at``, as :meth:`bind` made them)."""
+        history = self.named(values)["history"]
         try:
-            out = self.h.generate(_inputs(locals()), lambda done, total, desc: progress((done, total), desc=desc),
-                                  queued_at=queued_at, session=getattr(request, "session_hash", None))
+            out = self.h.generate(self.inputs(values), lambda done, total, desc: progress((done, total), desc=desc),
+                                  queued_at=self.named(values)["queued_at"],
+                                  session=getattr(request, "session_hash", None))
         except Stopped as exc:  # what the user asked for: no error, everything on screen stays
             user_message(exc)
             return (*(gr.skip(),) * 6, "Stopped.", self.h.model_status(), *(gr.skip(),) * 4)

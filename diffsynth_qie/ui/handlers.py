@@ -10,7 +10,9 @@ can go wrong is decided in this module and the ones it uses:
   background at launch) and LoRAs are switched on it with ``Editor.set_loras``;
   ``load_count`` lets tests prove no reload happens.
 - **Results** are PNGs with their settings in text chunks, kept in the UI's temp
-  folder for download and for the session history (``ui/results.py``, ``ui/history.py``).
+  folder for download and for the session history (``ui/outputs.py``, ``ui/results.py``, ``ui/history.py``).
+- **Settings** (each widget's value, its ``EditRequest`` field, ``qie edit`` flag, summary
+  text and history restore) are declared once, in ``ui/settings.py``.
 - **Stop** ends a running generation at its next denoising step.
 - **Errors** become one-line messages for the user (:func:`user_message`); unexpected
   ones log their traceback on the server, never in the browser.
@@ -21,23 +23,18 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-from PIL import Image
-
 from .config import UIConfig
-from .history import HistoryEntry
-from .job import (LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, MODES, GenerateInputs, Job,  # noqa: F401
-                  check_job, lightning_loras)
+from .job import GenerateInputs, Job, check_job, lightning_loras  # noqa: F401
 from .lora_picker import LORA_SUFFIX, NO_LORA, LoraInfo, list_loras, lora_info, resolve_lora  # noqa: F401
-from .results import qie_edit_command, save_png
+from .outputs import GenerateOutput, save_entry, save_inputs, status_line
+from .settings import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, MODES, request_fields  # noqa: F401
 from .uploads import UIError, prune_temp_files
 
 if TYPE_CHECKING:  # heavy imports (torch, diffsynth) stay out of `app_gradio.py --help`
-    from ..inference.editor import Editor, EditResult
+    from ..inference.editor import Editor
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +69,6 @@ def user_message(exc: BaseException) -> str:
                 "or free memory on the device")
     log.error("generation failed", exc_info=exc)
     return f"internal error ({type(exc).__name__}); the details are in the server log"
-
-
-@dataclass
-class GenerateOutput:
-    image: Image.Image
-    sub_image: Image.Image | None    # LBM's sub-stream output; None in flow-matching mode
-    seed: int
-    status: str
-    result: "EditResult"
-    entries: list[HistoryEntry] = field(default_factory=list)  # one per variation, first seed first
 
 
 class UIHandlers:
@@ -308,21 +295,20 @@ class UIHandlers:
             for seed in job.seeds:
                 report(0, s.lbm_steps if lbm else s.steps, "denoising")
                 results.append((seed, editor.edit(EditRequest(
-                    images=[job.image, *job.references], prompt=s.prompt, negative_prompt=s.negative_prompt,
-                    mask=job.mask, steps=s.steps, cfg=s.cfg, seed=seed, mask_blend=s.mask_blend,
-                    mask_feather=s.mask_feather, lbm_steps=s.lbm_steps if lbm else None,
-                    max_prompt_tokens=self.config.max_prompt_tokens, scheduler=job.scheduler, strength=s.strength,
-                    progress=step))))
+                    images=[job.image, *job.references], mask=job.mask, scheduler=job.scheduler,
+                    max_prompt_tokens=self.config.max_prompt_tokens, progress=step,
+                    **request_fields(s.with_seed(seed))))))
             seconds = time.perf_counter() - t0
-            inputs_saved = self._save_inputs(folder, job, results[0][1].image.size)
-            entries = [self._save(folder, job, s.with_seed(seed), result, *inputs_saved) for seed, result in results]
+            inputs_saved = save_inputs(folder, job, results[0][1].image.size)
+            entries = [save_entry(folder, job, s.with_seed(seed), result, *inputs_saved, lora_dir=self.config.lora_dir,
+                                  model_dir=self.model_dir) for seed, result in results]
             prune_temp_files(self.config.resolved_temp_dir, self.config.max_temp_bytes)
         first = results[0][1]
         if lbm and first.sub_image is None:
             raise RuntimeError("the editor returned no sub-stream image in LBM mode")
         log.info("generated %d image(s) in %.2f s (%s)", len(results), seconds, s.summary())
         return GenerateOutput(image=first.image, sub_image=first.sub_image if lbm else None, seed=s.seed,
-                              status=self._status(job, first, seconds, started - (queued_at or started)),
+                              status=status_line(job, first, seconds, started - (queued_at or started)),
                               result=first, entries=entries)
 
     @contextlib.contextmanager
@@ -337,40 +323,3 @@ class UIHandlers:
             yield
         finally:
             self._running = None
-
-    @staticmethod
-    def _save_inputs(folder: Path, job: Job, size: tuple[int, int]) -> tuple[Path, Path, Path | None]:
-        """The job's input, the input at the output's ``size`` (the slider's left side) and the mask, written once
-        for all its variations: (input, before, mask or None)."""
-        folder.mkdir(parents=True, exist_ok=True)
-        input_path, before = folder / "input.png", folder / f"before-{size[0]}x{size[1]}.png"
-        job.image.save(input_path)
-        job.image.resize(size, Image.Resampling.LANCZOS).save(before)
-        mask = folder / "mask.png" if job.mask is not None else None
-        if mask is not None:
-            job.mask.save(mask)
-        return input_path, before, mask
-
-    def _save(self, folder: Path, job: Job, settings, result: "EditResult", input_path: Path, before: Path,
-              mask: Path | None) -> HistoryEntry:
-        """One variation's files (the edit with its settings in the PNG text; LBM's sub-stream) and history entry."""
-        sub = save_png(result.sub_image, folder, settings, "_sub") if result.sub_image is not None else None
-        command = qie_edit_command(settings, input_path, mask, lora_dir=self.config.lora_dir, model_dir=self.model_dir,
-                                   lightning_lora=job.lightning_lora)
-        return HistoryEntry(image=str(save_png(result.image, folder, settings)), before=str(before), settings=settings,
-                            sub_image=str(sub) if sub else None, mask=str(mask) if mask else None, command=command)
-
-    def _status(self, job: Job, result: "EditResult", seconds: float, waited: float) -> str:
-        s = job.settings
-        n = len(job.seeds)
-        seeds = f"seed {s.seed}" if n == 1 else f"seeds {s.seed}–{s.seed + n - 1}"
-        parts = [f"Done in {seconds:.1f} s (queue wait {max(waited, 0.0):.1f} s)", seeds, s.sampler(),
-                 f"{result.image.width}×{result.image.height}"]
-        parts += [f"LoRA `{name}` × {scale:g}" for name, scale in s.loras()] or ["no LoRA"]
-        if s.strength < 1.0:
-            parts.append(f"strength {s.strength:g}")
-        if job.mask is None:
-            parts.append("no mask painted: the whole image may change")
-        else:
-            parts.append(f"mask covers {float(np.asarray(job.mask).mean()) / 255.0:.0%} of the image")
-        return " · ".join(parts) + "."

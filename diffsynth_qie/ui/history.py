@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .results import EditSettings
+from .settings import RESTORED
 
 MAX_ENTRIES = 48
 
@@ -40,13 +41,9 @@ def gallery(history: list[HistoryEntry] | None) -> list[tuple[str, str]]:
     return [(e.image, e.caption) for e in history or []]
 
 
-# The widgets a history click restores, in this order (``ui/app.py`` lists the components the same way).
-RESTORED = ("prompt", "negative_prompt", "mode", "steps", "lbm_steps", "cfg", "seed", "lora", "lora_scale", "lora2",
-            "lora2_scale", "strength", "mask_blend", "mask_grow", "mask_invert", "mask_feather")
-
-
 def restore(entry: HistoryEntry, known_loras: list[str]) -> tuple:
-    """The widget values of ``entry``, in :data:`RESTORED` order. A LoRA no longer in the folder becomes "none"."""
+    """The widget values of ``entry``, in the order of ``settings.RESTORED`` (the rows of ``SETTINGS`` a history
+    click restores). A LoRA no longer in the folder becomes "none"."""
     from .lora_picker import NO_LORA
 
     s = entry.settings

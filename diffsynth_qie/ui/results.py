@@ -14,38 +14,21 @@ import dataclasses
 import json
 import re
 import shlex
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from ..utils.atomic import atomic_save
+from .settings import (MODE_FLOW, MODE_LBM, MODE_LIGHTNING, RECORDED, SETTING, CommandContext, command_flags,
+                       summary_parts)
 
 PNG_KEY = "diffsynth-qie"
 
 
-@dataclass(frozen=True)
-class EditSettings:
-    """The settings of one generation, as the UI's widgets hold them (LoRAs by their name in the LoRA folder)."""
-
-    prompt: str
-    model: str
-    negative_prompt: str = ""
-    mode: str = "flow"           # flow | lbm | lightning
-    steps: int = 40              # flow matching / Lightning
-    lbm_steps: int = 1
-    cfg: float = 4.0
-    seed: int = 0
-    lora: str | None = None
-    lora_scale: float = 1.0
-    lora2: str | None = None
-    lora2_scale: float = 1.0
-    strength: float = 1.0
-    mask_blend: float = 1.0
-    mask_grow: int = 0
-    mask_invert: bool = False
-    mask_feather: float = 0.0
+class _SettingsRecord:
+    """The methods of :class:`EditSettings` (its fields come from ``ui/settings.py``)."""
 
     def with_seed(self, seed: int) -> "EditSettings":
         return dataclasses.replace(self, seed=seed)
@@ -54,21 +37,13 @@ class EditSettings:
         return [(n, s) for n, s in ((self.lora, self.lora_scale), (self.lora2, self.lora2_scale)) if n]
 
     def sampler(self) -> str:
-        if self.mode == "lbm":
+        if self.mode == MODE_LBM:
             return f"LBM, {self.lbm_steps} step{'s' if self.lbm_steps != 1 else ''}"
-        return f"{'Lightning' if self.mode == 'lightning' else 'flow matching'}, {self.steps} steps, CFG {self.cfg:g}"
+        return f"{'Lightning' if self.mode == MODE_LIGHTNING else 'flow matching'}, {self.steps} steps, CFG {self.cfg:g}"
 
     def summary(self) -> str:
         """One line: prompt, sampler, seed, LoRAs, model (the PNG's ``parameters`` text)."""
-        parts = [self.prompt]
-        if self.negative_prompt:
-            parts.append(f"negative: {self.negative_prompt}")
-        parts += [self.sampler(), f"seed {self.seed}"]
-        parts += [f"LoRA {n} × {s:g}" for n, s in self.loras()] or ["no LoRA"]
-        if self.strength < 1:
-            parts.append(f"strength {self.strength:g}")
-        parts.append(f"model {self.model}")
-        return " · ".join(parts)
+        return " · ".join([*summary_parts(self), f"model {self.model}"])
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,13 +54,20 @@ class EditSettings:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+# The settings of one generation, as the UI's widgets hold them (LoRAs by their name in the LoRA folder): the
+# model, then every setting SETTINGS records. Frozen; keyword arguments only.
+EditSettings = dataclasses.make_dataclass(
+    "EditSettings", [("model", str), *((n, Any, dataclasses.field(default=SETTING[n].default)) for n in RECORDED)],
+    bases=(_SettingsRecord,), frozen=True, kw_only=True, namespace={"__module__": __name__})
+
+
 def _slug(text: str, limit: int = 40) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")[:limit] or "x"
 
 
 def file_stem(settings: EditSettings) -> str:
     """``edit_seed42_run1-lora`` (LBM: ``edit-lbm_...``): the download's name says what it holds."""
-    kind = "edit" if settings.mode == "flow" else f"edit-{settings.mode}"
+    kind = "edit" if settings.mode == MODE_FLOW else f"edit-{settings.mode}"
     parts = [kind, f"seed{settings.seed}"]
     if settings.lora:
         parts.append(_slug(str(settings.lora).removesuffix(".safetensors")))
@@ -115,31 +97,16 @@ def read_settings(path: str | Path) -> EditSettings | None:
 
 def qie_edit_command(settings: EditSettings, image: str | Path, mask: str | Path | None, *, lora_dir: str | Path,
                      model_dir: str | None = None, lightning_lora: str | None = None, out: str | None = None) -> str:
-    """The ``qie edit`` command line that repeats this generation (same seed, LoRAs, sampler)."""
+    """The ``qie edit`` command line that repeats this generation (same seed, LoRAs, sampler): the flags of
+    ``SETTINGS``, the files, and the Lightning LoRA the Lightning sampler stacked."""
     argv = ["qie", "edit", "--model", settings.model]
     if model_dir:
         argv += ["--model_dir", str(model_dir)]
-    argv += ["--image", str(image), "--prompt", settings.prompt]
-    if settings.negative_prompt:
-        argv += ["--negative_prompt", settings.negative_prompt]
+    argv += ["--image", str(image)]
     if mask is not None:
         argv += ["--mask", str(mask)]
-        if settings.mask_blend != 1.0:
-            argv += ["--mask_blend", f"{settings.mask_blend:g}"]
-        if settings.mask_feather:
-            argv += ["--mask_feather", f"{settings.mask_feather:g}"]
-    if settings.mode == "lbm":
-        argv += ["--lbm_steps", str(settings.lbm_steps)]
-    else:
-        argv += ["--steps", str(settings.steps), "--cfg", f"{settings.cfg:g}"]
-        if settings.mode == "lightning":
-            argv += ["--scheduler", "lightning"]
-    argv += ["--seed", str(settings.seed)]
-    for name, scale in settings.loras():
-        argv += ["--lora", str(Path(lora_dir) / name), "--lora_scale", f"{scale:g}"]
-    if settings.mode == "lightning" and lightning_lora:
+    argv += command_flags(settings, CommandContext(lora_dir=lora_dir, has_mask=mask is not None))
+    if settings.mode == MODE_LIGHTNING and lightning_lora:
         argv += ["--lora", str(lightning_lora), "--lora_scale", "1"]
-    if settings.strength != 1.0:
-        argv += ["--strength", f"{settings.strength:g}"]
     argv += ["--out", out or f"{file_stem(settings)}.png"]
     return shlex.join(argv)
