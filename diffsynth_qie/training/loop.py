@@ -156,6 +156,7 @@ def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], l
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
                         configure_deepspeed)
     from .ema import build_ema
+    from .losses.registry import loss_spec
     from .onthefly import check_on_the_fly, live_store
     from .placement import build_module, check_block_swap, device_placement
     from .resume import apply_schedule, cache_identity, check_resume, warn_data_order
@@ -188,11 +189,9 @@ def _build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], l
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
         set_seed(t.seed)
     module, swapper = build_module(cfg, preset, accelerator, ds_config)
-    if cfg.loss.loss == "lbm" and cfg.lbm is not None and cfg.lbm.lbm_pixel_loss != "none":
-        from .losses.lbm_pixel import build_pixel_critic
-
-        module.pixel_critic = build_pixel_critic(cfg.lbm, preset, t.model_dir, accelerator.device,
-                                                 weight_dtype(accelerator), ds_config)
+    loss = loss_spec(cfg.loss.loss)
+    if loss.setup is not None:  # the loss's own set-up (LBM: --lbm_pixel_loss's critic)
+        loss.setup(module, cfg, preset, accelerator, ds_config)
     if t.compile:
         compile_blocks(module.dit)
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)

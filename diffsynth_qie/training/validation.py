@@ -228,12 +228,13 @@ class Validator:
         return self._vae_pipe
 
     def _objective(self, wrapped_module):
-        """(is LBM, LBMConfig) of the loss the module trains (its resolved ``RunConfig``)."""
+        """(a bridge loss: the LBM sampler, LBMConfig) of the loss the module trains (its resolved ``RunConfig``)."""
         from .losses.lbm import lbm_config_of
+        from .losses.registry import loss_spec
 
         config = getattr(self.accelerator.unwrap_model(wrapped_module), "config", None)
-        loss = getattr(getattr(config, "loss", None), "loss", "sft")
-        return loss == "lbm", lbm_config_of(config)
+        name = getattr(getattr(config, "loss", None), "loss", None)
+        return name is not None and loss_spec(name).bridge, lbm_config_of(config)
 
     @torch.no_grad()
     def render(self, wrapped_module, device, dtype, entries: Optional[Sequence[CacheEntry]] = None) -> list[Render]:
