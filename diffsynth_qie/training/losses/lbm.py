@@ -271,16 +271,14 @@ def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = 
     return loss, {**metrics, **extra}
 
 
-def attach_pixel_critic(module, cfg, preset, accelerator, ds_config) -> None:
+def attach_pixel_critic(module, cfg, preset, device, dtype, ds_config) -> None:
     """Run set-up: with ``--lbm_pixel_loss lpips`` give the module its :class:`~.lbm_pixel.PixelCritic`."""
     lbm = lbm_config_of(cfg)
     if lbm.lbm_pixel_loss == "none":
         return
-    from ..placement import weight_dtype
     from .lbm_pixel import build_pixel_critic
 
-    module.pixel_critic = build_pixel_critic(lbm, preset, cfg.train.model_dir, accelerator.device,
-                                             weight_dtype(accelerator), ds_config)
+    module.pixel_critic = build_pixel_critic(lbm, preset, cfg.train.model_dir, device, dtype, ds_config)
 
 
 SPEC = LossSpec(

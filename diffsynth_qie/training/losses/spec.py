@@ -34,7 +34,7 @@ class LossSpec:
     sigma_note: str = ""                  # how it draws its σ's otherwise (for the error naming the fix)
     default_optimizer: str = "adamw"      # when --optimizer is not given (training/config.py's OPTIMIZER_DEFAULTS)
     needs_rollouts: bool = False          # trains on samples the model generates during training
-    setup: Optional[Callable[..., None]] = None  # setup(module, cfg, preset, accelerator, ds_config) after the
+    setup: Optional[Callable[..., None]] = None  # setup(module, cfg, preset, device, dtype, ds_config) after the
     #                                              module is built (e.g. LBM's pixel critic); None: nothing
 
     def __post_init__(self):
