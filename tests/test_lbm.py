@@ -284,7 +284,7 @@ def _ds_json(yaml_name: str) -> dict:
 def test_clipping_guard_with_lbm_settings(monkeypatch, tmp_path):
     from accelerate.state import AcceleratorState
 
-    from diffsynth_qie.training import loop
+    from diffsynth_qie.training import loop, run_setup
 
     lbm_optim = run_config().optim
     check_clipping(lbm_optim)  # defaults: prodigy_sf, no clipping
@@ -305,7 +305,7 @@ def test_clipping_guard_with_lbm_settings(monkeypatch, tmp_path):
         with pytest.raises(ValueError, match="--max_grad_norm"):
             loop.train(cfg)
         AcceleratorState._reset_state(True)
-        monkeypatch.setattr(loop, "deepspeed_config", lambda accelerator: {"gradient_clipping": 1.0})
+        monkeypatch.setattr(run_setup, "deepspeed_config", lambda accelerator: {"gradient_clipping": 1.0})
         with pytest.raises(ValueError, match="gradient_clipping"):
             loop.train(RunConfig(train=cfg.train, loss=cfg.loss))
     finally:

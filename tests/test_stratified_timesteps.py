@@ -104,12 +104,12 @@ def test_each_stratified_draw_is_marginally_uniform():
 
 def test_training_draws_one_sigma_per_stratum_each_step(cache_dir, tiny_model_dir, tmp_path, monkeypatch):
     """The real loop (batch 2 × 2 micro-batches): each optimizer step's 4 σ's fall one per quarter."""
-    from diffsynth_qie.training.losses import sft as losses
+    from diffsynth_qie.training import timesteps  # the SFT loss draws its σ's from here when called
     from diffsynth_qie.training.loop import Hooks, train
 
     seen: list[int] = []
     per_step: list[list[int]] = []
-    real = losses.draw_timesteps
+    real = timesteps.draw_timesteps
 
     def spy(*args, **kwargs):
         d = real(*args, **kwargs)
@@ -120,7 +120,7 @@ def test_training_draws_one_sigma_per_stratum_each_step(cache_dir, tiny_model_di
         per_step.append(list(seen))
         seen.clear()
 
-    monkeypatch.setattr(losses, "draw_timesteps", spy)
+    monkeypatch.setattr(timesteps, "draw_timesteps", spy)
     train(stratified_config(cache_dir, tmp_path / "run", tiny_model_dir, max_steps=4), Hooks(on_step_end=end))
     assert len(per_step) == 4
     for indices in per_step:

@@ -610,3 +610,33 @@ def test_deepspeed_configs_are_explicit():
         assert "mixed_precision" not in launcher  # accelerate refuses it next to a JSON file
         for optim, clip in ((OptimConfig(optimizer="prodigy_sf"), 0.0), (OptimConfig(optimizer="adamw"), 1.0)):
             assert check_clipping(optim, ds) == clip
+
+
+def test_train_step_alone_is_the_loops_first_step(reference_run, cache_dir, tiny_model_dir, tmp_path):
+    """`train_step` is one optimizer step a test can call on a set-up run: the same loss as the loop's first
+    logged step (exactly), the step counter and data position advanced, the LoRA changed."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from diffsynth_qie.training.data import iterate_batches
+    from diffsynth_qie.training.loop import _step_record, train_step
+    from diffsynth_qie.training.run_setup import setup
+
+    ref_cfg, ref = reference_run
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    run = setup(make_config(cache_dir, tmp_path / "step", tiny_model_dir))
+    try:
+        stream = iterate_batches(run.dataset, run.sampler, run.state.position, 0)
+        before = {k: v.detach().clone() for k, v in run.module.named_parameters() if v.requires_grad}
+        run.wrapped.train()
+        out = train_step(run, [next(stream) for _ in range(run.cfg.train.gradient_accumulation_steps)])
+        record = _step_record(run.accelerator, out.micro, out.lr, run.optimizer, out.grad_norm, run.engine, run.state)
+        assert run.state.step == 1 and (run.state.position.epoch, run.state.position.batch) != (0, 0)
+        assert record["loss"] == ref.losses[0]
+        after = dict(run.module.named_parameters())
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    finally:
+        run.tracker.close()
+        run.lock.release()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 
 from ..models.presets import preset_names
+from ..training.losses.registry import loss_names, loss_spec
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt_tokens", type=int, default=300, help="prompt tokens per sample")
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--lora_rank", type=int, default=32)
-    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "prodigy_sf"))
+    parser.add_argument("--optimizer", default=None, choices=("adamw", "prodigy_sf"),
+                        help="default: the --loss's own, as in qie train (adamw for sft, prodigy_sf for lbm)")
+    parser.add_argument("--loss", default="sft", choices=loss_names(),
+                        help="train: the training loss (it picks the default --optimizer; --verify runs its step)")
     parser.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="recompute DiT blocks in backward (on by default, as in qie train)")
     parser.add_argument("--fp8_base", action="store_true", help="frozen DiT linears in FP8 (e4m3 + scales)")
@@ -54,7 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prediction; fails naming the operator and line on a device/dtype mismatch or host sync")
     v.add_argument("--mixed", action="store_true",
                    help="--verify: every other sample of the batch is 4:3 with a prompt 30%% shorter")
-    v.add_argument("--loss", default="sft", choices=("sft", "lbm"), help="--verify: the training loss")
     v.add_argument("--verify_blocks", type=int, default=None, metavar="N",
                    help="--verify: build only N DiT blocks (default: all; the peak then covers N blocks)")
     v.add_argument("--edit_steps", type=int, default=2, help="--verify --task edit: denoising steps to run")
@@ -76,7 +79,7 @@ def run(args) -> int:
                     "fitted on Qwen-Image-Edit's blocks, an estimate for this family", family.label)
     base = PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
                        prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
-                       optimizer=args.optimizer, gradient_checkpointing=args.gradient_checkpointing,
+                       optimizer=args.optimizer or loss_spec(args.loss).default_optimizer, gradient_checkpointing=args.gradient_checkpointing,
                        fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
                        num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
                        text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu")

@@ -7,7 +7,8 @@ DeepSpeed ZeRO-2/3, configs in ``deepspeed_configs/``)::
         --cache_dir cache --output_dir out --model 2511 --batch_size 2 --gradient_accumulation_steps 8
 
 Every flag comes from the dataclasses in ``diffsynth_qie/training/config.py`` (the
-batching/sampling group from ``diffsynth_qie/data/sampling.py``). Several datasets:
+batching/sampling group from ``diffsynth_qie/data/sampling.py``); each registered loss with knobs
+adds its own config's group (``training/losses/registry.py``). Several datasets:
 cache each metadata file into its own directory and pass them all::
 
     qie train --cache_dir caches/a caches/b --dataset_weights "a=0.5,b=1.2" --batch_size 4 ...
@@ -19,7 +20,7 @@ import logging
 
 log = logging.getLogger(__name__)
 
-# (dataclass name in training.config, RunConfig attribute, flag-group title)
+# (dataclass name in training.config, RunConfig attribute, flag-group title); the losses' groups follow "loss"
 GROUPS = (
     ("TrainConfig", "train", "run"),
     ("LoRAConfig", "lora", "LoRA"),
@@ -27,27 +28,32 @@ GROUPS = (
     ("TimestepConfig", "timesteps", "timestep sampling"),
     ("LossConfig", "loss", "loss"),
     ("SamplingConfig", "sampling", "batching and sampling (buckets, token budget, weighted datasets)"),
-    ("LBMConfig", "lbm", "latent bridge matching (--loss lbm)"),
     ("OnTheFlyConfig", "onthefly", "training without a cache (--on_the_fly)"),
     ("DatasetConfig", "dataset", "--on_the_fly: the dataset (as `qie cache`)"),
     ("FieldNames", "fields", "--on_the_fly: metadata field names (as `qie cache`)"),
 )
 
 
-def _dataclass(cls_name: str):
-    """A config dataclass by name: training/config.py, or LBMConfig from training/losses/lbm.py (torch-free)."""
+def groups() -> list[tuple[type, str, str]]:
+    """(config dataclass, RunConfig attribute, flag-group title): :data:`GROUPS`, with each registered loss
+    that has knobs after "loss" (its own config, held by ``RunConfig.<name>``; torch-free)."""
     from ..data import formats
     from ..training import config as tc
-    from ..training.losses import lbm
+    from ..training.losses.registry import LOSSES
 
-    return getattr(tc, cls_name, None) or getattr(lbm, cls_name, None) or getattr(formats, cls_name)
+    out = []
+    for cls_name, attr, title in GROUPS:
+        out.append((getattr(tc, cls_name, None) or getattr(formats, cls_name), attr, title))
+        if attr == "loss":
+            out += [(s.config, s.name, f"--loss {s.name}: {s.summary}") for s in LOSSES.values() if s.has_flags]
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..utils.config_cli import add_dataclass_args
 
-    for cls_name, _, title in GROUPS:
-        add_dataclass_args(parser, _dataclass(cls_name), title=title)
+    for cls, _, title in groups():
+        add_dataclass_args(parser, cls, title=title)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -55,7 +61,7 @@ def config_from_args(args: argparse.Namespace):
     from ..training import config as tc
     from ..utils.config_cli import dataclass_from_args
 
-    parts = {attr: dataclass_from_args(_dataclass(cls_name), args) for cls_name, attr, _ in GROUPS}
+    parts = {attr: dataclass_from_args(cls, args) for cls, attr, _ in groups()}
     return tc.RunConfig(**parts)
 
 

@@ -7,9 +7,11 @@ other choices (the optimizer's learning rate, the preset's LoRA targets and
 nothing is ever read back from the cache except tensors (``zero_cond_t``,
 checkpointing and dropout are training-time decisions).
 
-:attr:`LossConfig.loss` picks the loss function from the registry in
-``losses/registry.py``; :attr:`RunConfig.lbm` holds the LBM loss's :class:`~.losses.lbm.LBMConfig`
-(``lbm.py`` imports no torch at import time, so the flags stay cheap to build).
+:attr:`LossConfig.loss` picks a loss from the registry in ``losses/registry.py``: its
+:class:`~.losses.spec.LossSpec` carries its capabilities (checked here) and its own config, held
+by ``RunConfig.<name>`` (``sft``: :class:`~.losses.sft.SFTConfig`, ``lbm``:
+:class:`~.losses.lbm.LBMConfig`). The losses import no torch at import time, so the flags stay
+cheap to build.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from ..data.formats import DatasetConfig, FieldNames
 from ..data.sampling import SamplingConfig
 from ..utils.config_cli import cli_help as _help
 from .losses.lbm import LBMConfig
+from .losses.registry import loss_help, loss_names, loss_spec
+from .losses.sft import SFTConfig
 
 OptimizerName = Literal["adamw", "prodigy_sf"]
 ScheduleName = Literal["constant", "cosine"]
@@ -103,8 +107,7 @@ class TimestepConfig:
 class LossConfig:
     """Which loss, and how samples and pixels are weighted."""
 
-    loss: Literal["sft", "lbm"] = field(default="sft", metadata=_help(
-        "sft: flow-matching fine-tuning; lbm: latent bridge matching (needs the LBM loss)"))
+    loss: str = field(default="sft", metadata=_help(loss_help(), choices=loss_names))
     loss_weighting: Literal["diffsynth", "none"] = field(default="diffsynth", metadata=_help(
         "per-sample weight of the loss by σ: DiffSynth's bell-shaped training_weight, or none (1)"))
     mask_loss_weights: Optional[tuple[float, float]] = field(default=None, metadata=_help(
@@ -217,6 +220,8 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     # Bucketing / weighted sampling. Its batch_size and seed are always TrainConfig's (copied by resolved()).
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # each registered loss's own config, named after it (losses/registry.py)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # used with --loss sft
     lbm: LBMConfig = field(default_factory=LBMConfig)  # used with --loss lbm
     onthefly: OnTheFlyConfig = field(default_factory=OnTheFlyConfig)  # --on_the_fly, with the two below
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -236,10 +241,12 @@ class RunConfig:
         if preset is not None:
             from ..models.family_ops import ops_for
 
-            ops = ops_for(preset.family)
-            if self.loss.loss == "lbm" and not ops.supports_lbm:
-                raise ValueError(f"--loss lbm is built for Qwen-Image-Edit; --model {preset.name} is {preset.family}, "
-                                 "which has no LBM path yet: train it with --loss sft")
+            ops, spec = ops_for(preset.family), loss_spec(self.loss.loss)
+            if spec.bridge and not ops.supports_lbm:
+                flows = ", ".join(n for n in loss_names() if not loss_spec(n).bridge)
+                raise ValueError(f"--loss {spec.name} is built for Qwen-Image-Edit (a bridge loss); --model "
+                                 f"{preset.name} is {preset.family}, which has no bridge (LBM) path yet: train it "
+                                 f"with --loss {flows}")
             if train.zero_cond_t and not ops.supports_zero_cond_t:
                 raise ValueError(f"--zero_cond_t is a Qwen-Image-Edit-2511 flag; --model {preset.name} conditions its "
                                  "references at t=0 by design: drop the flag")
@@ -250,8 +257,8 @@ class RunConfig:
         if lora.lora_alpha is None:
             lora = dataclasses.replace(lora, lora_alpha=float(lora.lora_rank))
         optim = self.optim
-        if optim.optimizer is None:  # LBM trains with ProdigyPlusScheduleFree unless told otherwise
-            optim = dataclasses.replace(optim, optimizer="prodigy_sf" if self.loss.loss == "lbm" else "adamw")
+        if optim.optimizer is None:  # the loss's own default (LBM: ProdigyPlusScheduleFree)
+            optim = dataclasses.replace(optim, optimizer=loss_spec(self.loss.loss).default_optimizer)
         return dataclasses.replace(self, train=train, lora=lora, optim=optim.resolved(), sampling=sampling)
 
     def to_json(self) -> dict:
@@ -311,9 +318,11 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 <= ts.min_timestep_boundary < ts.max_timestep_boundary <= 1.0:
         raise ValueError("need 0 <= --min_timestep_boundary < --max_timestep_boundary <= 1, got "
                          f"{ts.min_timestep_boundary} and {ts.max_timestep_boundary}")
-    if ts.timestep_sampling == "stratified" and ls.loss != "sft":
-        raise ValueError("--timestep_sampling stratified applies to --loss sft; --loss lbm draws its σ's "
-                         "with --lbm_sigma_sampling")
+    spec = loss_spec(ls.loss)  # ValueError naming the choices
+    if ts.timestep_sampling == "stratified" and not spec.stratified_sigma:
+        allowed = ", ".join(n for n in loss_names() if loss_spec(n).stratified_sigma)
+        raise ValueError(f"--timestep_sampling stratified applies to --loss {allowed}; --loss {spec.name} "
+                         f"{spec.sigma_note or 'draws its own σs'}")
     if ts.logit_std <= 0 or not math.isfinite(ts.logit_mean):
         raise ValueError(f"--logit_std must be > 0 (got {ts.logit_std}) and --logit_mean finite")
     if ls.mask_loss_weights is not None:

@@ -24,7 +24,7 @@ Entries of equal shape are sampled as one batch. The DiT is called through the
 *wrapped* training module (``module(predict=fn)`` runs ``fn(dit)`` inside its
 forward), so DDP/DeepSpeed hooks fire and under ZeRO-3 every rank takes part; all
 ranks call :meth:`Validator.run`. The trainer puts the weights users would get in
-place around it (``loop._validate``: ``eval()``, schedule-free average ``x``, then
+place around it (``validate_step``: ``eval()``, schedule-free average ``x``, then
 back); the validator itself changes no weight, no training mode and no global RNG.
 
 Each image is a strip [reference | target | output] (``side_by_side``), written
@@ -222,12 +222,13 @@ class Validator:
         return self._vae_pipe
 
     def _objective(self, wrapped_module):
-        """(is LBM, LBMConfig) of the loss the module trains (its resolved ``RunConfig``)."""
+        """(a bridge loss: the LBM sampler, LBMConfig) of the loss the module trains (its resolved ``RunConfig``)."""
         from .losses.lbm import lbm_config_of
+        from .losses.registry import loss_spec
 
         config = getattr(self.accelerator.unwrap_model(wrapped_module), "config", None)
-        loss = getattr(getattr(config, "loss", None), "loss", "sft")
-        return loss == "lbm", lbm_config_of(config)
+        name = getattr(getattr(config, "loss", None), "loss", None)
+        return name is not None and loss_spec(name).bridge, lbm_config_of(config)
 
     @torch.no_grad()
     def render(self, wrapped_module, device, dtype, entries: Optional[Sequence[CacheEntry]] = None) -> list[Render]:
@@ -313,7 +314,7 @@ def _gathered(module):
 
 
 def validate_step(run, step: int) -> None:
-    """The training loop's validation at ``step`` (``run``: its ``loop._Run``): render with the weights users
+    """The training loop's validation at ``step`` (``run``: a ``run_setup.Run``): render with the weights users
     would get (schedule-free: the average x; ``--validate_with``: the raw weights, their EMA, or both), then
     train on."""
     from .optim import schedule_free_eval

@@ -118,6 +118,7 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
     """
     from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
+    from .losses.registry import loss_spec
     from .module import QIETrainingModule
     from .optim import build_optimizer
 
@@ -143,7 +144,7 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
         optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
         report.weights = fc.current_bytes
         text_dim = module.dit.txt_in.in_features
-        batch = fake_batch(shapes, text_dim, cfg.loss.loss == "lbm", dtype)
+        batch = fake_batch(shapes, text_dim, loss_spec(cfg.loss.loss).bridge, dtype)
         generator = torch.Generator().manual_seed(t.seed)
         with fc.phase("forward + backward"):
             with torch.autocast("cuda", dtype=torch.bfloat16):

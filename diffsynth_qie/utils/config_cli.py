@@ -2,7 +2,8 @@
 
 Every field becomes ``--<prefix><name>``; the field's type decides parsing:
 ``bool`` -> ``--flag/--no-flag``, ``list[T]``/``tuple[T,...]`` -> ``nargs='+'``,
-``Optional[T]`` -> T with default None, ``Literal[...]``/``Enum`` -> ``choices``.
+``Optional[T]`` -> T with default None, ``Literal[...]``/``Enum`` -> ``choices`` (or
+``cli_help(..., choices=fn)``: ``fn()``'s names, read when the parser is built).
 Help text comes from ``field(metadata={"help": ...})``; parsers show defaults with
 ``argparse.ArgumentDefaultsHelpFormatter`` (as ``qie`` and ``app_gradio.py`` do).
 """
@@ -62,6 +63,9 @@ def _add_field(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dat
         from .cli_checks import checked
 
         kwargs["type"] = checked(kwargs["type"], f.metadata.get("min"), f.metadata.get("max"))
+    if "choices" in f.metadata:  # a registry's names (a callable: read when the parser is built)
+        choices = f.metadata["choices"]
+        kwargs["choices"] = list(choices() if callable(choices) else choices)
     if f.metadata.get("metavar"):
         kwargs["metavar"] = f.metadata["metavar"]
     parser.add_argument(name, help=help_text, **kwargs)

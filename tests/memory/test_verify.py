@@ -175,8 +175,7 @@ def test_train_preflight_turns_a_host_sync_into_a_value_error(monkeypatch):
             return err
         return err
 
-    monkeypatch.setattr(common, "per_sample_mse", syncing)
-    monkeypatch.setattr("diffsynth_qie.training.losses.sft.per_sample_mse", syncing)
+    monkeypatch.setattr(common, "per_sample_mse", syncing)  # the SFT loss imports it from common when called
     with pytest.raises(ValueError, match=r"preflight.*host read.*(test_verify|losses/sft)\.py:\d+.*--no_preflight"):
         verify.preflight(run_config(), get_preset("2511"))
 

@@ -25,7 +25,7 @@ Per sample, in this order from the loss's generator: a uniform draw u for the st
 used. The whole batch is one ``dit_forward`` call.
 
 This module imports no torch at import time (``qie --help`` builds the flags from
-:class:`LBMConfig`); ``registry.py`` lists :func:`lbm_loss` in ``LOSSES`` as ``"lbm"``.
+:class:`LBMConfig`); its :class:`~.spec.LossSpec` is ``SPEC`` at the end, listed in ``registry.py``.
 With ``--loss lbm`` the optimizer defaults to ProdigyPlusScheduleFree (lr 1.0, no
 weight decay, no clipping: ``RunConfig.resolved``), and training refuses clipping
 with it (``optim.check_clipping``).
@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional, Sequence
+
+from .spec import LossSpec
 
 if TYPE_CHECKING:
     import torch
@@ -267,3 +269,19 @@ def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = 
         if rows:  # logged only when the batch has the stream (the loop averages over batches that do)
             metrics[f"mse_{stream}"] = detached[rows].mean()
     return loss, {**metrics, **extra}
+
+
+def attach_pixel_critic(module, cfg, preset, device, dtype, ds_config) -> None:
+    """Run set-up: with ``--lbm_pixel_loss lpips`` give the module its :class:`~.lbm_pixel.PixelCritic`."""
+    lbm = lbm_config_of(cfg)
+    if lbm.lbm_pixel_loss == "none":
+        return
+    from .lbm_pixel import build_pixel_critic
+
+    module.pixel_critic = build_pixel_critic(lbm, preset, cfg.train.model_dir, device, dtype, ds_config)
+
+
+SPEC = LossSpec(
+    name="lbm", summary="latent bridge matching (source image -> target, 1-4 step edits)", fn=lbm_loss,
+    config=LBMConfig, bridge=True, sigma_note="draws its σ's with --lbm_sigma_sampling",
+    default_optimizer="prodigy_sf", setup=attach_pixel_critic)

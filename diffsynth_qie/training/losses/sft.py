@@ -7,7 +7,8 @@ A loss function has the signature ``loss_fn(dit, batch, config, generator=None) 
 ``torch.Generator`` for every random draw (None = torch's global RNG). ``loss`` is a
 0-dim tensor to backpropagate; ``metrics`` maps names to floats or detached 0-dim
 tensors for logging (tensors avoid a device sync per micro-batch). Losses are
-registered by name in ``registry.py`` (``"sft"`` here, ``"lbm"`` in ``lbm.py``).
+declared as a :class:`~.spec.LossSpec` (``SPEC`` at the end of the module) and listed in
+``registry.py``.
 
 Flow-matching SFT, DiffSynth's convention (``diffusion/flow_match.py``): σ = 1 is
 noise, σ = 0 is data; ``x_σ = (1-σ)·x0 + σ·ε``; the DiT predicts the velocity and the
@@ -20,24 +21,39 @@ of 1 accumulated.
 Random draws go sample by sample (σ_b, then ε_b), so a sample gets the same σ and
 noise whether it is trained in a batch or alone — that is what makes the batch-2 vs
 2×batch-1 equivalence testable.
+
+Like ``lbm.py`` this module imports no torch at import time: the registry, and with it the flags,
+stay cheap to build.
 """
 from __future__ import annotations
 
-import torch
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ...models.family_ops import ops_for
-from ...models.presets import family_of
-from ..config import RunConfig
-from .common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
-from ..timesteps import Strata, draw_timesteps
+from .spec import LossSpec
 
-Tensor = torch.Tensor
+if TYPE_CHECKING:
+    import torch
+
+    Tensor = torch.Tensor
 
 
-# --- losses ----------------------------------------------------------------------
-def flow_match_sft_loss(dit, batch: dict, config: RunConfig, generator: torch.Generator | None = None
-                        ) -> tuple[Tensor, dict[str, float | Tensor]]:
-    """Flow-matching SFT loss of a batch (see the module docstring)."""
+@dataclass
+class SFTConfig:
+    """Flow-matching SFT (used with --loss sft). A knob of this loss alone goes here, not in ``LossConfig``."""
+
+
+# --- the loss --------------------------------------------------------------------
+def flow_match_sft_loss(dit, batch: dict, config, generator: "torch.Generator | None" = None
+                        ) -> "tuple[Tensor, dict[str, float | Tensor]]":
+    """Flow-matching SFT loss of a batch (see the module docstring); ``config``: the resolved ``RunConfig``."""
+    import torch
+
+    from ...models.family_ops import ops_for
+    from ...models.presets import family_of
+    from .common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
+
     targets = batch["target_latents"]
     n = len(targets)
     ops = ops_for(family_of(config.train.model))  # the model family's DiT call and σ schedule (models/family_ops.py)
@@ -45,6 +61,9 @@ def flow_match_sft_loss(dit, batch: dict, config: RunConfig, generator: torch.Ge
     noisy, velocity = [], []
     # --timestep_sampling stratified: the loop puts each sample's stratum of the step into the batch
     strata = batch.get("timestep_strata")
+    # by name, when called: timesteps.py reads training/config.py, which reads this loss's SPEC (registry.py)
+    timesteps = importlib.import_module("..timesteps", __package__)
+    Strata, draw_timesteps = timesteps.Strata, timesteps.draw_timesteps
     for b, x0 in enumerate(targets):
         one = None if strata is None else Strata((strata.strata[b],), strata.count)
         d = draw_timesteps(1, config.timesteps, generator, weighting=config.loss.loss_weighting, strata=one,
@@ -74,3 +93,8 @@ def flow_match_sft_loss(dit, batch: dict, config: RunConfig, generator: torch.Ge
         "weight_mean": float(weights.mean()),
     }
     return loss, metrics
+
+
+SPEC = LossSpec(
+    name="sft", summary="flow-matching fine-tuning (noise -> target)", fn=flow_match_sft_loss, config=SFTConfig,
+    stratified_sigma=True, default_optimizer="adamw")

@@ -1,0 +1,190 @@
+"""A training run's set-up: the Accelerator, the checked config, then cache, DiT + LoRA, optimizer, schedule,
+resume and logging, gathered in one :class:`Run` that the loop (``loop.py``) works with.
+
+Order matters: the Accelerator comes first (under ZeRO-3 the DiT must be built partitioned), every flag is
+checked before the output directory is locked or anything is loaded, the loss's own set-up
+(``LossSpec.setup``) runs on the built module, and a resume is checked against what changed
+(``resume.py``) before its state is loaded.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..utils.dir_lock import TrainLock
+from .config import RunConfig
+from .placement import weight_dtype
+
+log = logging.getLogger(__name__)
+
+_DISTRIBUTION = {"NO": "no distribution", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP on CPUs"}  # accelerate's names
+
+
+def make_accelerator(config: RunConfig):
+    """The Accelerator (created before the DiT is loaded: ZeRO-3 must be known by then)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    train = config.train
+    mp = train.mixed_precision
+    if mp == "auto":
+        if os.environ.get("ACCELERATE_MIXED_PRECISION") or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+            mp = None  # the launcher's config (or the DeepSpeed JSON) decides
+        else:
+            mp = "bf16" if torch.cuda.is_available() and train.device != "cpu" else "no"
+    # find_unused_parameters: the last block's text-stream LoRAs get no gradient (its outputs are discarded)
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
+    return Accelerator(gradient_accumulation_steps=train.gradient_accumulation_steps, mixed_precision=mp,
+                       cpu=train.device == "cpu", step_scheduler_with_optimizer=False, kwargs_handlers=[ddp])
+
+
+def deepspeed_config(accelerator) -> Optional[dict]:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin.deepspeed_config if plugin is not None else None
+
+
+def total_optimizer_steps(config: RunConfig, batches_per_epoch: int) -> int:
+    """``--max_steps``, or ``--num_epochs`` epochs of ``batches_per_epoch`` (the first epoch's count: with
+    weighted sampling later epochs may cut their draws into a few more or fewer batches)."""
+    t = config.train
+    if t.max_steps > 0:
+        return t.max_steps
+    return max(1, math.ceil(batches_per_epoch * t.num_epochs / t.gradient_accumulation_steps))
+
+
+@dataclass
+class Run:
+    """Everything the loop works with, built by :func:`setup`."""
+
+    cfg: RunConfig
+    accelerator: object
+    module: object            # the unwrapped QIETrainingModule
+    wrapped: object           # what accelerate returned (DDP / DeepSpeed engine / the module)
+    optimizer: object         # the optimizer as built (schedule-free eval()/train() go here)
+    wrapped_optimizer: object
+    lr_scheduler: object
+    engine: object            # the DeepSpeed engine, or None
+    dataset: object
+    sampler: object
+    state: object             # checkpoint.TrainerState
+    total_steps: int
+    resumed: bool
+    tracker: object
+    validator: object
+    lock: object = None       # the output directory's TrainLock (rank 0)
+    ema: object = None        # --ema_decay's LoraEMA (training/ema.py)
+
+
+def setup(config: RunConfig) -> Run:
+    """Accelerator, the checked config, the output-directory lock, then the run (:func:`build_run`); the lock
+    is released if that fails. (A bad flag fails before the lock: nothing is written into --output_dir.)"""
+    from ..models.presets import get_preset
+
+    accelerator = make_accelerator(config)  # first: under ZeRO-3 the DiT must be built partitioned
+    ds_config = deepspeed_config(accelerator)
+    preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
+    cfg = config.resolved(preset)
+    lock = TrainLock(config.train.output_dir).acquire_for_ranks(accelerator)  # one run per --output_dir
+    try:
+        return build_run(cfg, preset, accelerator, ds_config, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lock) -> Run:
+    """Cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
+    from accelerate.utils import set_seed
+
+    from ..models.compile import compile_blocks
+    from ..models.devices import check_device_for
+    from ..models.presets import family_of
+    from ..utils.shared_dir import check_shared_dir
+    from . import checkpoint as ckpt
+    from .data import build_training_data
+    from .module import check_fp8_base
+    from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
+                        configure_deepspeed)
+    from .ema import build_ema
+    from .losses.registry import loss_spec
+    from .onthefly import check_on_the_fly, live_store
+    from .placement import build_module, check_block_swap, device_placement
+    from .resume import apply_schedule, cache_identity, check_resume, warn_data_order
+    from .tracking import Tracker
+    from .validation import Validator
+
+    check_clipping(cfg.optim, ds_config)
+    check_schedule_free_sharding(cfg.optim, ds_config, accelerator.num_processes)
+    t = cfg.train
+    log.info("training %s (zero_cond_t=%s) on %d process(es), %s, mixed precision %s", preset.name, t.zero_cond_t,
+             accelerator.num_processes, "DeepSpeed ZeRO-%s" % ds_config.get("zero_optimization", {}).get("stage")
+             if ds_config else _DISTRIBUTION.get(accelerator.distributed_type.value, accelerator.distributed_type.value),
+             accelerator.mixed_precision)
+
+    check_on_the_fly(cfg, ds_config)
+    live = live_store(cfg, preset, accelerator) if cfg.onthefly.on_the_fly else None  # the encoders, loaded
+    data = build_training_data(t.cache_dir, preset, cfg.sampling, seed=t.seed, cfg_dropout=t.cfg_dropout,
+                               num_validation=t.num_validation if t.validate_every > 0 else 0,
+                               num_replicas=accelerator.num_processes, rank=accelerator.process_index, live=live)
+    dataset, sampler, store, val_idx = data.dataset, data.sampler, data.validation_store, data.validation_indices
+    total_steps = total_optimizer_steps(cfg, len(sampler.epoch_batches(0)))
+
+    set_seed(t.seed)  # the LoRA init, identical on every rank
+    check_device_for(preset, accelerator.device, explicit_cpu=t.device == "cpu")
+    check_fp8_base(cfg, ds_config)
+    check_block_swap(cfg, ds_config)  # both before the (long) load
+    if not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:
+        from .verify import preflight
+
+        preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
+        set_seed(t.seed)
+    module, swapper = build_module(cfg, preset, accelerator, ds_config)
+    loss = loss_spec(cfg.loss.loss)
+    if loss.setup is not None:  # the loss's own set-up (LBM: --lbm_pixel_loss's critic)
+        loss.setup(module, cfg, preset, accelerator.device, weight_dtype(accelerator), ds_config)
+    if t.compile:
+        compile_blocks(module.dit)
+    optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
+    if ds_config is not None:
+        configure_deepspeed(ds_config, cfg.optim, t.batch_size)  # micro-batch size and --max_grad_norm
+    # only a swapper places the module itself (accelerate refuses any device_placement under DeepSpeed)
+    placement = {} if swapper is None else {"device_placement": device_placement(swapper, 3)}
+    wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler, **placement)
+    ckpt.install_state_hooks(accelerator, module)
+    ema = build_ema(cfg, module, accelerator)  # registered before a resume loads the state
+
+    state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
+                              gradient_accumulation_steps=t.gradient_accumulation_steps,
+                              extra={"total_steps": total_steps, "config": cfg.to_json(),
+                                     "cache": [live.identity()] if live else cache_identity(t.cache_dir)})
+    if accelerator.num_processes > 1:  # every rank writes here, rank 0 renames: one directory for all nodes
+        check_shared_dir(t.output_dir, accelerator.is_main_process, accelerator.wait_for_everyone)
+    if accelerator.is_main_process:
+        ckpt.remove_leftovers(t.output_dir)
+    resume_from = ckpt.resolve_resume(t.resume, t.output_dir)
+    if resume_from is not None:  # what changed since the checkpoint: refused, or applied (training/resume.py)
+        changes = check_resume(ckpt.read_trainer_state(resume_from).extra, state.extra, resume_from)
+        saved = ckpt.load_checkpoint(accelerator, module, resume_from)
+        warn_data_order(saved, state, saved.extra.get("config"), cfg.to_json())
+        state.step, state.position = saved.step, saved.position
+        if changes:
+            apply_schedule(optimizer, wrapped_sched, cfg.optim, state.step)
+        # the position must lie inside its epoch's batches (ValueError if the data or flags changed)
+        sampler.load_state_dict({"epoch": state.position.epoch, "batch": state.position.batch})
+    tracker = Tracker(t.output_dir, accelerator.is_main_process, t.report_to, cfg.to_json(),
+                      resume_step=state.step if resume_from else None)
+    validator = None
+    if t.validate_every > 0 and val_idx:
+        validator = Validator(store, val_idx, t.output_dir, preset, t.model_dir, t.validation_steps,
+                              t.validation_cfg_scale, bool(t.zero_cond_t), accelerator, weight_dtype(accelerator))
+    return Run(cfg=cfg, accelerator=accelerator, module=module, wrapped=wrapped, optimizer=optimizer,
+               wrapped_optimizer=wrapped_opt, lr_scheduler=wrapped_sched,
+               engine=wrapped if ds_config is not None else None, dataset=dataset, sampler=sampler, state=state,
+               total_steps=total_steps, resumed=resume_from is not None, tracker=tracker, validator=validator, ema=ema,
+               lock=lock)
