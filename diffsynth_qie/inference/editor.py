@@ -114,7 +114,7 @@ def output_size(request: EditRequest, first: Image.Image, divisor: int = 16) -> 
 # --- the editor ---------------------------------------------------------------------
 class Editor:
     """Edit images with a loaded pipeline (text encoder + DiT + VAE) of either family; what differs between
-    the families is in ``families.py``."""
+    the families is in their ops (``models/family_ops.py``)."""
 
     def __init__(self, pipe, device_map: Mapping[str, str] | str | None = None, cpu_offload: bool = False,
                  zero_cond_t: bool | None = None, offload_device: str = "cpu", lora_merge: bool = False,

@@ -1,6 +1,6 @@
-"""The loss registry: ``--loss NAME`` -> loss function (see ``losses.py`` for the signature).
+"""The loss registry: ``--loss NAME`` -> loss function (see ``sft.py`` for the signature).
 
-Its own module so that the losses never import each other: ``losses.py`` (``"sft"``) and
+Its own module so that the losses never import each other: ``sft.py`` (``"sft"``) and
 ``lbm.py`` (``"lbm"``) both build on ``common.py``, and only this module knows both.
 """
 from __future__ import annotations
