@@ -38,13 +38,19 @@ from diffsynth_qie.utils.logging import setup_logging  # noqa: E402
 log = logging.getLogger("app_gradio")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The UI's flags: one per :class:`UIConfig` field, plus the logging level."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_dataclass_args(parser, UIConfig)
     parser.add_argument("--log_level", default="INFO", type=str.upper,
                         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), help="logging level (default: INFO)")
-    args = check_numbers(parser).parse_args(argv)
+    return check_numbers(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:
         config = dataclass_from_args(UIConfig, args)

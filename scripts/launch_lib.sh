@@ -22,6 +22,9 @@
 #                     CPU; the LBM launcher defaults to none: DDP on several GPUs). DS_CONFIG= (empty) asks for none
 #   CACHE_ARGS        extra flags for phase 1 (`qie cache`), e.g. "--max_pixels 589824"
 #   QIE_SKIP_SETUP=1  don't run scripts/setup.sh first
+#   QIE_VENV          the virtual environment to run (default: .venv in the repository)
+#   QIE_GPU_MEMORY_GB the memory of one GPU in GiB for the ZeRO-2/ZeRO-3 choice (default: what torch reports)
+#   QIE_HOME          where the pretrained tiny base is installed (default: ~/.cache/diffsynth-qie)
 # Extra command-line arguments of the launcher go to phase 2 (`qie train`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

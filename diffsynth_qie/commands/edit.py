@@ -12,31 +12,31 @@ import logging
 from pathlib import Path
 
 from ..data.images import MAX_IMAGE_PIXELS
-from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS, preset_names
+from ..models.preset_flags import preset_help, preset_list, preset_type
+from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
+from ..utils.cli_checks import INT64_MAX, checked
 
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "file", "before_after": "file"}
 
-MODELS = tuple(preset_names())
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model")
-    m.add_argument("--model", default="tiny", choices=MODELS,
-                   help="model preset (tiny and tiny-2.1 are built on first use when --model_dir is not given; "
-                        "2.1 and 2.1-turbo are Qwen-Image-2.1, under a non-commercial licence)")
+    m.add_argument("--model", default="tiny", type=preset_type(), metavar="PRESET",
+                   help=f"{preset_help()}; {preset_list(lambda p: p.is_tiny)} are built on first use when "
+                        "--model_dir is not given")
     m.add_argument("--model_dir", default=None, help="local directory with the model repo's layout")
     m.add_argument("--lora", action="append", default=[], metavar="PATH",
                    help="LoRA file to apply to the DiT (repeatable)")
-    m.add_argument("--lora_scale", action="append", type=float, default=[], metavar="S",
+    m.add_argument("--lora_scale", action="append", type=checked(float, -100, 100), default=[], metavar="S",
                    help="scale per --lora, in the same order (default 1.0 each)")
     m.add_argument("--lora_merge", action="store_true",
                    help="merge the LoRAs into the weights (slightly faster steps, but a host copy of every "
                         "weight a LoRA touches; fp32 weights only: on bf16/fp16 the rounding loses much of the "
                         "LoRA's delta, so it is refused); default: an unmerged adapter branch costing only the LoRA's size")
     m.add_argument("--zero_cond_t", action=argparse.BooleanOptionalAction, default=None,
-                   help="override the preset's zero_cond_t (on for 2511 only)")
+                   help=f"override the preset's zero_cond_t (on for {preset_list(lambda p: p.zero_cond_t)} only)")
     io = parser.add_argument_group("inputs / output")
     io.add_argument("--image", action="append", default=[], metavar="PATH",
                     help="reference image (repeatable; the first is the one edited)")
@@ -44,37 +44,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     io.add_argument("--dataset_metadata", default=None, metavar="FILE",
                     help="take --image/--prompt from a dataset row instead (with --row)")
     io.add_argument("--dataset_base", default=None, metavar="DIR", help="base directory of the row's paths")
-    io.add_argument("--row", type=int, default=0, help="row index in --dataset_metadata")
+    io.add_argument("--row", type=checked(int, 0), default=0, help="row index in --dataset_metadata")
     io.add_argument("--before_after", default=None, metavar="PNG",
                     help="with --lora: also render without the LoRA (same seed) and write "
                          "[reference | without LoRA | with LoRA] side by side")
     io.add_argument("--negative_prompt", default="")
-    io.add_argument("--max_prompt_tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
+    io.add_argument("--max_prompt_tokens", type=checked(int, 1, 1 << 20), default=DEFAULT_MAX_PROMPT_TOKENS,
                     help="refuse prompts longer than this many tokens (Qwen-Image was trained on up to 512)")
     io.add_argument("--mask", default=None, metavar="PATH", help="white = region that may change")
     io.add_argument("--out", required=True, metavar="PNG", help="output image (LBM also writes <out>_sub.png)")
     s = parser.add_argument_group("sampling")
-    s.add_argument("--steps", type=int, default=None,
+    s.add_argument("--steps", type=checked(int, 1, 10000), default=None,
                    help="flow-matching steps (default 40; 2.1-turbo 8; with --scheduler lightning the LoRA's 4 or 8)")
-    s.add_argument("--cfg", type=float, default=None,
+    s.add_argument("--cfg", type=checked(float, 0, 100), default=None,
                    help="true CFG scale (1 = no negative pass; default 4, Qwen-Image-2.1 1; Lightning forces 1)")
-    s.add_argument("--strength", type=float, default=1.0, metavar="S",
+    s.add_argument("--strength", type=checked(float, 0, 1), default=1.0, metavar="S",
                    help="edit strength in [0, 1]: the sampler starts at σ = S from the source noised to it "
                         "(SDEdit; LBM starts its bridge part-way); 0 = the source, 1 = the full edit")
     s.add_argument("--scheduler", default="auto", choices=("auto", "default", "lightning"),
                    help="flow-matching schedule: lightning = the few-step schedule the Lightning LoRAs were "
                         "distilled with (CFG 1); auto = lightning when a --lora's name or metadata says so")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--height", type=int, default=None, help="output height (multiple of 16)")
-    s.add_argument("--width", type=int, default=None, help="output width (multiple of 16)")
-    s.add_argument("--max_output_pixels", type=int, default=MAX_IMAGE_PIXELS,
+    s.add_argument("--seed", type=checked(int, 0, INT64_MAX), default=0)
+    s.add_argument("--height", type=checked(int, 16, 1 << 16), default=None, help="output height (multiple of 16)")
+    s.add_argument("--width", type=checked(int, 16, 1 << 16), default=None, help="output width (multiple of 16)")
+    s.add_argument("--max_output_pixels", type=checked(int), default=MAX_IMAGE_PIXELS,
                    help="refuse a larger explicit --width x --height (the cap input images have too)")
-    s.add_argument("--max_pixels", type=int, default=1024 * 1024,
+    s.add_argument("--max_pixels", type=checked(int, 256, 1 << 32), default=1024 * 1024,
                    help="output pixel budget when --height/--width are not given")
-    s.add_argument("--mask_blend", type=float, default=1.0, help="mask blend strength 0..1 (1 = keep outside exactly)")
-    s.add_argument("--mask_feather", type=float, default=0.0, help="feather radius in pixels (inside the mask)")
-    s.add_argument("--lbm_steps", type=int, default=None, help="LBM bridge sampling with N steps (1-4)")
-    s.add_argument("--lbm_noise", type=float, default=0.005, help="LBM bridge noise s")
+    s.add_argument("--mask_blend", type=checked(float, 0, 1), default=1.0, help="mask blend strength 0..1 (1 = keep outside exactly)")
+    s.add_argument("--mask_feather", type=checked(float, 0, 4096), default=0.0, help="feather radius in pixels (inside the mask)")
+    s.add_argument("--lbm_steps", type=checked(int, 1, 4), default=None, help="LBM bridge sampling with N steps (1-4)")
+    s.add_argument("--lbm_noise", type=checked(float, 0, 10), default=0.005, help="LBM bridge noise s")
     d = parser.add_argument_group("devices")
     d.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     d.add_argument("--device_map", default=None, metavar="SPEC",
@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"device of {what} (default: --device); the same as {name}=DEVICE in --device_map")
     d.add_argument("--cpu_offload", action="store_true",
                    help="keep components on the CPU, move each to the GPU only while it runs")
-    d.add_argument("--blocks_to_swap", type=int, default=0, metavar="N",
+    d.add_argument("--blocks_to_swap", type=checked(int, 0, 1 << 10), default=0, metavar="N",
                    help="keep the DiT's last N blocks in pinned CPU memory and stream each to the GPU just before "
                         "it runs (~0.68 GB bf16 saved per block of the real DiT; docs/MEMORY.md); 0 = off")
     d.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")

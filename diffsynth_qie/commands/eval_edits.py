@@ -10,15 +10,17 @@ import argparse
 import logging
 from pathlib import Path
 
+from ..utils.cli_checks import INT64_MAX, checked
+
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"grid": "file"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .edit import MODELS
+    from ..models.preset_flags import preset_help, preset_type
 
-    parser.add_argument("--model", default="tiny", choices=MODELS, help="model preset")
+    parser.add_argument("--model", default="tiny", type=preset_type(), metavar="PRESET", help=preset_help())
     parser.add_argument("--model_dir", default=None, help="local directory with the model repo's layout")
     parser.add_argument("--lora", action="append", default=[], metavar="PATH", help="LoRA file (repeatable)")
     parser.add_argument("--zero_cond_t", action=argparse.BooleanOptionalAction, default=None,
@@ -26,12 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset_metadata", required=True, metavar="FILE",
                         help="held-out rows (source, prompt, target, optional mask)")
     parser.add_argument("--dataset_base", default=None, metavar="DIR")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
+    parser.add_argument("--limit", type=checked(int, 0), default=None, help="evaluate only the first N rows")
     parser.add_argument("--no_mask", action="store_true", help="ignore the rows' masks")
-    parser.add_argument("--steps", type=int, default=8, help="flow-matching steps")
-    parser.add_argument("--cfg", type=float, default=1.0, help="true CFG scale (1 = off)")
-    parser.add_argument("--lbm_steps", type=int, default=None, help="LBM bridge sampling with N steps")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=checked(int, 1, 10000), default=8, help="flow-matching steps")
+    parser.add_argument("--cfg", type=checked(float, 0, 100), default=1.0, help="true CFG scale (1 = off)")
+    parser.add_argument("--lbm_steps", type=checked(int, 1, 4), default=None, help="LBM bridge sampling with N steps")
+    parser.add_argument("--seed", type=checked(int, 0, INT64_MAX), default=0)
     parser.add_argument("--grid", default=None, metavar="PNG", help="write the comparison grid here")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from ..utils.cli_checks import checked
+
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "file"}
@@ -19,9 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tuned", required=True, metavar="DIR",
                         help="the fully fine-tuned model, same layout and keys as --base")
     parser.add_argument("--out", required=True, metavar="LORA.safetensors", help="output LoRA (our format)")
-    parser.add_argument("--rank", type=int, default=None,
+    parser.add_argument("--rank", type=checked(int, 0, 1 << 16), default=None,
                         help="LoRA rank per module (with --energy: the largest rank allowed)")
-    parser.add_argument("--energy", type=float, default=None,
+    parser.add_argument("--energy", type=checked(float, 0, 1), default=None,
                         help="keep the smallest rank holding this fraction of each delta's squared "
                              "singular values (e.g. 0.9)")
     parser.add_argument("--keep_other", action="store_true",

@@ -5,6 +5,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from ..utils.cli_checks import checked
+
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "file"}
@@ -33,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "inverse instructions; auto picks FireRed-style only when the prompts need it")
     parser.add_argument("--absolute_paths", action="store_true",
                         help="write absolute image paths (default: relative to the metadata file's folder)")
-    parser.add_argument("--max_pixels", type=int, default=None,
+    parser.add_argument("--max_pixels", type=checked(int, 256, 1 << 32), default=None,
                         help="skip images with more pixels than this (default: the loader's cap, 8192x8192)")
-    parser.add_argument("--workers", type=int, default=4, help="processes that check images (0: none)")
+    parser.add_argument("--workers", type=checked(int, 0, 1024), default=4, help="processes that check images (0: none)")
 
 
 def output_format(out: Path, fmt: str | None) -> str:

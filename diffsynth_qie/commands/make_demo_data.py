@@ -5,6 +5,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from ..utils.cli_checks import INT64_MAX, checked
+
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "tree"}  # (images/ too)
@@ -12,8 +14,8 @@ OUTPUTS = {"out": "tree"}  # (images/ too)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
-    parser.add_argument("--num_pairs", type=int, default=36, help="number of edit pairs")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (same seed -> identical files)")
+    parser.add_argument("--num_pairs", type=checked(int, 0), default=36, help="number of edit pairs")
+    parser.add_argument("--seed", type=checked(int, 0, INT64_MAX), default=0, help="random seed (same seed -> identical files)")
     parser.add_argument("--mixed_sizes", action=argparse.BooleanOptionalAction, default=True,
                         help="mix 64-128 px sizes and aspect ratios (--no-mixed_sizes: all 64x64)")
     parser.add_argument("--format", choices=["diffsynth", "firered", "both"], default="diffsynth",
@@ -22,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=["mixed", "red_circle_blue"], default="mixed",
                         help="mixed edits (move, remove, recolour, swatch), or the CPU demo's one edit "
                              "'make the red circle blue' (64x64, metadata.json + held-out heldout.json)")
-    parser.add_argument("--num_heldout", type=int, default=8, help="red_circle_blue: held-out pairs")
+    parser.add_argument("--num_heldout", type=checked(int, 0), default=8, help="red_circle_blue: held-out pairs")
 
 
 def run(args: argparse.Namespace) -> int:

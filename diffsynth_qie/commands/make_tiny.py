@@ -19,6 +19,8 @@ import logging
 import shutil
 from pathlib import Path
 
+from ..utils.cli_checks import INT64_MAX, checked
+
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="output directory (the model's root; created if missing). Required without "
                              "--pretrained; with it, default $QIE_HOME/models/Qwen-Image-Edit-tiny-pretrained")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed -> byte-identical weights)")
+    parser.add_argument("--seed", type=checked(int, 0, INT64_MAX), default=0, help="weight seed (same seed -> byte-identical weights)")
     parser.add_argument("--force", action="store_true",
                         help="rebuild even if --out already holds a complete tiny model from this seed")
     parser.add_argument("--pretrained", action="store_true",

@@ -17,9 +17,12 @@ DTYPES = ("bf16", "fp8", "fp32", "same")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..models.preset_flags import preset_list
+
     parser.add_argument("base", metavar="BASE_DIR_OR_PRESET",
                         help="model directory in the repository's layout (with transformer/), its transformer/ "
-                             "folder, or a preset name (edit, 2509, 2511) whose weights are downloaded")
+                             f"folder, or a preset name ({preset_list(lambda p: not p.is_tiny, 'or')}) whose "
+                             "weights are downloaded")
     parser.add_argument("--lora", action="append", required=True, metavar="FILE[:SCALE]",
                         help="LoRA to merge, any format `qie edit` reads, with an optional scale "
                              "(default 1); repeatable, applied in order")

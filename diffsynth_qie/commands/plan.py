@@ -12,24 +12,23 @@ import argparse
 import dataclasses
 import logging
 
-from ..models.presets import preset_names
+from ..models.preset_flags import preset_help, preset_type
 from ..training.losses.registry import loss_names, loss_spec
+from ..utils.cli_checks import checked
 
 log = logging.getLogger(__name__)
 
-MODELS = tuple(preset_names())
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="2511", choices=MODELS, help="model preset")
+    parser.add_argument("--model", default="2511", type=preset_type(), metavar="PRESET", help=preset_help())
     parser.add_argument("--model_dir", default=None,
                         help="count parameters from this checkpoint's DiT safetensors headers instead")
     parser.add_argument("--task", default="train", choices=("train", "edit"), help="a training step or an edit")
-    parser.add_argument("--resolution", type=int, default=1024, help="side of a square image (multiple of 16)")
-    parser.add_argument("--ref_images", type=int, default=1, help="reference images per sample")
-    parser.add_argument("--prompt_tokens", type=int, default=300, help="prompt tokens per sample")
-    parser.add_argument("--batch_size", type=int, default=1)
-    parser.add_argument("--lora_rank", type=int, default=32)
+    parser.add_argument("--resolution", type=checked(int, 16, 1 << 16), default=1024, help="side of a square image (multiple of 16)")
+    parser.add_argument("--ref_images", type=checked(int, 0, 64), default=1, help="reference images per sample")
+    parser.add_argument("--prompt_tokens", type=checked(int, 1, 1 << 20), default=300, help="prompt tokens per sample")
+    parser.add_argument("--batch_size", type=checked(int, 1, 1 << 16), default=1)
+    parser.add_argument("--lora_rank", type=checked(int, 0, 1 << 16), default=32)
     parser.add_argument("--optimizer", default=None, choices=("adamw", "prodigy_sf"),
                         help="default: the --loss's own, as in qie train (adamw for sft, prodigy_sf for lbm)")
     parser.add_argument("--loss", default="sft", choices=loss_names(),
@@ -37,16 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="recompute DiT blocks in backward (on by default, as in qie train)")
     parser.add_argument("--fp8_base", action="store_true", help="frozen DiT linears in FP8 (e4m3 + scales)")
-    parser.add_argument("--blocks_to_swap", type=int, default=0, help="DiT blocks kept in host RAM")
+    parser.add_argument("--blocks_to_swap", type=checked(int, 0, 1 << 10), default=0, help="DiT blocks kept in host RAM")
     parser.add_argument("--zero_stage", type=int, default=0, choices=(0, 2, 3))
-    parser.add_argument("--num_gpus", type=int, default=1)
+    parser.add_argument("--num_gpus", type=checked(int, 1, 1 << 16), default=1)
     parser.add_argument("--no_cfg", action="store_true", help="edit: --cfg 1 (no negative pass)")
     parser.add_argument("--on_the_fly", action="store_true",
                         help="train: the text encoder and VAE run beside the DiT (qie train --on_the_fly)")
     for name in ("text_encoder", "vae"):
         parser.add_argument(f"--{name}_device", default="gpu", choices=("gpu", "cpu"),
                             help=f"edit / --on_the_fly: where the {name.replace('_', ' ')} runs (cpu: host RAM, fp32)")
-    parser.add_argument("--gpu_memory_gb", type=float, default=None,
+    parser.add_argument("--gpu_memory_gb", type=checked(float, 0.5, 1 << 20), default=None,
                         help="also print the cheapest options (least slowdown) predicted to fit this many GiB")
     parser.add_argument("--distribution", action="store_true",
                         help="print the DeepSpeed config the launchers use for --num_gpus processes on GPUs of "
@@ -58,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prediction; fails naming the operator and line on a device/dtype mismatch or host sync")
     v.add_argument("--mixed", action="store_true",
                    help="--verify: every other sample of the batch is 4:3 with a prompt 30%% shorter")
-    v.add_argument("--verify_blocks", type=int, default=None, metavar="N",
+    v.add_argument("--verify_blocks", type=checked(int, 0, 1 << 10), default=None, metavar="N",
                    help="--verify: build only N DiT blocks (default: all; the peak then covers N blocks)")
-    v.add_argument("--edit_steps", type=int, default=2, help="--verify --task edit: denoising steps to run")
+    v.add_argument("--edit_steps", type=checked(int, 1, 10000), default=2, help="--verify --task edit: denoising steps to run")
 
 
 def run(args) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..utils.cli_checks import checked
+
 
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "file", "output_dir": "dir"}
@@ -17,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="the --output_dir of a `qie train` run")
     parser.add_argument("--out", default=None,
                         help="where to write the page (default: OUTPUT_DIR/report.html; written atomically)")
-    parser.add_argument("--smoothing", type=float, default=0.9,
+    parser.add_argument("--smoothing", type=checked(float, 0, 1), default=0.9,
                         help="exponential moving average weight of the smoothed loss curve, in [0, 1)")
 
 

@@ -40,7 +40,7 @@ WORK_SIDE = 256
 
 @dataclass(frozen=True)
 class CheckConfig:
-    psnr_identical: float = field(default=40.0, metadata=cli_help("near_identical above this PSNR, dB"))
+    psnr_identical: float = field(default=40.0, metadata=cli_help("near_identical above this PSNR, dB", unbounded=True))
     max_shift: float = field(default=2.0, metadata=cli_help("shifted from this global shift on, target pixels", min=0))
     max_scale_change: float = field(default=0.05, metadata=cli_help(
         "scale_mismatch when the target looks zoomed by more than this relative factor", min=0))

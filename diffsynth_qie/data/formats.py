@@ -77,7 +77,8 @@ class DatasetConfig:
     disable_inverse: bool = field(default=False, metadata={"help": "do not add inverse rows from inverse_instruction"})
     t2i_mode: bool = field(default=False, metadata={"help": "accept text-to-image rows (no source image)"})
     max_bad_fraction: float = field(default=DEFAULT_MAX_BAD_FRACTION, metadata={
-        "help": "fail when more than this fraction of rows is bad (bad rows are listed in skipped.jsonl)"})
+        "help": "fail when more than this fraction of rows is bad (bad rows are listed in skipped.jsonl)",
+        "unbounded": True})
 
 
 # ---------------------------------------------------------------- file readers

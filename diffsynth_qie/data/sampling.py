@@ -68,7 +68,7 @@ class SamplingConfig:
     max_tokens_per_batch: Optional[int] = field(default=None, metadata=_help(
         "token budget per batch instead of --batch_size: samples are added while batch size x longest "
         "sample's image tokens (target + references, 1 token per 2x2 latent pixels) stays within it; "
-        "a single larger sample gets a batch of its own (warned)", metavar="TOKENS"))
+        "a single larger sample gets a batch of its own (warned)", metavar="TOKENS", unbounded=True))
     bucket_policy: BucketPolicy = field(default="auto", metadata=_help(
         "auto: batches of equal image layouts, leftovers grouped by token count; exact: equal layouts only "
         "(no padding, some short batches); tokens: grouped by token count only"))
@@ -79,7 +79,7 @@ class SamplingConfig:
         "sample by number of source images, e.g. \"0=1,1=1,2=1,3=0\" (0 = text-to-image); counts not "
         "named are excluded", metavar="N=W,..."))
     samples_per_epoch: Optional[int] = field(default=None, metadata=_help(
-        "weighted sampling: draws per epoch (default: the number of eligible samples)", metavar="N"))
+        "weighted sampling: draws per epoch (default: the number of eligible samples)", metavar="N", unbounded=True))
     drop_last: bool = field(default=False, metadata=_help(
         "when the batches do not split evenly over processes, drop the last ones (logged) instead of "
         "repeating the first ones (logged)"))

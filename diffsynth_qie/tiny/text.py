@@ -2,7 +2,7 @@
 
 A byte-level BPE trained with ``tokenizers`` and wrapped as ``Qwen2Tokenizer``, plus a
 ``Qwen2VLProcessor``; both built with the installed transformers, because folders
-saved by transformers 4.x and 5.x don't load in the other. ``tiny.py`` builds the
+saved by transformers 4.x and 5.x don't load in the other. ``build.py`` builds the
 models and writes everything to disk.
 """
 from __future__ import annotations

@@ -22,6 +22,8 @@ from typing import Any, Literal, Optional
 
 from ..data.formats import DatasetConfig, FieldNames
 from ..data.sampling import SamplingConfig
+from ..models.preset_flags import preset_help, preset_list, preset_type
+from ..utils.cli_checks import INT64_MAX
 from ..utils.config_cli import cli_help as _help
 from .losses.lbm import LBMConfig
 from .losses.registry import loss_help, loss_names, loss_spec
@@ -45,9 +47,11 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
 class LoRAConfig:
     """LoRA on the DiT (PEFT, injected with DiffSynth's add_lora_to_model), optional full fine-tuning."""
 
-    lora_rank: int = field(default=32, metadata=_help("LoRA rank; 0 trains no LoRA (then --full_finetune_modules is required)"))
+    lora_rank: int = field(default=32, metadata=_help(
+        "LoRA rank; 0 trains no LoRA (then --full_finetune_modules is required)",
+        min=0, max=1 << 16))
     lora_alpha: Optional[float] = field(default=None, metadata=_help(
-        "LoRA alpha (scale alpha/rank); default: the rank, i.e. scale 1 as in DiffSynth"))
+        "LoRA alpha (scale alpha/rank); default: the rank, i.e. scale 1 as in DiffSynth", min=0))
     lora_target_modules: Optional[list[str]] = field(default=None, metadata=_help(
         "module name suffixes to adapt (PEFT matching); default: the preset's list "
         "(2511 adds img_in, txt_in, proj_out)", metavar="NAME"))
@@ -67,16 +71,18 @@ class OptimConfig:
         "adamw, or prodigy_sf (ProdigyPlusScheduleFree: lr 1.0, no clipping, eval()/train() around saves); "
         "default: prodigy_sf with --loss lbm, else adamw"))
     learning_rate: Optional[float] = field(default=None, metadata=_help(
-        "peak learning rate; default 1e-4 for adamw, 1.0 for prodigy_sf"))
-    weight_decay: Optional[float] = field(default=None, metadata=_help("default 0.01 for adamw, 0 for prodigy_sf"))
+        "peak learning rate; default 1e-4 for adamw, 1.0 for prodigy_sf", min=0))
+    weight_decay: Optional[float] = field(default=None, metadata=_help(
+        "default 0.01 for adamw, 0 for prodigy_sf", min=0))
     betas: Optional[tuple[float, float]] = field(default=None, metadata=_help(
-        "beta1 beta2; default 0.9 0.999 for adamw, 0.9 0.99 for prodigy_sf", metavar="BETA"))
-    warmup_steps: int = field(default=0, metadata=_help("linear warmup over this many optimizer steps"))
+        "beta1 beta2; default 0.9 0.999 for adamw, 0.9 0.99 for prodigy_sf", metavar="BETA", unbounded=True))
+    warmup_steps: int = field(default=0, metadata=_help("linear warmup over this many optimizer steps", min=0))
     lr_schedule: ScheduleName = field(default="constant", metadata=_help("after warmup: constant or cosine decay"))
-    min_lr_ratio: float = field(default=0.0, metadata=_help("cosine: final learning rate as a fraction of the peak"))
+    min_lr_ratio: float = field(default=0.0, metadata=_help(
+        "cosine: final learning rate as a fraction of the peak", min=0, max=1))
     max_grad_norm: Optional[float] = field(default=None, metadata=_help(
         "clip the gradient norm (0 = off); default 1.0 for adamw, 0 for prodigy_sf (which refuses clipping). "
-        "Under DeepSpeed it is written into the config's gradient_clipping (\"auto\" there)"))
+        "Under DeepSpeed it is written into the config's gradient_clipping (\"auto\" there)", min=0))
 
     def resolved(self) -> "OptimConfig":
         """A copy with every ``None`` replaced by the optimizer's default."""
@@ -96,11 +102,12 @@ class TimestepConfig:
         "uniform over the scheduler's 1000 training timesteps (DiffSynth), logit-normal (SD3) over "
         "the same shifted schedule, or stratified: uniform, with the σ's of one optimizer step (all "
         "micro-batches and ranks) one in each of as many equal strata (lower-variance loss curves)"))
-    logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
-    logit_std: float = field(default=1.0, metadata=_help("logit_normal: standard deviation"))
+    logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean", unbounded=True))
+    logit_std: float = field(default=1.0, metadata=_help("logit_normal: standard deviation", unbounded=True))
     min_timestep_boundary: float = field(default=0.0, metadata=_help(
-        "sample only from this fraction of the schedule onwards (0 = σ≈1, 1 = σ≈0), as DiffSynth"))
-    max_timestep_boundary: float = field(default=1.0, metadata=_help("... up to this fraction"))
+        "sample only from this fraction of the schedule onwards (0 = σ≈1, 1 = σ≈0), as DiffSynth",
+        unbounded=True))
+    max_timestep_boundary: float = field(default=1.0, metadata=_help("... up to this fraction", unbounded=True))
 
 
 @dataclass
@@ -113,7 +120,7 @@ class LossConfig:
     mask_loss_weights: Optional[tuple[float, float]] = field(default=None, metadata=_help(
         "INSIDE OUTSIDE: weights of the loss inside/outside the row's back_mask (edit region), "
         "normalised per sample so the mask's size does not change the loss scale; rows without a "
-        "mask are unweighted", metavar="W"))
+        "mask are unweighted", metavar="W", unbounded=True))
 
 
 @dataclass
@@ -128,18 +135,20 @@ class TrainConfig:
         "first directory", metavar="[NAME=]DIR"))
     output_dir: Optional[str] = field(default=None, metadata=_help(
         "where checkpoints, lora.safetensors, loss.jsonl and validation images go", metavar="DIR"))
-    model: str = field(default="2511", metadata=_help(
-        "model preset: edit, 2509, 2511, tiny, or Qwen-Image-2.1's 2.1, 2.1-turbo, tiny-2.1 (non-commercial licence)"))
+    model: str = field(default="2511", metadata=_help(preset_help(), type=preset_type(), metavar="PRESET"))
     model_dir: Optional[str] = field(default=None, metadata=_help(
         "local model directory (the preset's repo layout); only the DiT is loaded", metavar="DIR"))
     zero_cond_t: Optional[bool] = field(default=None, metadata=_help(
-        "2511's zero-timestep modulation of reference tokens; default: the preset's value (never the cache's)"))
+        f"{preset_list(lambda p: p.zero_cond_t)}'s zero-timestep modulation of reference tokens; default: the "
+        "preset's value (never the cache's)"))
     batch_size: int = field(default=1, metadata=_help(
         "samples per micro-batch per process (bucketed by image layout, mixed shapes are padded; see "
-        "--bucket_policy); with --max_tokens_per_batch a token budget sets the batch sizes instead"))
-    gradient_accumulation_steps: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
-    max_steps: int = field(default=0, metadata=_help("optimizer steps to train; 0 = use --num_epochs"))
-    num_epochs: int = field(default=1, metadata=_help("passes over the cache when --max_steps is 0"))
+        "--bucket_policy); with --max_tokens_per_batch a token budget sets the batch sizes instead",
+        min=1, max=1 << 16))
+    gradient_accumulation_steps: int = field(default=1, metadata=_help(
+        "micro-batches per optimizer step", min=1, max=1 << 16))
+    max_steps: int = field(default=0, metadata=_help("optimizer steps to train; 0 = use --num_epochs", min=0))
+    num_epochs: int = field(default=1, metadata=_help("passes over the cache when --max_steps is 0", min=1))
     mixed_precision: MixedPrecision = field(default="auto", metadata=_help(
         "auto = bf16 on GPU, no (fp32) on CPU; under accelerate launch the launcher's setting wins"))
     gradient_checkpointing: bool = field(default=True, metadata=_help("recompute DiT blocks in backward (saves memory)"))
@@ -150,29 +159,32 @@ class TrainConfig:
     blocks_to_swap: int = field(default=0, metadata=_help(
         "keep this many DiT blocks (the last ones) in pinned CPU memory and stream each to the GPU just before "
         "it runs, forward and backward; 1..number of blocks (60 for the real DiT, ~0.68 GB bf16 each), "
-        "0 = off. Not under DeepSpeed (docs/MEMORY.md)"))
+        "0 = off. Not under DeepSpeed (docs/MEMORY.md)", min=0, max=1 << 10))
     cfg_dropout: float = field(default=0.1, metadata=_help(
-        "probability per sample of training with the cached empty-prompt embedding"))
-    save_every: int = field(default=500, metadata=_help("checkpoint every N optimizer steps (0 = only at the end)"))
-    keep_last: int = field(default=3, metadata=_help("keep the newest N checkpoints (0 = keep all)"))
-    validate_every: int = field(default=0, metadata=_help("render held-out edits every N steps (0 = off)"))
+        "probability per sample of training with the cached empty-prompt embedding", min=0, max=1))
+    save_every: int = field(default=500, metadata=_help(
+        "checkpoint every N optimizer steps (0 = only at the end)", min=0))
+    keep_last: int = field(default=3, metadata=_help("keep the newest N checkpoints (0 = keep all)", min=0))
+    validate_every: int = field(default=0, metadata=_help("render held-out edits every N steps (0 = off)", min=0))
     ema_decay: float = field(default=0.0, metadata=_help(
         "keep an exponential moving average of the trainable weights (e.g. 0.999), saved as lora_ema.safetensors "
         "and in checkpoints; 0 = off", min=0.0, max=0.999999))
     validate_with: Literal["raw", "ema", "both"] = field(default="raw", metadata=_help(
         "render validation with the trained weights, their EMA (--ema_decay), or both"))
     num_validation: int = field(default=2, metadata=_help(
-        "cache entries held out of training for validation (only when --validate_every > 0)"))
-    validation_steps: int = field(default=8, metadata=_help("sampler steps per validation image"))
+        "cache entries held out of training for validation (only when --validate_every > 0)", min=0))
+    validation_steps: int = field(default=8, metadata=_help("sampler steps per validation image", min=1, max=10000))
     validation_cfg_scale: float = field(default=1.0, metadata=_help(
-        "classifier-free guidance at validation (1 = off; >1 adds one forward with the empty prompt)"))
-    seed: int = field(default=0, metadata=_help("seed of LoRA init, data order, dropout, noise and σ"))
+        "classifier-free guidance at validation (1 = off; >1 adds one forward with the empty prompt)", min=0, max=100))
+    seed: int = field(default=0, metadata=_help(
+        "seed of LoRA init, data order, dropout, noise and σ", min=0, max=INT64_MAX))
     resume: Optional[str] = field(default=None, metadata=_help(
         "continue from a checkpoint directory, or 'latest' in --output_dir", metavar="PATH|latest"))
-    log_every: int = field(default=1, metadata=_help("write loss.jsonl / WandB every N optimizer steps"))
+    log_every: int = field(default=1, metadata=_help("write loss.jsonl / WandB every N optimizer steps", min=1))
     report_to: Literal["none", "wandb"] = field(default="none", metadata=_help(
         "also log to WandB (honours WANDB_PROJECT, WANDB_NAME, WANDB_MODE); loss.jsonl is always written"))
-    num_workers: int = field(default=0, metadata=_help("DataLoader worker processes reading the cache"))
+    num_workers: int = field(default=0, metadata=_help(
+        "DataLoader worker processes reading the cache", min=0, max=1024))
     device: Optional[Literal["cpu", "cuda"]] = field(default=None, metadata=_help(
         "cpu forces CPU training even with a GPU present (default: accelerate's choice: this rank's GPU, "
         "else CPU)"))
@@ -194,9 +206,9 @@ class OnTheFlyConfig:
         "encode each batch during training instead of reading a `qie cache` directory (--dataset_metadata "
         "instead of --cache_dir): for datasets too large to cache, augmentation, or quick experiments"))
     max_pixels: int = field(default=1024 * 1024, metadata=_help(
-        "--on_the_fly: pixel budget of target and ref_gt images (as `qie cache --max_pixels`)"))
+        "--on_the_fly: pixel budget of target and ref_gt images (as `qie cache --max_pixels`)", min=256, max=1 << 32))
     edit_max_pixels: Optional[int] = field(default=None, metadata=_help(
-        "--on_the_fly: pixel budget of each reference image (default: --max_pixels)"))
+        "--on_the_fly: pixel budget of each reference image (default: --max_pixels)", unbounded=True))
     text_encoder_device: Optional[str] = field(default=None, metadata=_help(
         "--on_the_fly: device of the text encoder (default: the training device; cpu runs it beside the DiT step)"))
     vae_device: Optional[str] = field(default=None, metadata=_help(
@@ -206,7 +218,8 @@ class OnTheFlyConfig:
         "references and mask together, and a horizontal flip of all of them with probability 0.5; seeded by "
         "(seed, epoch, sample), so a resume repeats it"))
     prefetch: int = field(default=2, metadata=_help(
-        "--on_the_fly: batches encoded ahead in a background thread while the DiT trains (0: encode inline)"))
+        "--on_the_fly: batches encoded ahead in a background thread while the DiT trains (0: encode inline)",
+        unbounded=True))
 
 
 @dataclass

@@ -233,7 +233,7 @@ class QIETrainingModule(DiffusionTrainingModule):
 
     def forward(self, batch: Optional[dict] = None, generator: Optional[torch.Generator] = None, *,
                 predict: Optional[dict | Callable] = None):
-        """``(loss, metrics)`` of the configured loss on ``batch`` (see ``losses.py``).
+        """``(loss, metrics)`` of the configured loss on ``batch`` (see ``losses/sft.py``).
 
         With ``predict`` (keyword arguments of ``models.forward.dit_forward`` minus the
         DiT, or a callable ``predict(dit)``) it returns the DiT's velocity predictions

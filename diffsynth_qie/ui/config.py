@@ -8,6 +8,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..models.preset_flags import preset_help, preset_type
 from ..models.presets import DEFAULT_MAX_PROMPT_TOKENS
 from ..utils.config_cli import cli_help
 
@@ -18,12 +19,10 @@ class UIConfig:
 
     host: str = field(default="127.0.0.1", metadata={
         "help": "interface to bind; the default keeps the UI on this machine (use 0.0.0.0 to expose it)"})
-    port: int = field(default=7999, metadata={"help": "HTTP port"})
+    port: int = field(default=7999, metadata={"help": "HTTP port", "unbounded": True})
     share: bool = field(default=False, metadata={
         "help": "also open a public gradio.live tunnel (opt-in: anyone with the link can use your GPU)"})
-    model: str = field(default="tiny", metadata={
-        "help": "model preset: tiny, edit, 2509, 2511, or Qwen-Image-2.1's tiny-2.1, 2.1, 2.1-turbo (see `qie edit "
-                "--help`)"})
+    model: str = field(default="tiny", metadata=cli_help(preset_help(), type=preset_type(), metavar="PRESET"))
     model_dir: str | None = field(default=None, metadata={
         "help": "local directory holding the model in its repo layout; for the tiny preset it is "
                 "built there if missing (default: the preset's usual location; for tiny the pretrained tiny base "
@@ -42,14 +41,16 @@ class UIConfig:
                 "examples (image, mask, prompt); auto = the CPU demo's held-out rows; '' = none"})
     max_upload_mb: float = field(default=50.0, metadata={
         "help": "refuse (with a message) any image file larger than this many megabytes as it reaches "
-                "the server; the image editor sends its canvas as PNG, often larger than the file picked"})
+                "the server; the image editor sends its canvas as PNG, often larger than the file picked",
+                "unbounded": True})
     max_prompt_tokens: int = field(default=DEFAULT_MAX_PROMPT_TOKENS, metadata={
-        "help": "refuse (with a message) prompts longer than this many tokens"})
+        "help": "refuse (with a message) prompts longer than this many tokens", "min": 1, "max": 1 << 20})
     temp_dir: str | None = field(default=None, metadata={
         "help": "where the UI keeps its temporary files (uploads, outputs served for download): in its own "
                 "subfolder diffsynth-qie-ui-<port>, emptied at startup (default: the system's temp folder)"})
     max_temp_mb: float = field(default=500.0, metadata={
-        "help": "keep the UI's temporary files under this many megabytes; the oldest are removed first"})
+        "help": "keep the UI's temporary files under this many megabytes; the oldest are removed first",
+        "unbounded": True})
     device: str | None = field(default=None, metadata={
         "help": "torch device (default: cuda if available, else cpu)"})
     text_encoder_device: str | None = field(default=None, metadata={"help": "device of the text encoder (default: --device)"})
@@ -63,7 +64,7 @@ class UIConfig:
                 "memory of bf16)"})
     blocks_to_swap: int = field(default=0, metadata={
         "help": "keep the DiT's last N blocks in pinned CPU memory and stream each to the GPU just before it "
-                "runs (~0.68 GB bf16 saved per block of the real DiT); 0 = off"})
+                "runs (~0.68 GB bf16 saved per block of the real DiT); 0 = off", "min": 0, "max": 1 << 10})
     threads: int = field(default=0, metadata=cli_help(
         "torch CPU threads for generation; 0 = auto: on the CPU half the cores (at most 4), on a GPU torch's "
         "default", min=0, max=1024))

@@ -6,6 +6,8 @@ Every field becomes ``--<prefix><name>``; the field's type decides parsing:
 ``cli_help(..., choices=fn)``: ``fn()``'s names, read when the parser is built).
 Help text comes from ``field(metadata={"help": ...})``; parsers show defaults with
 ``argparse.ArgumentDefaultsHelpFormatter`` (as ``qie`` and ``app_gradio.py`` do).
+A number field declares its range in the same metadata (``cli_help(..., min=0, max=1)``, or
+``unbounded=True``; see ``utils/cli_checks.py``); ``type=`` gives a field a parser of its own.
 """
 from __future__ import annotations
 
@@ -59,10 +61,13 @@ def _add_field(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dat
             kwargs["default"] = default.value
     else:
         kwargs["type"] = tp
-    if kwargs.get("type") in (int, float) and ("min" in f.metadata or "max" in f.metadata):
+    if kwargs.get("type") in (int, float):  # a number: its range is declared here (min=/max=, or unbounded=True)
         from .cli_checks import checked
 
-        kwargs["type"] = checked(kwargs["type"], f.metadata.get("min"), f.metadata.get("max"))
+        declared = any(key in f.metadata for key in ("min", "max", "unbounded"))
+        kwargs["type"] = checked(kwargs["type"], f.metadata.get("min"), f.metadata.get("max"), declared=declared)
+    if f.metadata.get("type"):  # a parser of its own, e.g. --model's preset names and aliases
+        kwargs["type"] = f.metadata["type"]
     if "choices" in f.metadata:  # a registry's names (a callable: read when the parser is built)
         choices = f.metadata["choices"]
         kwargs["choices"] = list(choices() if callable(choices) else choices)

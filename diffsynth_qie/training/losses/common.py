@@ -1,4 +1,4 @@
-"""Pure helpers the training losses share (flow-matching SFT in ``losses.py``, LBM in ``lbm.py``).
+"""Pure helpers the training losses share (flow-matching SFT in ``sft.py``, LBM in ``lbm.py``).
 
 Per-sample pieces: noising, the velocity target, mask weights, the per-sample MSE,
 the weighted batch mean and reproducible noise. They import nothing from the losses.

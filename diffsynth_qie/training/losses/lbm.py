@@ -53,7 +53,7 @@ class LBMConfig:
     lbm_p_sub: float = field(default=0.5, metadata={"help": (
         "probability per sample of training the sub-stream (white image -> target) instead of the main "
         "stream (source image -> target); 0.5 trains both equally, 0 only main, 1 only sub. A row lacking "
-        "a stream's inputs uses the other stream")})
+        "a stream's inputs uses the other stream"), "unbounded": True})
     lbm_sub_target: Literal["target", "ref_gt"] = field(default="target", metadata={"help": (
         "what the sub-stream bridges the white image to: the row's target, or its ref_gt image where the "
         "row has one (else its target)")})
@@ -61,17 +61,19 @@ class LBMConfig:
         "training σ per sample: uniform over --lbm_sigma_grid (match the sampler's steps), or uniform in (0, 1]")})
     lbm_sigma_grid: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0], metadata={"help": (
         "σ values for --lbm_sigma_sampling grid; the default covers the 1-, 2- and 4-step samplers' σ's "
-        "(linspace(1, 1/N, N))"), "metavar": "SIGMA"})
+        "(linspace(1, 1/N, N))"), "metavar": "SIGMA", "unbounded": True})
     lbm_bridge_noise: float = field(default=0.005, metadata={"help": (
-        "bridge noise s: x_σ gets s·sqrt(σ(1-σ))·ε (use the same value at inference, qie edit --lbm_noise)")})
+        "bridge noise s: x_σ gets s·sqrt(σ(1-σ))·ε (use the same value at inference, qie edit --lbm_noise)"),
+        "unbounded": True})
     lbm_pixel_loss: Literal["none", "lpips"] = field(default="none", metadata={"help": (
         "add a pixel-space perceptual loss as in the LBM reference: LPIPS between the VAE-decoded predicted "
         "target and the target, on a random crop (loads the VAE decoder in phase 2; LPIPS backbone weights "
         "must be in the torch hub cache)")})
     lbm_pixel_weight: float = field(default=10.0, metadata={"help": (
-        "weight W of the pixel loss: loss = mse + W·LPIPS (the LBM reference example uses 10)")})
+        "weight W of the pixel loss: loss = mse + W·LPIPS (the LBM reference example uses 10)"), "unbounded": True})
     lbm_pixel_crop: int = field(default=512, metadata={"help": (
-        "largest side in pixels of the random crop decoded for the pixel loss (a multiple of 8, >= 64)")})
+        "largest side in pixels of the random crop decoded for the pixel loss (a multiple of 8, >= 64)"),
+        "unbounded": True})
 
     def __post_init__(self):
         """Raise ``ValueError`` naming the bad flag (so `qie train` fails before loading anything)."""
