@@ -88,11 +88,7 @@ def test_the_model_flags_were_found():
     assert {"edit", "cache", "train", "plan", "eval-edits", "app_gradio.py"} <= set(_model_flags())
 
 
-@pytest.mark.parametrize("command", [
-    pytest.param(name, marks=pytest.mark.xfail(
-        strict=True, reason="make-tiny lists its presets as argparse choices, which refuse aliases"))
-    if name == "make-tiny" else name
-    for name in sorted(_model_flags())])
+@pytest.mark.parametrize("command", sorted(_model_flags()))
 def test_every_model_flag_takes_a_preset_by_name_or_alias(command):
     action = _model_flags()[command]
     taken = [name for name in PRESETS if _accepted(action, name) == name]

@@ -89,7 +89,7 @@ def test_make_tiny_offers_exactly_the_locally_built_presets():
 
     parser = argparse.ArgumentParser()
     make_tiny.add_arguments(parser)
-    choices = next(a.choices for a in parser._actions if a.dest == "model")
+    choices = next(a.type for a in parser._actions if a.dest == "model").qie_presets  # preset_type's names
     assert set(choices) == {name for name, p in PRESETS.items() if p.provider} and choices
     for name in choices:  # each provider module says how to build its model
         hooks = make_tiny.local_build(name)

@@ -19,6 +19,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from ..models.preset_flags import preset_type
 from ..utils.cli_checks import INT64_MAX, checked
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ def local_build(preset_name: str) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     models = buildable()
-    parser.add_argument("--model", default=PRETRAINED_PRESET, choices=tuple(models),
+    parser.add_argument("--model", default=PRETRAINED_PRESET, type=preset_type(lambda p: p.provider),
+                        metavar="PRESET",
                         help="which model to build: " + "; ".join(f"{n}: {d}" for n, d in models.items()))
     parser.add_argument("--out", default=None,
                         help="output directory (the model's root; created if missing). Required without "
