@@ -28,6 +28,7 @@ from ..utils.config_cli import cli_help as _help
 from .losses.lbm import LBMConfig
 from .losses.registry import loss_help, loss_names, loss_spec
 from .losses.sft import SFTConfig
+from .timestep_config import TimestepConfig  # noqa: F401 (part of RunConfig; its own module: timesteps.py reads it)
 
 OptimizerName = Literal["adamw", "prodigy_sf"]
 ScheduleName = Literal["constant", "cosine"]
@@ -92,22 +93,6 @@ class OptimConfig:
         values["optimizer"] = optimizer
         values["betas"] = tuple(values["betas"])
         return dataclasses.replace(self, **values)
-
-
-@dataclass
-class TimestepConfig:
-    """Which noise levels σ training sees (per sample, from DiffSynth's Qwen-Image schedule)."""
-
-    timestep_sampling: Literal["uniform", "logit_normal", "stratified"] = field(default="uniform", metadata=_help(
-        "uniform over the scheduler's 1000 training timesteps (DiffSynth), logit-normal (SD3) over "
-        "the same shifted schedule, or stratified: uniform, with the σ's of one optimizer step (all "
-        "micro-batches and ranks) one in each of as many equal strata (lower-variance loss curves)"))
-    logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean", unbounded=True))
-    logit_std: float = field(default=1.0, metadata=_help("logit_normal: standard deviation", unbounded=True))
-    min_timestep_boundary: float = field(default=0.0, metadata=_help(
-        "sample only from this fraction of the schedule onwards (0 = σ≈1, 1 = σ≈0), as DiffSynth",
-        unbounded=True))
-    max_timestep_boundary: float = field(default=1.0, metadata=_help("... up to this fraction", unbounded=True))
 
 
 @dataclass

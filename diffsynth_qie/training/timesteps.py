@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..models.family import Family
-from .config import TimestepConfig
+from .timestep_config import TimestepConfig
 
 NUM_TRAIN_TIMESTEPS = 1000
 

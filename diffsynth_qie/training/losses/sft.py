@@ -27,7 +27,6 @@ stay cheap to build.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,6 +51,7 @@ def flow_match_sft_loss(dit, batch: dict, config, generator: "torch.Generator | 
 
     from ...models.family_ops import ops_for
     from ...models.presets import family_of
+    from ..timesteps import Strata, draw_timesteps
     from .common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
 
     targets = batch["target_latents"]
@@ -61,9 +61,6 @@ def flow_match_sft_loss(dit, batch: dict, config, generator: "torch.Generator | 
     noisy, velocity = [], []
     # --timestep_sampling stratified: the loop puts each sample's stratum of the step into the batch
     strata = batch.get("timestep_strata")
-    # by name, when called: timesteps.py reads training/config.py, which reads this loss's SPEC (registry.py)
-    timesteps = importlib.import_module("..timesteps", __package__)
-    Strata, draw_timesteps = timesteps.Strata, timesteps.draw_timesteps
     for b, x0 in enumerate(targets):
         one = None if strata is None else Strata((strata.strata[b],), strata.count)
         d = draw_timesteps(1, config.timesteps, generator, weighting=config.loss.loss_weighting, strata=one,
