@@ -8,19 +8,16 @@ from __future__ import annotations
 import argparse
 import logging
 
+from ..lora.export_targets import EXPORT_TARGETS
+
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out_path": "file"}
 
-# Mirrors lora_export.EXPORT_FORMATS; kept here so `qie --help` does not import torch.
-FORMATS = ("comfyui", "diffusers")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
-                        help="comfyui: diffusion_model.<module>.lora_A/lora_B.weight + .alpha "
-                             "(+ .set_weight for full module weights); diffusers: "
-                             "transformer.<module>.lora_A/lora_B.weight with alpha folded in")
+    parser.add_argument("--format", required=True, choices=tuple(EXPORT_TARGETS), dest="fmt",
+                        help="; ".join(f"{t.name}: {t.help}" for t in EXPORT_TARGETS.values()))
     parser.add_argument("--drop_full_weights", action="store_true",
                         help="diffusers only: export just the LoRA part when the file also holds fully "
                              "trained module weights (diffusers cannot load those)")
@@ -29,17 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..lora.export import export_lora
-
     from pathlib import Path
 
+    from ..lora.export import export_lora
     from ..utils.atomic import check_output_file
 
     if Path(args.in_path).resolve() == Path(args.out_path).resolve():
         raise ValueError(f"OUT {args.out_path} is the input LoRA itself; write the export to another file")
     check_output_file(args.out_path, "OUT")
-    if args.drop_full_weights and args.fmt != "diffusers":
-        raise ValueError("--drop_full_weights only applies to --format diffusers "
-                         "(ComfyUI loads full module weights as .set_weight patches)")
     export_lora(args.in_path, args.out_path, args.fmt, drop_full_weights=args.drop_full_weights)
     return 0

@@ -32,18 +32,18 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from ..utils.atomic import atomic_save
+from .export_targets import EXPORT_TARGETS, export_target
 from .formats import ADAPTER_METADATA_KEY, load_lora_state, parse_lora_state_dict
 from .state import FORMAT_NAME, FORMAT_VERSION, LoraState, listing
 
 log = logging.getLogger(__name__)
 
-EXPORT_FORMATS = ("comfyui", "diffusers")
-ExportFormat = Literal["comfyui", "diffusers"]
+EXPORT_FORMATS = tuple(EXPORT_TARGETS)  # the names of export_targets.EXPORT_TARGETS
 
 
 def _default_module_names(state: LoraState, family: str = "qwen-image-edit") -> list[str]:
@@ -177,24 +177,26 @@ SCALE_KEYS = frozenset({"alpha", "rank", "lora_alpha", "lora_rank", "network_alp
                         "ss_network_alpha", "ss_network_dim"})
 
 
-def export_lora(in_path: str | os.PathLike, out_path: str | os.PathLike, fmt: ExportFormat,
-                drop_full_weights: bool = False) -> Path:
-    """Convert any supported LoRA file to ComfyUI's or diffusers' key names."""
-    if fmt not in EXPORT_FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+def export_lora(in_path: str | os.PathLike, out_path: str | os.PathLike, fmt: str, **options) -> Path:
+    """Convert any supported LoRA file to a runtime's key names (``fmt``: an ``EXPORT_TARGETS`` name;
+    ``options``: that target's writer options, e.g. ``drop_full_weights`` for diffusers)."""
+    target = export_target(fmt)
+    unknown = sorted(k for k, v in options.items() if v and k not in target.options)
+    if unknown:
+        takes = [t.name for t in EXPORT_TARGETS.values() if unknown[0] in t.options]
+        raise ValueError(f"--{unknown[0]} does not apply to --format {fmt}; it applies to --format "
+                         f"{' / '.join(takes) or '(none)'}")
+    options = {k: v for k, v in options.items() if k in target.options}
     state = load_lora_state(in_path)
     _warn_unknown_modules(_resolved(state))
-    if fmt == "comfyui":
-        tensors = comfyui_state_dict(state)
-    else:
-        tensors = diffusers_state_dict(state, drop_full_weights=drop_full_weights)
-    # alpha is written as .alpha tensors (comfyui) or folded into lora_A (diffusers); a copied
-    # lora_adapter_metadata, or plain alpha/rank keys of the source, would make a tool apply it a second time.
+    tensors = target.write_fn()(state, **options)
+    # alpha is written as .alpha tensors or folded into lora_A; a copied lora_adapter_metadata, or plain
+    # alpha/rank keys of the source, would make a tool apply it a second time.
     metadata = {k: v for k, v in state.metadata.items()
                 if k not in ("format", "format_version", ADAPTER_METADATA_KEY) and k.lower() not in SCALE_KEYS}
     metadata.update(format=fmt, converted_by=FORMAT_NAME, source_format=state.format)
     ranks = sorted({m.rank for m in state.modules.values()})
-    if fmt == "diffusers" and len(ranks) == 1:  # folded: the file's own scale alpha / rank is 1
+    if target.alpha_folded and len(ranks) == 1:  # folded: the file's own scale alpha / rank is 1
         metadata.update(rank=str(ranks[0]), alpha=str(ranks[0]), alpha_folded_into_lora_A="true")
     out = _write(Path(out_path), tensors, metadata)
     log.info("wrote %s LoRA %s (%d tensors, from %s format)", fmt, out, len(tensors), state.format)
