@@ -21,28 +21,39 @@ device (``models/qwen21.py forward21``, ``models/family_ops.py Qwen21Ops.conditi
   ``index_put`` (553-565); the RoPE rows come from :func:`rope_rows` (567); ``build_token_metadata`` and
   ``_qwenimage21_prefix_segments`` (DiffSynth's own) run on the host mask; the key mask (591-597) is an
   ``index_put`` by integer indices; the target-token mask goes to the device once for the modulation rows
-  (573). Everything else (the blocks, the attention segments, the KV cache, the checks) is DiffSynth's,
-  called as the original calls it.
+  (573). The rest is DiffSynth's: the blocks, the attention segments and the KV cache are called as the
+  original calls them, and the lines between (570-589, 598-659: the checks, the decode and segment set-up,
+  the block loop) are copied as they are.
 - :func:`rope_rows` runs DiffSynth's own ``QwenImage21Rope.forward`` on the host over identity tables, so
   its position lists (lines 432-458) give each token's row of each axis table; the device gathers the rows.
 
-``tests/test_verify21.py`` checks that the stand-in's output and gradients equal DiffSynth's forward on a
-tiny 2.1 DiT (with and without references, with a key mask, with the prefix KV cache), so a DiffSynth
-upgrade that changes the mirrored lines fails there.
+A :class:`~.fake_device.FakeRunError` raised while these run names our caller's line, as it would without
+them (:func:`reattributed`), and, inside the DiT's forward, the stand-in's line after it.
+
+``tests/test_verify21_standin.py`` checks that the stand-in's output and gradients equal DiffSynth's forward
+on a tiny 2.1 DiT (with and without references, with a key mask, with the prefix KV cache), so a DiffSynth
+upgrade that changes the mirrored lines fails there; ``tests/test_verify21_fake.py`` runs it at full size.
+Mirrored DiffSynth lines are those of ``diffsynth/models/qwen_image_21_dit.py`` as pinned.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import re
+import traceback
 import weakref
 from types import SimpleNamespace
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .fake_device import FakeRunError, our_frame
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHADOW_MAX_NUMEL = 1 << 16  # masks and index lists; never activations
 _BOOKKEEPING_DTYPES = (torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
@@ -65,7 +76,10 @@ class HostShadows(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except FakeRunError as e:
+            raise FakeRunError(reattributed(str(e))) from None
         if func._schema.is_mutable:
             self._forget_written(func, args, kwargs)
             return out
@@ -111,13 +125,29 @@ def _is_bookkeeping(t) -> bool:
             and t.numel() <= SHADOW_MAX_NUMEL)
 
 
+def reattributed(message: str) -> str:
+    """``message`` (a :class:`~.fake_device.FakeRunError`'s) naming our caller's line where it names this module's
+    (``our_frame`` sees this module's frames as ours): the innermost frame of this package outside this module
+    and ``fake_device.py``; inside :func:`dit21_forward`, the stand-in's line follows."""
+    ours = [f for f in traceback.extract_stack() if f.filename.startswith(_PACKAGE)
+            and not f.filename.endswith("fake_device.py")]
+    caller = next((f for f in reversed(ours) if f.filename != __file__), None)
+    standin = next((f for f in reversed(ours) if f.filename == __file__ and f.name == "dit21_forward"), None)
+    if caller is None:
+        return message
+    where = f"{os.path.relpath(caller.filename, os.path.dirname(_PACKAGE))}:{caller.lineno} ({caller.name})"
+    if standin is not None:
+        where += f" (in DiffSynth's 2.1 DiT forward, run by memory/standin21.py:{standin.lineno})"
+    here = re.escape(os.path.relpath(__file__, os.path.dirname(_PACKAGE)))
+    return re.sub(here + r":\d+ \(\w+\)", lambda _: where, message, count=1)
+
+
 def _host_mask(values: Callable, mask: torch.Tensor) -> torch.Tensor:
     host = values(mask)
     if host is None:
-        from .fake_device import FakeRunError, our_frame
-
-        raise FakeRunError(f"the Qwen-Image-2.1 DiT's reference-slot mask has no host values at {our_frame()}: "
-                           "it must be made on the host (the cache, the prompt encoder) and moved to the device")
+        raise FakeRunError(reattributed(
+            f"the Qwen-Image-2.1 DiT's reference-slot mask has no host values at {our_frame()}: it must be made "
+            "on the host (the cache, the prompt encoder) and moved to the device"))
     return host.to("cpu")
 
 
@@ -245,6 +275,24 @@ def host_bookkeeping21() -> Iterator[HostShadows]:
             yield shadows
     finally:
         QwenImage21DiT.forward = saved
+
+
+# the template around a 2.1 prompt: "<|im_start|>user\n"; "<imageN><|vision_start|>" ... "<|vision_end|>"; the
+# assistant turn
+TEMPLATE_HEAD, REF_MARKERS, TEMPLATE_TAIL = 3, 3, 5
+
+
+def slot_mask21(ref_latent_sizes: Sequence[tuple[int, int]], prompt_tokens: int) -> torch.Tensor:
+    """A 2.1 prompt's reference-slot mask ``[L]`` on the host, laid out as DiffSynth's 2.1 prompt encoder
+    gives it after the dropped system turn: the user turn's head, per reference its markers around one slot per
+    2x2 latents, the prompt's tokens, the assistant turn (the marker counts are the template's, rounded)."""
+    mask = [False] * TEMPLATE_HEAD
+    for h, w in ref_latent_sizes:
+        if (h * w) % 4:
+            raise ValueError(f"a 2.1 reference latent of {h}x{w} has no whole 2x2 slots; use image sides in "
+                             "multiples of 32 px")
+        mask += [False] * (REF_MARKERS - 1) + [True] * (h * w // 4) + [False]
+    return torch.tensor(mask + [False] * (prompt_tokens + TEMPLATE_TAIL), dtype=torch.bool, device="cpu")
 
 
 def kv_cache_bytes(caches) -> int:
