@@ -201,6 +201,31 @@ def test_the_cached_slot_mask_reaches_the_dit_on_the_latents_device(monkeypatch)
     assert seen["devices"] == (torch.device("meta"), torch.device("meta"))
 
 
+def test_the_samplers_host_timesteps_reach_the_dit_on_the_latents_device(monkeypatch):
+    """A sampler hands ``velocity21`` the scheduler's timesteps, which live on the host; DiffSynth's 2.1 DiT feeds
+    them to its timestep embedder's linear layers, so on a GPU they must move to the latents' device (the meta
+    device stands in for the GPU). A CPU-only test of the whole edit cannot see this."""
+    import diffsynth.pipelines.qwen_image_21 as pipeline21
+
+    from diffsynth_qie.models.qwen21 import Cond21, Prompt21, velocity21
+
+    seen = []
+
+    def model_fn(dit, latents, timestep, edit_image_pad_mask, **kwargs):
+        seen.append((latents.device, timestep.device, edit_image_pad_mask.device))
+        return latents
+
+    monkeypatch.setattr(pipeline21, "model_fn_qwen_image_21", model_fn)
+    dit = torch.nn.Linear(2, 2).to("meta")
+    prompt = Prompt21(emb=torch.empty(5, 32, device="meta"), pad_mask=torch.zeros(5, dtype=torch.bool))
+    cond = Cond21(prompts=[prompt, prompt], ref_latents=[[], []], negatives=[prompt, prompt], kv_cache=False)
+    x = torch.empty(2, 64, 2, 2, device="meta")
+    for cfg in (1.0, 4.0):
+        velocity21(dit, cond, cfg=cfg)(x, torch.tensor([1000.0, 500.0]))  # host timesteps, as a scheduler gives
+    meta = torch.device("meta")
+    assert len(seen) == 2 + 4 and all(devices == (meta, meta, meta) for devices in seen), seen
+
+
 def test_21_on_the_fly_gives_the_cached_runs_losses(cache21, tiny21_dir, tmp_path):
     from diffsynth_qie.cache.store import CacheStore
     from diffsynth_qie.data.formats import DatasetConfig

@@ -132,7 +132,8 @@ def forward21(dit, latents: Sequence[Tensor], timesteps: Tensor, prompts: Sequen
               use_gradient_checkpointing: bool = False) -> list[Tensor]:
     """The 2.1 DiT's velocity for each sample: ``latents[b]`` [64, h_b, w_b] at ``timesteps[b]`` (0..1000) with
     its own prompt and references. One DiffSynth ``model_fn_qwen_image_21`` call per sample (see the module
-    docstring); the timestep takes the DiT's dtype before the division by 1000, as in the pipeline."""
+    docstring); the timestep moves to the sample's device and takes the DiT's dtype before the division by 1000,
+    as in the pipeline."""
     from diffsynth.pipelines.qwen_image_21 import model_fn_qwen_image_21
 
     dtype = next(dit.parameters()).dtype
@@ -140,7 +141,9 @@ def forward21(dit, latents: Sequence[Tensor], timesteps: Tensor, prompts: Sequen
     for b, x in enumerate(latents):
         prompt = prompts[b]
         v = model_fn_qwen_image_21(
-            dit, latents=x[None], timestep=timesteps[b].reshape(1).to(dtype),
+            # (a sampler's timesteps are the scheduler's, on the host: the DiT's timestep embedder needs them on
+            # the latents' device, as DiffSynth's pipeline moves them)
+            dit, latents=x[None], timestep=timesteps[b].reshape(1).to(device=x.device, dtype=dtype),
             prompt_embeds=prompt.emb[None], prompt_embeds_mask=None,
             # (the mask comes from the cache on the host; DiffSynth concatenates it with a mask on the latents' device)
             edit_image_pad_mask=prompt.pad_mask[None].to(x.device),
