@@ -37,7 +37,8 @@ from typing import Any, Literal, Mapping
 import torch
 
 from ..utils.atomic import atomic_save
-from .formats import ADAPTER_METADATA_KEY, load_lora_state, parse_lora_state_dict
+from .adapter_metadata import ADAPTER_METADATA_KEY
+from .formats import load_lora_state, parse_lora_state_dict
 from .state import FORMAT_NAME, FORMAT_VERSION, LoraState, listing
 
 log = logging.getLogger(__name__)
