@@ -72,6 +72,10 @@ def setup_logging(level: str | int = "INFO") -> None:
 
 
 # --- lines other libraries write into every run, that say nothing to our users ------------------
+# transformers >= 5 warns about the RoPE keys of every Qwen2.5-VL config written for transformers 4 (DiffSynth's
+# text encoder config, real and tiny); the config loads correctly.
+_ROPE_CONFIG_KEYS = "got `key=rope_scaling` in kwargs but hasn't set it as attribute"
+_ROPE_PARAMETERS = "Unrecognized keys in `rope_parameters`"
 # logger name -> (the highest level dropped, the messages dropped: None for all at that level or below).
 # They are dropped before any handler sees them (the libraries' own handlers too), unless DEBUG logging is on.
 LIBRARY_NOISE: dict[str, tuple[int, tuple[str, ...] | None]] = {
@@ -79,6 +83,8 @@ LIBRARY_NOISE: dict[str, tuple[int, tuple[str, ...] | None]] = {
     "DeepSpeed": (logging.WARNING, ("Setting accelerator to CPU",)),
     # accelerate's save_state/load_state, a line per file of every checkpoint; our loop logs the checkpoint.
     "accelerate.checkpointing": (logging.INFO, None),
+    "transformers.configuration_utils": (logging.WARNING, (_ROPE_CONFIG_KEYS,)),
+    "transformers.modeling_rope_utils": (logging.WARNING, (_ROPE_PARAMETERS,)),
 }
 # Python warnings from library code calling library code: (category, start of the message).
 LIBRARY_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
@@ -173,10 +179,8 @@ def library_logs_to_debug(*logger_names: str) -> Iterator[None]:
             lg.setLevel(level)
 
 
-# transformers >= 5 warns about the RoPE keys of every Qwen2.5-VL config written for transformers 4 (DiffSynth's
-# text encoder config, real and tiny); the config loads correctly, so these go to DEBUG from the first one.
-_KNOWN_HARMLESS = ("got `key=rope_scaling` in kwargs but hasn't set it as attribute",
-                   "Unrecognized keys in `rope_parameters`")
+# Also when our logging is not set up (a library call from a notebook), these go to our DEBUG log from the first one.
+_KNOWN_HARMLESS = (_ROPE_CONFIG_KEYS, _ROPE_PARAMETERS)
 
 
 class _OncePerMessage(logging.Filter):
