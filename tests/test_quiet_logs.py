@@ -3,7 +3,8 @@
 One process sets up our logging at INFO, then at DEBUG, and each time runs the library code that prints into
 every ``qie`` run: DeepSpeed's accelerator detection (on a machine without a GPU), accelerate's checkpoint save,
 transformers' ``past_key_values`` deprecation (DiffSynth's text encoder passes that argument) and its warnings
-about a Qwen2.5-VL config written for transformers 4 (DiffSynth's text encoder config).
+about a Qwen2.5-VL config written for transformers 4 (DiffSynth's text encoder config), and what
+ProdigyPlusScheduleFree prints when it is built (the LBM recipe's optimizer).
 """
 from __future__ import annotations
 
@@ -39,11 +40,17 @@ for level, out_dir in (("INFO", sys.argv[1]), ("DEBUG", sys.argv[2])):
 
     rope = {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"}  # as a transformers-4 config
     Qwen2_5_VLConfig(rope_scaling=rope, rope_theta=1e6, text_config=dict(rope_scaling=rope, rope_theta=1e6))
+    import torch
+    from diffsynth_qie.training.config import OptimConfig
+    from diffsynth_qie.training.optim import build_optimizer
+
+    build_optimizer([torch.nn.Parameter(torch.zeros(3))], OptimConfig(optimizer="prodigy_sf"))
     sys.stdout.flush()
     sys.stderr.flush()
 """
 LINES = ("Setting accelerator to CPU", "Random states saved in", "`past_key_values` is deprecated",
-         "got `key=rope_scaling` in kwargs", "Unrecognized keys in `rope_parameters`")
+         "got `key=rope_scaling` in kwargs", "Unrecognized keys in `rope_parameters`",
+         "'split_groups' has been disabled")
 
 
 def test_library_noise_is_quiet_without_verbose_and_shown_with_it(tmp_path):
