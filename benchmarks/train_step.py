@@ -6,7 +6,7 @@ meaningless). One process builds DiffSynth's real ``QwenImageDiT`` (60 blocks,
 dim 3072) with random weights directly on the GPU in bf16 (``build.py``), adds LoRA
 (rank 32 and 128) on the 2511 targets, makes synthetic cached inputs and times:
 
-- ``ours``   — our step at batch 1: ``QIETrainingModule`` (our SFT loss over
+- ``ours``   — our step at batch 1 (``ours_step.py``): ``QIETrainingModule`` (our SFT loss over
   ``models.forward.dit_forward``) with what ``training/loop.py`` does around it:
   fp32 LoRA weights under bf16 autocast (accelerate's ``mixed_precision=bf16``),
   backward, gradient clipping at 1.0, AdamW step, ``zero_grad``;
@@ -49,7 +49,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,6 +57,8 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 import torch
 
 from benchmarks import build, common, flops
+from benchmarks.ours_step import (make_ours_step, make_samples, our_module, parity_losses, set_checkpointing,
+                                  set_lora_dtype)
 from benchmarks.stock_step import make_stock_step, stock_inputs, stock_pipeline  # noqa: F401
 from benchmarks.flops import SampleShape
 
@@ -141,92 +143,6 @@ def plan_cases(cfg: TrainBenchConfig) -> list[CaseSpec]:
             samples = tuple(SampleShape(target=hw, refs=(hw,), text_len=n) for hw, n in zip(mixed, lens))
             out.append(CaseSpec("mixed", "ours", samples, "+".join(px(s.target) for s in samples) + " (+refs)"))
     return out
-
-
-def make_samples(samples: Sequence[SampleShape], text_dim: int, seed: int, device, dtype) -> list[dict]:
-    """Synthetic cache entries: target latents, reference latents, prompt embedding (CPU RNG, then moved)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for s in samples:
-        out.append({
-            "target": torch.randn(16, *s.target, generator=gen).to(device, dtype),
-            "refs": [torch.randn(16, *hw, generator=gen).to(device, dtype) for hw in s.refs],
-            "prompt": torch.randn(s.text_len, text_dim, generator=gen).to(device, dtype),
-        })
-    return out
-
-
-def ours_batch(entries: Sequence[dict]) -> dict:
-    """The collated batch our loss takes (``training/data.py``'s layout)."""
-    return {"target_latents": [e["target"] for e in entries], "edit_latents": [e["refs"] for e in entries],
-            "prompt_emb": [e["prompt"] for e in entries], "back_mask": [None] * len(entries)}
-
-
-def our_module(dit, rank: int, gradient_checkpointing: bool, batch_size: int):
-    """Our ``QIETrainingModule`` for the 2511 preset (injects the LoRA into ``dit`` in place)."""
-    from diffsynth_qie.models.presets import get_preset
-    from diffsynth_qie.training.config import LoRAConfig, RunConfig, TrainConfig
-    from diffsynth_qie.training.module import QIETrainingModule
-
-    cfg = RunConfig(train=TrainConfig(cache_dir="(benchmark)", output_dir="(benchmark)", model="2511",
-                                      gradient_checkpointing=gradient_checkpointing, batch_size=batch_size),
-                    lora=LoRAConfig(lora_rank=rank)).resolved(get_preset("2511"))
-    return QIETrainingModule(dit, cfg, "2511")
-
-
-def set_checkpointing(module, on: bool) -> None:
-    module.config = dataclasses.replace(module.config, train=dataclasses.replace(module.config.train,
-                                                                                 gradient_checkpointing=on))
-
-
-def set_lora_dtype(params: Sequence[torch.nn.Parameter], dtype: torch.dtype) -> None:
-    for p in params:
-        if p.dtype != dtype:
-            p.data = p.data.to(dtype)
-
-
-def make_ours_step(module, entries, seed: int, autocast_dtype: torch.dtype | None,
-                   device: torch.device) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
-    """Our training step (``training/loop.py`` without accelerate): loss, backward, clip, AdamW."""
-    from diffsynth_qie.training.optim import build_optimizer
-
-    params = list(module.trainable_modules())
-    optimizer = build_optimizer(params, module.config.optim)
-    max_norm = module.config.optim.resolved().max_grad_norm
-    batch = ours_batch(entries)
-    gen = torch.Generator().manual_seed(seed)
-
-    def step() -> torch.Tensor:
-        if autocast_dtype is not None:
-            with torch.autocast(device_type=device.type, dtype=autocast_dtype):
-                loss, _ = module(batch, gen)
-        else:
-            loss, _ = module(batch, gen)
-        loss.backward()
-        if max_norm:
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, optimizer
-
-
-def parity_losses(module, pipe, entry, seed: int) -> tuple[float, float]:
-    """(ours, stock) loss of one sample at ``seed``, no update: both draw σ then noise from that seed.
-
-    Ours draws from a CPU generator seeded ``seed``; DiffSynth's loss from the global
-    RNG, re-seeded to ``seed`` — the same CPU stream, so on CPU both see the same σ
-    and noise (on CUDA, ``randn_like`` uses the GPU generator: no parity there).
-    """
-    from diffsynth.diffusion.loss import FlowMatchSFTLoss
-
-    set_checkpointing(module, False)
-    with torch.no_grad():
-        ours, _ = module(ours_batch([entry]), torch.Generator().manual_seed(seed))
-        torch.manual_seed(seed)
-        stock = FlowMatchSFTLoss(pipe, **stock_inputs(entry, False))
-    return float(ours), float(stock)
 
 
 # --- one case ----------------------------------------------------------------------------

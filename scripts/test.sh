@@ -3,7 +3,9 @@
 #   bash scripts/test.sh [extra pytest args]
 # Two pytest-xdist workers (QIE_TEST_WORKERS; 0 runs in one process), one test file per worker at a
 # time: the slow tests are single-threaded subprocesses (launchers, DDP, ZeRO, the browser), so two
-# run side by side on two cores, and module-scoped fixtures are built once.
+# run side by side on two cores, and module-scoped fixtures are built once. Files are handed out in
+# collection order, which tests/conftest.py starts with the files of `slow` tests (xdist's default
+# order, most tests first, would start those few-test, minutes-long files last).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -12,5 +14,5 @@ bash scripts/install_chromium.sh || echo "test.sh: Chromium unavailable; the bro
 export DIFFSYNTH_SKIP_DOWNLOAD=True WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 WORKERS="${QIE_TEST_WORKERS:-2}"
 XDIST=()
-[ "$WORKERS" = 0 ] || XDIST=(-n "$WORKERS" --dist loadfile)
+[ "$WORKERS" = 0 ] || XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 exec "${QIE_VENV:-$ROOT/.venv}/bin/python" -m pytest tests -q "${XDIST[@]}" "$@"

@@ -142,3 +142,13 @@ def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
     """The training tests' phase-1 cache of the demo data (built once; read-only)."""
     return curve_script.build_cache(tiny_pipe, Path(demo_data_dir), tmp_path_factory.mktemp("train-cache"))
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with ``slow`` tests (subprocess launches, minutes each) run first, each file's tests in their own order.
+
+    Under ``scripts/test.sh`` (two xdist workers, one file at a time, ``--no-loadscope-reorder``) files are handed
+    out in this order: the long files start at once and the many short ones fill in around them, instead of the
+    long ones starting last and one worker finishing them alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the rest keep the collection order

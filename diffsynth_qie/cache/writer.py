@@ -9,147 +9,33 @@ compacted, ``manifest.json`` written last. One run per directory: the run holds
 the directory's lock (``utils/dir_lock.py``) throughout; a finished cache on a
 read-only mount is checked instead of written (:func:`_check_read_only`).
 
-How a row becomes tensors (image sizing, prompt encoding) is in ``encode.py``.
+Which rows this rank takes, and the lock, are in ``ranks.py``; how a row becomes tensors (image sizing,
+prompt encoding) is in ``encode.py``; the merge of every rank's report into the manifest in ``finalize.py``.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from ..data.formats import read_rows
-from ..data.rows import EditRow, SkippedRow, check_bad_fraction, log_skip, validate_rows, write_skipped
+from ..data.rows import EditRow, check_bad_fraction, write_skipped
 from ..utils.atomic import atomic_write_json
+from ..utils.dir_lock import UnwritableDirectory
 from ..utils.shared_dir import check_shared_dir
 from . import shards, store
 from .config import CacheConfig, CacheSummary
 from .encode import encode_prepared, entry_meta, prefetch, prepare_row, white_key
+from .finalize import finalize_cache, finalize_reports, manifest_fields, run_key
 from .fingerprint import FileHasher, read_hash_memo, row_content_hash, write_hash_memo
-from .settings import cache_settings, light_pipeline, load_encoders, skip_long_prompts
-from ..utils.dir_lock import CacheLock, UnwritableDirectory
+from .ranks import Dist, RankRows, dist_context, drop_long_prompts, lock_dir, rank_report_path, rank_rows
+from .settings import cache_settings, light_pipeline, load_encoders
 from .shards import ShardWriter
 from .store import EntryMeta
 
 __all__ = ["CacheConfig", "CacheSummary", "cache_settings", "finalize_cache", "write_cache"]
 
 log = logging.getLogger(__name__)
-
-# ----------------------------------------------------------------------------- distribution
-
-
-@dataclass
-class _Dist:
-    """This process's place in the run. ``state`` is accelerate's ``PartialState`` when the
-    ranks of this run share a process group, else None (one process, or ranks run one
-    after another with explicit ``rank``/``world_size``)."""
-
-    rank: int
-    world_size: int
-    device: Any = None
-    state: Any = None
-
-    def barrier(self) -> None:
-        if self.state is not None:
-            self.state.wait_for_everyone()
-
-    def from_rank0(self, value):
-        """``value`` as rank 0 has it, on every rank."""
-        if self.state is None:
-            return value
-        from accelerate.utils import broadcast_object_list
-
-        return broadcast_object_list([value], from_process=0)[0]
-
-
-def _dist_context(rank: int | None, world_size: int | None) -> _Dist:
-    """Launched distributed (``WORLD_SIZE`` > 1, as ``accelerate launch``/torchrun set it):
-    accelerate's ``PartialState``, as the trainer's Accelerator uses it (gloo on a
-    CPU-only machine). Otherwise rank 0 of 1. Explicit ``rank``/``world_size`` win.
-    """
-    dist = _Dist(0, 1)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch
-        from accelerate import PartialState
-
-        launched = PartialState(cpu=not torch.cuda.is_available())
-        dist.device = launched.device
-        if rank is None and world_size is None:
-            rank, world_size = launched.process_index, launched.num_processes
-        if world_size == launched.num_processes > 1:
-            dist.state = launched
-    dist.rank = 0 if rank is None else rank
-    dist.world_size = 1 if world_size is None else world_size
-    if not 0 <= dist.rank < dist.world_size:
-        raise ValueError(f"rank {dist.rank} is outside world_size {dist.world_size}")
-    return dist
-
-
-def _lock(cache_dir: Path, dist: _Dist, timeout: float) -> CacheLock:
-    """The directory's lock: taken by rank 0 for the whole run when the ranks share a process
-    group, else by this process. Every rank raises the same ValueError if it is taken."""
-    lock = CacheLock(cache_dir)
-    error = None
-    if dist.state is None or dist.rank == 0:
-        try:
-            lock.acquire(timeout)
-        except ValueError as e:  # (UnwritableDirectory too: rank 0 keeps its type for the read-only check)
-            error = e
-    message = dist.from_rank0(None if error is None else str(error))
-    if message:
-        lock.release()
-        raise error if error is not None else ValueError(message)
-    return lock
-
-
-def _report_path(cache_dir: Path, rank: int, world_size: int) -> Path:
-    return cache_dir / store.PARTS_DIR / f"rank-{rank:04d}-of-{world_size:04d}.json"
-
-
-# ----------------------------------------------------------------------------- the run
-
-
-@dataclass
-class _RankRows:
-    """This rank's share of the metadata after validation."""
-
-    good: list[EditRow]
-    skipped: list[SkippedRow]
-    index_of: dict[str, int]  # row id -> position in the metadata (manifest order)
-    n_total: int  # rows this rank accounts for in the bad-row fraction
-
-
-def _rank_rows(config: CacheConfig, preset, rank: int, world_size: int) -> _RankRows:
-    """Read the metadata, take rows ``i % world_size == rank`` and validate them. Rows that
-    fail to parse are reported by rank 0 only (every rank parses the same file)."""
-    ds = config.dataset
-    parse_skipped: list[SkippedRow] = []
-    rows = read_rows(ds.dataset_metadata, ds.dataset_base, dataset_name=ds.dataset_name, fields=config.fields,
-                     disable_inverse=ds.disable_inverse, t2i_mode=ds.t2i_mode, skipped=parse_skipped)
-    mine = [(i, r) for i, r in enumerate(rows) if i % world_size == rank]
-    good, skipped = validate_rows([r for _, r in mine], check_images=config.check_images)
-    if not preset.multi_image_prompt:
-        for r in [r for r in good if r.num_sources > 1]:
-            s = SkippedRow(r.row_id, "edit_images", None,
-                           f"preset {preset.name} takes one reference image, the row has {r.num_sources}; "
-                           "use the 2509 or 2511 preset for several")
-            log_skip(s)
-            skipped.append(s)
-        good = [r for r in good if r.num_sources <= 1]
-    if rank != 0:
-        parse_skipped = []
-    return _RankRows(good=good, skipped=parse_skipped + skipped, index_of={r.row_id: i for i, r in mine},
-                     n_total=len(mine) + len(parse_skipped))
-
-
-def _skip_long_prompts(share: _RankRows, pipe, max_tokens: int) -> None:
-    """Move rows with a prompt over ``max_tokens`` tokens from ``share.good`` to ``share.skipped``."""
-    share.good, skipped = skip_long_prompts(share.good, pipe, max_tokens)
-    share.skipped.extend(skipped)
 
 
 def _encode_rows(pipe, config: CacheConfig, preset, todo: list[tuple[EditRow, str]], writer: ShardWriter,
@@ -192,7 +78,7 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
     ``on_entry(meta)`` runs after each computed entry is queued for writing.
     """
     t0 = time.perf_counter()
-    dist = _dist_context(rank, world_size)
+    dist = dist_context(rank, world_size)
     rank, world_size = dist.rank, dist.world_size
     if not config.cache_dir:
         raise ValueError("no cache directory given; pass --cache_dir DIR")
@@ -210,7 +96,7 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
     if dist.state is not None:  # launched ranks; rank 0 finalises every rank's shards: one directory for all
         check_shared_dir(cache_dir, rank == 0, dist.barrier, what="--cache_dir")
     try:
-        lock = _lock(cache_dir, dist, config.lock_timeout)
+        lock = lock_dir(cache_dir, dist, config.lock_timeout)
     except UnwritableDirectory as e:
         return _check_read_only(config, pipe, dist, cache_dir, e, t0)
     try:
@@ -219,17 +105,17 @@ def write_cache(config: CacheConfig, pipe=None, rank: int | None = None, world_s
         lock.release()
 
 
-def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, finalize: bool | None,
+def _write_locked(config: CacheConfig, pipe, dist: Dist, cache_dir: Path, finalize: bool | None,
                   on_entry: Callable[[EntryMeta], None] | None, t0: float) -> CacheSummary:
     from ..models.presets import get_preset
 
     rank, world_size = dist.rank, dist.world_size
     preset = get_preset(getattr(pipe, "qie_preset", None) or config.model)
     ds = config.dataset
-    report_path = _report_path(cache_dir, rank, world_size)
+    report_path = rank_report_path(cache_dir, rank, world_size)
     report_path.unlink(missing_ok=True)  # a stale report must not vouch for this run
 
-    share = _rank_rows(config, preset, rank, world_size)
+    share = rank_rows(config, preset, rank, world_size)
     if world_size == 1:  # fail before encoding anything; with several ranks rank 0 checks the total
         write_skipped(cache_dir / store.SKIPPED_NAME, share.skipped)
         check_bad_fraction(share.n_total, share.skipped, ds.max_bad_fraction, ds.dataset_metadata,
@@ -250,29 +136,29 @@ def _write_locked(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, final
 
     atomic_write_json(report_path, {
         "format_version": store.FORMAT_VERSION,
-        "run_key": _run_key(config, settings),
+        "run_key": run_key(config, settings),
         "rank": rank, "world_size": world_size, "num_rows": share.n_total,
         "entries": [[share.index_of[r.row_id], r.row_id, h] for r, h in zip(share.good, hashes)],
         "skipped": [s.to_json() for s in share.skipped],
         "metadata": str(ds.dataset_metadata),
         "max_bad_fraction": ds.max_bad_fraction,
-        "manifest_fields": _manifest_fields(config, settings),
+        "manifest_fields": manifest_fields(config, settings),
     })
     dist.barrier()  # every rank's shards and report are on disk
     manifest = None
     if finalize if finalize is not None else rank == 0:
-        manifest = _finalize(cache_dir, world_size)
+        manifest = finalize_reports(cache_dir, world_size)
     dist.barrier()  # nobody returns before the manifest exists
     return CacheSummary(rank=rank, world_size=world_size, rows=len(share.good), computed=len(todo),
                         reused=len(share.good) - len(todo), skipped=len(share.skipped),
                         seconds=time.perf_counter() - t0, encode_seconds=enc_s, manifest=manifest)
 
 
-def _todo(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, preset, share: _RankRows, writable: bool = True):
+def _todo(config: CacheConfig, pipe, dist: Dist, cache_dir: Path, preset, share: RankRows, writable: bool = True):
     """This rank's cache settings, row content hashes and the rows still to encode, with the pipeline that
     encodes them (loaded here when rows need it and ``writable``; never for a read-only check)."""
     light = pipe if pipe is not None else light_pipeline(config, dist.device)
-    _skip_long_prompts(share, light, config.max_prompt_tokens)
+    drop_long_prompts(share, light, config.max_prompt_tokens)
     hasher = FileHasher(known=read_hash_memo(cache_dir, dist.rank))
     have = {(m.entry_id, m.content_hash) for m in shards.scan_shards(cache_dir)}
     while True:
@@ -290,7 +176,7 @@ def _todo(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, preset, share
     return settings, hashes, todo, pipe
 
 
-def _check_read_only(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, error: UnwritableDirectory,
+def _check_read_only(config: CacheConfig, pipe, dist: Dist, cache_dir: Path, error: UnwritableDirectory,
                      t0: float) -> CacheSummary:
     """A directory this run cannot write (a finished cache on a read-only mount, another user's): fine when its
     manifest already holds exactly this dataset's rows with these settings, since nothing would be written;
@@ -301,7 +187,7 @@ def _check_read_only(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, er
     if dist.world_size > 1 or not manifest_path.is_file():
         raise error
     preset = get_preset(getattr(pipe, "qie_preset", None) or config.model)
-    share = _rank_rows(config, preset, 0, 1)
+    share = rank_rows(config, preset, 0, 1)
     settings, hashes, todo, _ = _todo(config, pipe, dist, cache_dir, preset, share, writable=False)
     manifest = store.read_cache_json(manifest_path, ("entries",))
     cached = {(e.get("id"), e.get("hash")) for e in manifest["entries"]}
@@ -314,71 +200,3 @@ def _check_read_only(config: CacheConfig, pipe, dist: _Dist, cache_dir: Path, er
     return CacheSummary(rank=0, world_size=1, rows=len(share.good), computed=0, reused=len(share.good),
                         skipped=len(share.skipped), seconds=time.perf_counter() - t0, encode_seconds=0.0,
                         manifest=None)
-
-
-def _run_key(config: CacheConfig, settings: dict) -> str:
-    """Identifies one logical cache run across ranks: same metadata file, dataset options and settings."""
-    import hashlib
-
-    from ..data.images import image_bytes_hash
-
-    payload = {"settings": settings, "metadata": image_bytes_hash(config.dataset.dataset_metadata),
-               "dataset": dataclasses.asdict(config.dataset), "fields": dataclasses.asdict(config.fields)}
-    payload["dataset"].pop("max_bad_fraction", None)
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _manifest_fields(config: CacheConfig, settings: dict) -> dict:
-    from ..models.presets import get_preset
-
-    return {
-        "preset": settings["preset"],
-        "family": get_preset(settings["preset"]).family,
-        "encoder_fingerprint": settings["encoder_fingerprint"],
-        "resize": {"max_pixels": settings["max_pixels"], "edit_max_pixels": settings["edit_max_pixels"],
-                   "divisor": settings["divisor"]},
-        "dtype": settings["dtype"],
-        "multi_image_prompt": settings["multi_image_prompt"], "auto_mask": settings.get("auto_mask"),
-        "metadata": str(config.dataset.dataset_metadata),
-        "dataset_base": config.dataset.dataset_base,
-    }
-
-
-def finalize_cache(cache_dir: str | os.PathLike, world_size: int, lock_timeout: float = 0.0) -> dict:
-    """Merge every rank's report into ``skipped.jsonl`` and ``manifest.json`` (rank 0, after all ranks).
-
-    Raises ValueError if a rank's report is missing or belongs to another run (a
-    different metadata file, model or settings), if too many rows are bad, or if
-    another run holds the directory's lock.
-    """
-    lock = CacheLock(cache_dir)
-    lock.acquire(lock_timeout)
-    try:
-        return _finalize(Path(cache_dir), world_size)
-    finally:
-        lock.release()
-
-
-def _finalize(cache_dir: Path, world_size: int) -> dict:
-    reports = []
-    for r in range(world_size):
-        path = _report_path(cache_dir, r, world_size)
-        if not path.is_file():
-            raise ValueError(f"rank {r} of {world_size} has not finished caching into {cache_dir} ({path} missing); "
-                             "run every rank (accelerate launch does), then finalise")
-        reports.append(json.loads(path.read_text()))
-    if len({rep["run_key"] for rep in reports}) != 1:
-        raise ValueError(f"the rank reports in {cache_dir / store.PARTS_DIR} come from different runs (metadata, "
-                         "model or resize settings differ); re-run `qie cache` with the same arguments on every rank")
-    skipped = [SkippedRow(**s) for rep in reports for s in rep["skipped"]]
-    skipped_path = write_skipped(cache_dir / store.SKIPPED_NAME, skipped)
-    n_total = sum(rep["num_rows"] for rep in reports)
-    check_bad_fraction(n_total, skipped, reports[0]["max_bad_fraction"], reports[0]["metadata"], skipped_path)
-    wanted = sorted((tuple(e) for rep in reports for e in rep["entries"]), key=lambda e: e[0])
-    manifest = shards.finalize_store(cache_dir, [(e[1], e[2]) for e in wanted],
-                                    {**reports[0]["manifest_fields"], "num_rows": n_total, "num_skipped": len(skipped)})
-    for r in range(world_size):
-        _report_path(cache_dir, r, world_size).unlink(missing_ok=True)
-    log.info("cache %s: %d entries in %d shards, %d rows skipped", cache_dir, len(manifest["entries"]),
-             len(manifest["shards"]), len(skipped))
-    return manifest

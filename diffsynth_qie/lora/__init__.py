@@ -56,8 +56,8 @@ _LAZY = {
     **dict.fromkeys(["MAX_DELTA_RATIO", "LoadReport", "apply_lora", "match_lora", "peft_state_dict"], "apply"),
     **dict.fromkeys(["EXPORT_FORMATS", "comfyui_state_dict", "diffusers_state_dict", "export_lora",
                      "save_lora"], "export"),
-    **dict.fromkeys(["ADAPTER_METADATA_KEY", "MAX_ABS_VALUE", "adapter_config", "check_tensors", "load_lora_state",
-                     "parse_lora_state_dict"], "formats"),
+    **dict.fromkeys(["ADAPTER_METADATA_KEY", "adapter_config"], "adapter_metadata"),
+    **dict.fromkeys(["MAX_ABS_VALUE", "check_tensors", "load_lora_state", "parse_lora_state_dict"], "formats"),
     "LoraManager": "manager",
     **dict.fromkeys(["FORMAT_NAME", "FORMAT_VERSION", "LoraModule", "LoraState"], "state"),
 }

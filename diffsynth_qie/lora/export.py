@@ -37,8 +37,9 @@ from typing import Any, Mapping
 import torch
 
 from ..utils.atomic import atomic_save
+from .adapter_metadata import ADAPTER_METADATA_KEY
 from .export_targets import EXPORT_TARGETS, export_target
-from .formats import ADAPTER_METADATA_KEY, load_lora_state, parse_lora_state_dict
+from .formats import load_lora_state, parse_lora_state_dict
 from .state import FORMAT_NAME, FORMAT_VERSION, LoraState, listing
 
 log = logging.getLogger(__name__)

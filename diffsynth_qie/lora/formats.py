@@ -16,16 +16,12 @@ they are mapped back with the *model's* module names in :func:`match_lora` (or, 
 exporting without a model, with the module names of DiffSynth's ``QwenImageDiT``).
 
 
-Alpha in metadata: diffusers (>= 0.33) keeps ``lora_alpha`` (and PEFT's
-``alpha_pattern`` / ``rank_pattern``, ``use_rslora``) only in the safetensors
-metadata key ``lora_adapter_metadata``; it is applied per module, as PEFT would.
-An explicit ``<module>.alpha`` tensor takes precedence.
+Alpha in metadata: diffusers (>= 0.33) keeps ``lora_alpha`` only in the safetensors
+metadata (read in ``adapter_metadata.py``). An explicit ``<module>.alpha`` tensor takes precedence.
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import re
 from pathlib import Path
@@ -33,6 +29,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .adapter_metadata import adapter_config, checked_alpha, config_alpha
 from .state import FORMAT_NAME, LoraModule, LoraState, listing, problems
 
 log = logging.getLogger(__name__)
@@ -49,11 +46,6 @@ _UNDERSCORE_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
 _TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "text_encoder.", "text_encoders.")
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_down|lora_up)(?:\.(?P<adapter>[^.]+))?\.weight$")
 _KIND = {"lora_A": "A", "lora_down": "A", "lora_B": "B", "lora_up": "B"}
-# diffusers (>= 0.33) stores the PEFT LoraConfig of each component as JSON under this
-# safetensors metadata key: ``{"transformer.r": 4, "transformer.lora_alpha": 8,
-# "transformer.alpha_pattern": {...}, ...}`` from a pipeline's ``save_lora_weights``, the
-# same keys without the component prefix from a model's ``save_lora_adapter``.
-ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 # A trained LoRA never holds a value this large (see :func:`check_tensors`).
 MAX_ABS_VALUE = 1e4
 
@@ -147,7 +139,7 @@ def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapp
             if value.numel() != 1:
                 raise ValueError(f"LoRA {source}: {key} must hold one number (the LoRA alpha), "
                                  f"it holds {value.numel()} values of shape {tuple(value.shape)}")
-            alpha = _checked_alpha(float(value.float().reshape(-1)[0]), f"LoRA {source}: {key}")
+            alpha = checked_alpha(float(value.float().reshape(-1)[0]), f"LoRA {source}: {key}")
             pairs.setdefault(body[: -len(".alpha")], {})["alpha"] = alpha
             underscore.add(is_underscore)
         elif body.endswith(".set_weight") and not is_underscore:  # ComfyUI "set" patch (our export)
@@ -186,7 +178,7 @@ def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapp
             continue
         alpha = entry.get("alpha")
         if alpha is None and config is not None:
-            alpha = _config_alpha(config, name, int(a.shape[0]), source)
+            alpha = config_alpha(config, name, int(a.shape[0]), source)
         modules[name] = LoraModule(A=a, B=b, alpha=alpha)
     both = sorted(n for n in modules if f"{n}.weight" in full)
     if both:
@@ -225,83 +217,6 @@ def split_fused_gate_up(modules: dict[str, LoraModule]) -> dict[str, LoraModule]
         out[f"{stem}img_mlp{sep}gate_layer"] = LoraModule(A=mod.A, B=mod.B[:half], alpha=mod.alpha)
         out[f"{stem}img_mlp{sep}proj"] = LoraModule(A=mod.A, B=mod.B[half:], alpha=mod.alpha)
     return out
-
-
-def adapter_config(metadata: Mapping[str, str], source: str = "<memory>") -> dict[str, Any] | None:
-    """The DiT's PEFT ``LoraConfig`` dict from diffusers' ``lora_adapter_metadata``, or None."""
-    raw = metadata.get(ADAPTER_METADATA_KEY)
-    if not raw:
-        return None
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"LoRA {source}: metadata {ADAPTER_METADATA_KEY!r} is not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise ValueError(f"LoRA {source}: metadata {ADAPTER_METADATA_KEY!r} is not a JSON object")
-    if any("." in k for k in config):  # a pipeline's file: one prefixed config per component
-        config = {k[len("transformer."):]: v for k, v in config.items() if k.startswith("transformer.")}
-    return config or None
-
-
-def _checked_alpha(alpha: float, where: str) -> float:
-    """A LoRA alpha that scales the delta sensibly: finite and positive. Zero would silently
-    disable the module and a negative value invert it."""
-    if not math.isfinite(alpha):
-        raise ValueError(f"{where} is {alpha}; the file is damaged")
-    if alpha <= 0:
-        raise ValueError(f"{where} is {alpha:g}; a LoRA alpha must be positive (0 would switch the module off, a "
-                         "negative value invert it). Fix or drop the alpha; to invert a LoRA give a negative strength")
-    return alpha
-
-
-def _number(value: Any, field: str, source: str) -> float:
-    """A number from the adapter metadata, or ValueError naming the file and the field."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        value = repr(value)  # falls through to the error below
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} field {field!r} is {value!r}, not a number; "
-                         "fix or remove that metadata field") from None
-
-
-def _pattern_value(patterns: Any, name: str, field: str, source: str) -> Any:
-    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``peft.utils.other.get_pattern_key``):
-    a key matches a module path that it ends, as a regular expression after a dot."""
-    if patterns is not None and not isinstance(patterns, Mapping):
-        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} field {field!r} is not a JSON object of "
-                         "module pattern -> value; fix or remove that metadata field")
-    for key, value in (patterns or {}).items():
-        try:
-            found = re.match(rf"(.*\.)?({key})$", name)
-        except re.error as e:
-            raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} field {field!r} holds the pattern {key!r}, "
-                             f"which is not a valid regular expression ({e}); fix or remove it") from None
-        if found:
-            return value
-    return None
-
-
-def _config_alpha(config: Mapping[str, Any], name: str, rank: int, source: str) -> float | None:
-    """Module ``name``'s alpha from a PEFT config, in our ``alpha / rank`` convention."""
-    r_field = "rank_pattern"
-    r = _pattern_value(config.get("rank_pattern"), name, "rank_pattern", source)
-    if not r:
-        r, r_field = config.get("r"), "r"
-    alpha_field = "alpha_pattern"
-    alpha = _pattern_value(config.get("alpha_pattern"), name, "alpha_pattern", source)
-    if alpha is None:
-        alpha, alpha_field = config.get("lora_alpha"), "lora_alpha"
-    if alpha is None:
-        return None
-    if r is not None and _number(r, r_field, source) != rank:
-        raise ValueError(f"LoRA {source}: {ADAPTER_METADATA_KEY} gives rank {r} for {name}, but its "
-                         f"tensors have rank {rank}; the metadata does not describe this file")
-    alpha = _checked_alpha(_number(alpha, alpha_field, source),
-                           f"LoRA {source}: {ADAPTER_METADATA_KEY} field {alpha_field!r} for {name}")
-    if config.get("use_rslora"):  # PEFT scales rsLoRA by alpha / sqrt(r)
-        alpha *= math.sqrt(rank)
-    return alpha
 
 
 _WIDE_OR_NARROW = (torch.float64,) + tuple(getattr(torch, n) for n in (

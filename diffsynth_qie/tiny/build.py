@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from diffsynth.models.general_modules import AdaLayerNorm, RMSNorm, TimestepEmbe
 from diffsynth.models.qwen_image_dit import QwenEmbedRope, QwenImageDiT, QwenImageTransformerBlock
 from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
 
-from ..utils.atomic import default_mode
+from .install import ensure_built, register_model_configs
 from .text import (PROCESSOR_PIXELS, SPECIAL_TOKENS, TEXT_SIZES, TOKEN_ID, VISION_SIZES,  # noqa: F401
                         build_processor, build_tokenizer)
 
@@ -279,37 +278,6 @@ MAKE_TINY = {"replaceable": looks_like_tiny_dir, "complete": is_complete, "ensur
              "what": "tiny Qwen-Image-Edit"}
 
 
-def ensure_built(out_dir: str | os.PathLike, seed: int | None, build, complete, replaceable, what: str) -> Path:
-    """:func:`ensure_tiny` for any locally built model: ``build(dir, seed=)`` writes it, ``complete(dir, seed=)``
-    says a directory holds a finished build, ``replaceable(dir)`` that it holds nothing else."""
-    out_dir = Path(out_dir)
-    if not replaceable(out_dir):
-        raise ValueError(f"{out_dir} exists and holds files that are not part of a {what}; "
-                         "refusing to replace it — pass an empty or new directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    os.chmod(tmp, default_mode(directory=True))  # mkdtemp makes it 0700; the final dir should look like a normal one
-    try:
-        build(tmp, seed=0 if seed is None else seed)
-        if out_dir.exists():
-            if complete(out_dir, seed=seed):  # another process finished first
-                return out_dir
-            # Move the old one aside first: os.replace can't replace a non-empty directory.
-            stale = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stale.", dir=out_dir.parent))
-            os.replace(out_dir, stale / "old")
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if not complete(out_dir, seed=seed):  # lost a race to a concurrent builder: fine if done
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    log.info("%s ready in %s", what, out_dir)
-    return out_dir
-
-
 # --- DiffSynth registry ----------------------------------------------------------
 _DIT_CLASS = f"{__name__}.TinyQwenImageDiT"
 _TEXT_ENCODER_CLASS = f"{__name__}.TinyQwenImageTextEncoder"
@@ -363,17 +331,3 @@ def register_tiny_model_configs() -> None:
     register_model_configs(tiny_model_configs(), {
         _DIT_CLASS: "diffsynth.models.qwen_image_dit.QwenImageDiT",
         _TEXT_ENCODER_CLASS: "diffsynth.models.qwen_image_text_encoder.QwenImageTextEncoder"})
-
-
-def register_model_configs(entries, parents: dict[str, str]) -> None:
-    """Append ``entries`` to DiffSynth's ``MODEL_CONFIGS`` list object (idempotent), and give each of our
-    subclasses (``parents``: ours -> DiffSynth's class) its parent's VRAM-management module map."""
-    from diffsynth.configs import MODEL_CONFIGS, VRAM_MANAGEMENT_MODULE_MAPS
-
-    known = {(c["model_hash"], c["model_class"]) for c in MODEL_CONFIGS}
-    for entry in entries:
-        if (entry["model_hash"], entry["model_class"]) not in known:
-            MODEL_CONFIGS.append(dict(entry))
-    for ours, parent in parents.items():
-        if ours not in VRAM_MANAGEMENT_MODULE_MAPS and parent in VRAM_MANAGEMENT_MODULE_MAPS:
-            VRAM_MANAGEMENT_MODULE_MAPS[ours] = VRAM_MANAGEMENT_MODULE_MAPS[parent]

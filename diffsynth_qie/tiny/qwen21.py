@@ -31,7 +31,7 @@ import torch
 
 from diffsynth.models.qwen_image_21_text_encoder import QwenImage21TextEncoder
 
-from .build import ensure_built, register_model_configs
+from .install import ensure_built, register_model_configs
 from .text import TOKEN_ID, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def replaceable21(model_dir: str | os.PathLike) -> bool:
 
 
 def ensure_tiny21(out_dir: str | os.PathLike, seed: int | None = None) -> Path:
-    """``out_dir`` with a complete tiny 2.1, built atomically when missing (see ``build.ensure_built``)."""
+    """``out_dir`` with a complete tiny 2.1, built atomically when missing (see ``install.ensure_built``)."""
     if is_complete21(out_dir, seed=seed):
         register_tiny21_model_configs()
         return Path(out_dir)

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from ..utils.logging import prints_to_log
 from .config import OptimConfig
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -
         except ImportError as e:
             raise ValueError("--optimizer prodigy_sf needs `pip install prodigy-plus-schedule-free` "
                              "(or the project's [train] extra)") from e
-        optimizer = ProdigyPlusScheduleFree(params, lr=config.learning_rate, betas=tuple(config.betas),
-                                            weight_decay=config.weight_decay)
+        with prints_to_log("prodigyplus"):  # it prints its settings notes ("'split_groups' has been disabled")
+            optimizer = ProdigyPlusScheduleFree(params, lr=config.learning_rate, betas=tuple(config.betas),
+                                                weight_decay=config.weight_decay)
         optimizer.train()
         return optimizer
     raise ValueError(f"unknown --optimizer {config.optimizer!r}; use adamw or prodigy_sf")

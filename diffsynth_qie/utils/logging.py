@@ -9,7 +9,9 @@ import contextlib
 import io
 import logging
 import os
+import re
 import sys
+import warnings
 from typing import Iterator
 
 
@@ -47,6 +49,7 @@ def setup_logging(level: str | int = "INFO") -> None:
     if not is_main_process():
         level = max(level, logging.WARNING)
     root = logging.getLogger()
+    quiet_libraries(verbose=level <= logging.DEBUG)
     if getattr(root, "_qie_configured", False):
         root.setLevel(level)
         for handler in root.handlers:
@@ -66,6 +69,55 @@ def setup_logging(level: str | int = "INFO") -> None:
     root._qie_configured = True  # type: ignore[attr-defined]
     for noisy in ("httpx", "urllib3", "PIL", "matplotlib", "modelscope"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+# --- lines other libraries write into every run, that say nothing to our users ------------------
+# transformers >= 5 warns about the RoPE keys of every Qwen2.5-VL config written for transformers 4 (DiffSynth's
+# text encoder config, real and tiny); the config loads correctly.
+_ROPE_CONFIG_KEYS = "got `key=rope_scaling` in kwargs but hasn't set it as attribute"
+_ROPE_PARAMETERS = "Unrecognized keys in `rope_parameters`"
+# logger name -> (the highest level dropped, the messages dropped: None for all at that level or below).
+# They are dropped before any handler sees them (the libraries' own handlers too), unless DEBUG logging is on.
+LIBRARY_NOISE: dict[str, tuple[int, tuple[str, ...] | None]] = {
+    # DeepSpeed's accelerator detection, once per process that imports it: a CPU run is what the user started.
+    "DeepSpeed": (logging.WARNING, ("Setting accelerator to CPU",)),
+    # accelerate's save_state/load_state, a line per file of every checkpoint; our loop logs the checkpoint.
+    "accelerate.checkpointing": (logging.INFO, None),
+    "transformers.configuration_utils": (logging.WARNING, (_ROPE_CONFIG_KEYS,)),
+    "transformers.modeling_rope_utils": (logging.WARNING, (_ROPE_PARAMETERS,)),
+}
+# Python warnings from library code calling library code: (category, start of the message).
+LIBRARY_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    # DiffSynth's text encoder passes `past_key_values` (None) to transformers' Qwen2.5-VL, which renamed it.
+    (FutureWarning, "`past_key_values` is deprecated"),
+)
+
+
+class _DropBelowDebug(logging.Filter):
+    """Drops a library's routine records (``LIBRARY_NOISE``) while the root logger is not at DEBUG."""
+
+    def __init__(self, max_level: int, messages: tuple[str, ...] | None) -> None:
+        super().__init__()
+        self.max_level, self.messages = max_level, messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > self.max_level or logging.getLogger().isEnabledFor(logging.DEBUG):
+            return True
+        return self.messages is not None and not any(m in record.getMessage() for m in self.messages)
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Keep ``LIBRARY_NOISE`` and ``LIBRARY_WARNINGS`` out of the log, or, ``verbose``, let them through.
+
+    Idempotent and reversible (a later call with the other ``verbose`` wins). The logger filters go on the
+    loggers by name, so they hold also for a library imported later (DeepSpeed's logger keeps filters it
+    finds when it sets itself up)."""
+    for name, (max_level, messages) in LIBRARY_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropBelowDebug) for f in logger.filters):
+            logger.addFilter(_DropBelowDebug(max_level, messages))
+    for category, message in LIBRARY_WARNINGS:  # re-adding a filter moves it to the front: the last call wins
+        warnings.filterwarnings("default" if verbose else "ignore", message=re.escape(message), category=category)
 
 
 # --- other libraries' output -------------------------------------------------------
@@ -127,10 +179,8 @@ def library_logs_to_debug(*logger_names: str) -> Iterator[None]:
             lg.setLevel(level)
 
 
-# transformers >= 5 warns about the RoPE keys of every Qwen2.5-VL config written for transformers 4 (DiffSynth's
-# text encoder config, real and tiny); the config loads correctly, so these go to DEBUG from the first one.
-_KNOWN_HARMLESS = ("got `key=rope_scaling` in kwargs but hasn't set it as attribute",
-                   "Unrecognized keys in `rope_parameters`")
+# Also when our logging is not set up (a library call from a notebook), these go to our DEBUG log from the first one.
+_KNOWN_HARMLESS = (_ROPE_CONFIG_KEYS, _ROPE_PARAMETERS)
 
 
 class _OncePerMessage(logging.Filter):
