@@ -33,7 +33,7 @@ def main() -> None:
     from diffsynth_qie.data.formats import DatasetConfig, read_rows
     from diffsynth_qie.data.images import load_mask, load_rgb
     from diffsynth_qie.inference import EditRequest, Editor
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.training import config as tc
     from diffsynth_qie.training.loop import train
     from diffsynth_qie.training.pretrain_tiny import ensure_pretrained_tiny

@@ -204,7 +204,7 @@ def parse_args(argv: Sequence[str] | None) -> InferBenchConfig:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark; returns ``{"json", "markdown", "rows", "parity"}``."""
     from diffsynth_qie.inference import Editor
-    from diffsynth_qie.models.encoding import encode_prompt
+    from diffsynth_qie.models.qwen_image_edit.encoding import encode_prompt
 
     cfg = parse_args(argv)
     device, dtype, env, date = common.start_run(cfg)

@@ -19,8 +19,7 @@ from pathlib import Path
 
 
 def _edit(editor, request, use_cache: bool) -> tuple[float, list[int]]:
-    from diffsynth_qie.models import qwen21
-
+    from diffsynth_qie.models.qwen_image_21 import qwen21
     seen: list[int] = []
     real = qwen21.Cond21.__init__
 
@@ -51,7 +50,7 @@ def main() -> None:
     from PIL import Image
 
     from diffsynth_qie.inference import EditRequest, Editor
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.tiny.qwen21 import build_tiny21
 
     torch.set_num_threads(1)

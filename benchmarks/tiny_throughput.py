@@ -50,7 +50,7 @@ def build_demo_cache(work_dir: Path, model_dir: Path, num_pairs: int, max_pixels
     from diffsynth_qie.cache.writer import CacheConfig, write_cache
     from diffsynth_qie.data.demo import make_demo_data
     from diffsynth_qie.data.formats import DatasetConfig
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     cache = work_dir / f"cache-{num_pairs}-{max_pixels}"
     if (cache / MANIFEST_NAME).is_file():
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     import torch
 
     from diffsynth_qie.data.sampling import BucketBatchSampler, SamplingConfig, padding_fraction
-    from diffsynth_qie.models.loading import default_tiny_dir, load_pipeline
+    from diffsynth_qie.models.load.loading import default_tiny_dir, load_pipeline
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.tiny.build import ensure_tiny
     from diffsynth_qie.training import config as tc

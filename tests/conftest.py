@@ -132,7 +132,7 @@ def tiny_pipe(tiny_model_dir):
     """Full tiny pipeline (text encoder + DiT + VAE), fp32 on CPU. Treat as read-only."""
     import torch
 
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=tiny_model_dir, device="cpu", torch_dtype=torch.float32)
 

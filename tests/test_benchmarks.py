@@ -82,7 +82,7 @@ def test_flop_counter_matches_torch_flop_counter(tiny_dit, zero_cond_t):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
 
     gen = torch.Generator().manual_seed(0)
     samples = [SampleShape(target=(16, 16), refs=((16, 16),), text_len=12)] * 2
@@ -118,7 +118,7 @@ def test_lora_strip_restores_the_model():
 
 
 def test_selective_checkpointing_keeps_gradients(tiny_dit):
-    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
 
     gen = torch.Generator().manual_seed(1)
     x = [torch.randn(16, 8, 8, generator=gen)]
@@ -144,7 +144,7 @@ def test_selective_checkpointing_keeps_gradients(tiny_dit):
 
 
 def test_compile_blocks_is_regional_and_keeps_outputs():
-    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
 
     dit = build.build_dit(True, "cpu", torch.float32, seed=0)
     gen = torch.Generator().manual_seed(2)

@@ -20,7 +20,7 @@ from diffsynth_qie.cache.store import CacheEntry, CacheStore, EntryMeta
 from diffsynth_qie.cache.writer import CacheConfig, finalize_cache, write_cache
 from diffsynth_qie.data import DatasetConfig, fit_to_budget, load_mask, load_rgb, resize_to
 from diffsynth_qie.data.demo import make_demo_jsonl
-from diffsynth_qie.models.encoding import encode_image, encode_prompt, white_latents
+from diffsynth_qie.models.qwen_image_edit.encoding import encode_image, encode_prompt, white_latents
 
 MAX_PIXELS = 128 * 128
 SUBSET = [0, 1, 3, 5]  # 64x64, a portrait, 128x128 with two sources, 64x64 again (shared white size)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from diffsynth_qie.models import forward as fwd
-from diffsynth_qie.models.sampling import Conditioning, predict_velocity, split_cfg
+from diffsynth_qie.models.qwen_image_edit import forward as fwd
+from diffsynth_qie.models.samplers.sampling import Conditioning, predict_velocity, split_cfg
 from diffsynth_qie.tiny.build import DIT_SIZES, TinyQwenImageDiT
 
 

@@ -5,8 +5,8 @@ import copy
 
 import torch
 
-from diffsynth_qie.models.compile import compile_blocks
-from diffsynth_qie.models.forward import dit_forward
+from diffsynth_qie.models.load.compile import compile_blocks
+from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
 from diffsynth_qie.tiny.build import DIT_SIZES, TinyQwenImageDiT
 
 

@@ -44,7 +44,7 @@ def demo_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipe(pretrained_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=pretrained_dir, device="cpu", torch_dtype=torch.float32,
                          zero_cond_t=True)

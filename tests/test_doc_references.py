@@ -4,7 +4,7 @@ A name is looked up where a reader would look: the repository root, the package 
 (``losses.py`` in ``training/losses/``), ``tests/``, ``benchmarks/``, ``scripts/``; and, for DiffSynth's own
 files, the installed ``diffsynth`` package. Files named by a path under a top-level folder of the repository
 (``deepspeed_configs/zero3.yaml``, ``docs/MEMORY.md``) must exist there, whatever their type. Dotted names
-(``diffsynth_qie.models.forward.dit_forward``) must name a module, and a name that module defines.
+(``diffsynth_qie.models.qwen_image_edit.forward.dit_forward``) must name a module, and a name that module defines.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import pytest
 from diffsynth_qie.models.family import FAMILIES
 from diffsynth_qie.models.family_ops import FamilyOps, ops_for
 from diffsynth_qie.models.presets import PRESETS, family_of
-from diffsynth_qie.models.schedules import ScheduleSpec
+from diffsynth_qie.models.samplers.schedules import ScheduleSpec
 
 
 def test_family_ops_is_abstract_and_every_family_implements_all_of_it():
@@ -54,7 +54,7 @@ def test_every_family_builds_its_schedule_from_one_spec(family):
 def test_the_sampler_asks_the_family_for_the_schedule_of_the_latents_it_samples():
     import torch
 
-    from diffsynth_qie.models.sampling import sample_flow_match
+    from diffsynth_qie.models.samplers.sampling import sample_flow_match
 
     asked = []
     ops = ops_for(next(iter(FAMILIES)))

@@ -1,4 +1,4 @@
-"""Batched DiT forward (models/forward.py) against DiffSynth's own batch-1 model_fn.
+"""Batched DiT forward (models/qwen_image_edit/forward.py) against DiffSynth's own batch-1 model_fn.
 
 Parity targets (ARCHITECTURE decision 4): batched output equals per-sample runs within
 1e-3 relative error in fp32, for mixed target sizes, 1–3 reference images, different
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffsynth_qie.models import forward as fwd
-from diffsynth_qie.models.forward import dit_forward
+from diffsynth_qie.models.qwen_image_edit import forward as fwd
+from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
 from diffsynth_qie.tiny.build import TinyQwenImageDiT
 
 TEXT_DIM = 32

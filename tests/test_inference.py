@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 
 from diffsynth_qie.inference import EditRequest, Editor, parse_device_map
-from diffsynth_qie.models import sampling as samplers
+from diffsynth_qie.models.samplers import sampling as samplers
 from diffsynth_qie.inference.masking import blend_pixels, latent_keep_weight
-from diffsynth_qie.models.sampling import (Conditioning, bridge_interpolate, bridge_sigmas, bridge_step,
+from diffsynth_qie.models.samplers.sampling import (Conditioning, bridge_interpolate, bridge_sigmas, bridge_step,
                                               bridge_target, predict_velocity, sample_bridge)
 
 PROMPT = "make the red circle blue"
@@ -40,7 +40,7 @@ def smooth_image(w: int, h: int, seed: int) -> Image.Image:
 @pytest.fixture(scope="module")
 def pipe(tiny_model_dir):
     """Our own fp32 tiny pipeline: tests here run DiffSynth's __call__ and merge LoRAs."""
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=tiny_model_dir, device="cpu", torch_dtype=torch.float32)
 
@@ -118,7 +118,7 @@ def test_cfg_scale_changes_latents_and_seed_is_deterministic(editor, img_a):
 @pytest.mark.parametrize("zero_cond_t", [False, True])
 def test_batched_cfg_matches_diffsynth_two_pass(pipe, img_a, img_b, zero_cond_t):
     from diffsynth.pipelines.qwen_image import model_fn_qwen_image
-    from diffsynth_qie.models.encoding import encode_image, encode_prompt
+    from diffsynth_qie.models.qwen_image_edit.encoding import encode_image, encode_prompt
 
     refs = [img_a, img_b]
     pos = encode_prompt(pipe, PROMPT, refs, multi_image=True)
@@ -181,7 +181,7 @@ def rect_mask():
 
 
 def test_mask_keeps_outside_pixels_and_latents_exactly(pipe, editor, img_a, rect_mask):
-    from diffsynth_qie.models.encoding import encode_image
+    from diffsynth_qie.models.qwen_image_edit.encoding import encode_image
 
     result = editor.edit(EditRequest([img_a], PROMPT, mask=rect_mask, steps=3, seed=1))
     out, src = np.asarray(result.image), np.asarray(img_a)
@@ -278,7 +278,7 @@ def test_bridge_step_and_sampler():
 
 
 def test_lbm_edit_returns_two_images_and_sub_stream_starts_at_white(pipe, editor, img_a, monkeypatch):
-    from diffsynth_qie.models.encoding import encode_image, white_latents
+    from diffsynth_qie.models.qwen_image_edit.encoding import encode_image, white_latents
 
     calls = []
     original = samplers.predict_velocity
@@ -402,7 +402,7 @@ def test_cli_edit_end_to_end_matches_editor(tiny_model_dir, editor, tmp_path, im
 
 def test_rope_cache_stays_bounded_over_many_sizes(editor, img_a):
     """DiffSynth's RoPE table cache never evicts; the editor keeps it under ROPE_CACHE_ENTRIES."""
-    from diffsynth_qie.models.forward import ROPE_CACHE_ENTRIES
+    from diffsynth_qie.models.qwen_image_edit.forward import ROPE_CACHE_ENTRIES
 
     cache = editor.pipe.dit.pos_embed.rope_cache
     sizes = []

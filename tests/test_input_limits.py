@@ -18,7 +18,8 @@ from PIL import Image, ImageFile
 from diffsynth_qie.cache.writer import CacheConfig, prepare_row, write_cache
 from diffsynth_qie.data import DatasetConfig
 from diffsynth_qie.data.images import MAX_IMAGE_PIXELS, ImageTooLarge, fit_image, load_mask, load_rgb
-from diffsynth_qie.models.encoding import encode_prompt, prompt_token_count
+from diffsynth_qie.models.prompts import prompt_token_count
+from diffsynth_qie.models.qwen_image_edit.encoding import encode_prompt
 from diffsynth_qie.models.presets import DEFAULT_MAX_PROMPT_TOKENS
 
 LONG_PROMPT = "make the red circle blue and " * 400  # thousands of tokens

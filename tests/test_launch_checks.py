@@ -117,7 +117,7 @@ def test_zero3_param_offload_loads_the_frozen_dit_on_the_host():
 
 
 def test_a_real_preset_is_refused_on_the_cpu_unless_asked():
-    from diffsynth_qie.models.devices import check_device_for
+    from diffsynth_qie.models.load.devices import check_device_for
     from diffsynth_qie.models.presets import get_preset
 
     with pytest.raises(ValueError, match="2511 would run on the CPU.*pass --device cpu"):

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffsynth_qie.models import sampling as samplers
+from diffsynth_qie.models.samplers import sampling as samplers
 from diffsynth_qie.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig
-from diffsynth_qie.models.bridge import bridge_interpolate, bridge_target
+from diffsynth_qie.models.samplers.bridge import bridge_interpolate, bridge_target
 from diffsynth_qie.training.losses.lbm import (LBMConfig, draw_sigmas, lbm_loss,
                                         make_bridge_batch, stream_ends)
 from diffsynth_qie.training.losses.common import mask_weights, per_sample_mse
@@ -50,7 +50,7 @@ def synthetic_batch(n: int = 3, seed: int = 0, h: int = 4, w: int = 6) -> dict:
 
 @pytest.fixture(scope="module")
 def dit(tiny_model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu",
                          torch_dtype=torch.float32).dit
@@ -59,8 +59,7 @@ def dit(tiny_model_dir):
 @pytest.fixture
 def spy(monkeypatch):
     """Records what the loss feeds ``dit_forward`` (then runs the real forward)."""
-    from diffsynth_qie.models import forward
-
+    from diffsynth_qie.models.qwen_image_edit import forward
     calls = []
     real = forward.dit_forward
 
@@ -351,7 +350,7 @@ def test_qie_train_lbm_lora_loads_and_changes_lbm_edits(lbm_cache, tiny_model_di
 
     from diffsynth_qie.cli import main
     from diffsynth_qie.inference import EditRequest, Editor
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.lora import load_lora_state
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.training.checkpoint import read_trainer_state

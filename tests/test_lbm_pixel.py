@@ -22,7 +22,7 @@ pytest.importorskip("torchmetrics")
 
 from conftest import fresh_accelerate  # noqa: E402
 from diffsynth_qie.metrics import lpips as L  # noqa: E402
-from diffsynth_qie.models.bridge import bridge_interpolate, bridge_target  # noqa: E402
+from diffsynth_qie.models.samplers.bridge import bridge_interpolate, bridge_target  # noqa: E402
 from diffsynth_qie.training.losses.lbm import LBMConfig  # noqa: E402
 from diffsynth_qie.training.losses.lbm_pixel import PixelCritic, predicted_targets  # noqa: E402
 
@@ -31,7 +31,7 @@ W = 10.0
 
 @pytest.fixture(scope="module")
 def dit(tiny_model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu",
                          torch_dtype=torch.float32).dit
@@ -96,8 +96,7 @@ def _train(cache_dir, tiny_model_dir, out, *extra):
 @pytest.fixture
 def loaded(monkeypatch):
     """The components of every pipeline loaded (the real loader still runs)."""
-    from diffsynth_qie.models import loading
-
+    from diffsynth_qie.models.load import loading
     calls, real = [], loading.load_pipeline
 
     def spy(*args, **kwargs):

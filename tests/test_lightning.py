@@ -11,13 +11,13 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from diffsynth_qie.models.lightning import (is_lightning_lora, lightning_scheduler, lightning_steps,
+from diffsynth_qie.models.samplers.lightning import (is_lightning_lora, lightning_scheduler, lightning_steps,
                                             sampling_plan)
 from diffsynth_qie.lora.apply import apply_lora
 from diffsynth_qie.lora.formats import load_lora_state
 from diffsynth_qie.models.family_ops import ops_for
-from diffsynth_qie.models.sampling import sample_flow_match
-from diffsynth_qie.models.schedules import ScheduleSpec, flow_match_scheduler
+from diffsynth_qie.models.samplers.sampling import sample_flow_match
+from diffsynth_qie.models.samplers.schedules import ScheduleSpec, flow_match_scheduler
 
 # The scheduler configuration of ModelTC/Qwen-Image-Lightning's generate_with_diffusers.py
 # (github.com/ModelTC/Qwen-Image-Lightning, the README's "Run Evaluation and Test with Diffusers"

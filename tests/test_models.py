@@ -13,7 +13,7 @@ import torch
 
 from diffsynth_qie.cache.fingerprint import weights_fingerprint
 from diffsynth_qie.tiny import build as tiny
-from diffsynth_qie.models.loading import load_pipeline, resolve_model_configs
+from diffsynth_qie.models.load.loading import load_pipeline, resolve_model_configs
 from diffsynth_qie.models.presets import PRESETS
 
 WEIGHT_FILES = {"dit": tiny.DIT_FILE, "text_encoder": tiny.TEXT_ENCODER_FILE, "vae": tiny.VAE_FILE}

@@ -11,7 +11,7 @@ from PIL import Image
 
 @pytest.fixture(scope="module")
 def pipe21(tiny21_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny-2.1", model_dir=tiny21_dir, device="cpu", torch_dtype=torch.float32)
 
@@ -66,7 +66,7 @@ def test_the_21_lora_targets_name_linears_of_every_block(pipe21):
 
 
 def test_a_missing_21_model_names_the_files_and_the_command(tmp_path):
-    from diffsynth_qie.models.loading import resolve_model_configs
+    from diffsynth_qie.models.load.loading import resolve_model_configs
 
     with pytest.raises(FileNotFoundError) as e:
         resolve_model_configs("2.1", model_dir=tmp_path)
@@ -109,10 +109,10 @@ def test_editor_matches_diffsynths_21_pipeline(pipe21, cfg, refs):
 
 def test_the_prefix_kv_cache_gives_the_same_latents_and_skips_the_prefix(pipe21):
     """With the cache the prefix (prompt + reference tokens) goes through the blocks on the first step only."""
-    from diffsynth_qie.models import qwen21
+    from diffsynth_qie.models.qwen_image_21 import qwen21
     from diffsynth_qie.models.family_ops import ops_for
-    from diffsynth_qie.models.sampling import sample_flow_match, seeded_noise
-    from diffsynth_qie.models.schedules import ScheduleSpec
+    from diffsynth_qie.models.samplers.sampling import sample_flow_match, seeded_noise
+    from diffsynth_qie.models.samplers.schedules import ScheduleSpec
 
     refs = qwen21.reference_images21(pipe21, [_image(64, 64, (200, 30, 30))], 64, 64)
     ref_latents = [qwen21.encode_image21(pipe21, im) for im in refs]
@@ -140,7 +140,7 @@ def test_the_prefix_kv_cache_gives_the_same_latents_and_skips_the_prefix(pipe21)
 
 def test_turbo_samples_on_its_fixed_grid(pipe21, monkeypatch):
     from diffsynth_qie.inference import EditRequest, Editor
-    from diffsynth_qie.models import qwen21
+    from diffsynth_qie.models.qwen_image_21 import qwen21
     from diffsynth_qie.models.presets import TURBO_SIGMAS
 
     turbo = dataclasses.replace(pipe21.qie_preset, sigmas=TURBO_SIGMAS)

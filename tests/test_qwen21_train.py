@@ -78,7 +78,7 @@ def test_a_cache_of_one_family_is_refused_for_the_other(cache21, cache_dir):
 def test_a_mixed_batch_equals_its_samples_one_by_one(cache21, tiny21_dir, tmp_path):
     """Different target and reference shapes in one batch: the same loss and gradients as single samples."""
     from diffsynth_qie.cache.store import CacheStore
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.training.data import CacheDataset, SampleKey, collate
     from diffsynth_qie.training.module import QIETrainingModule
@@ -185,7 +185,7 @@ def test_the_cached_slot_mask_reaches_the_dit_on_the_latents_device(monkeypatch)
     device, so it must move there (the meta device stands in for the GPU)."""
     import diffsynth.pipelines.qwen_image_21 as pipeline21
 
-    from diffsynth_qie.models.qwen21 import Prompt21, forward21
+    from diffsynth_qie.models.qwen_image_21.qwen21 import Prompt21, forward21
 
     seen = {}
 
@@ -207,7 +207,7 @@ def test_the_samplers_host_timesteps_reach_the_dit_on_the_latents_device(monkeyp
     device stands in for the GPU). A CPU-only test of the whole edit cannot see this."""
     import diffsynth.pipelines.qwen_image_21 as pipeline21
 
-    from diffsynth_qie.models.qwen21 import Cond21, Prompt21, velocity21
+    from diffsynth_qie.models.qwen_image_21.qwen21 import Cond21, Prompt21, velocity21
 
     seen = []
 

@@ -375,7 +375,7 @@ def test_the_web_ui_flags_are_checked_too(capsys):
 def test_an_edit_larger_than_the_cap_or_on_a_missing_device_is_refused_up_front():
     from diffsynth_qie.inference.checks import check_request
     from diffsynth_qie.inference.editor import EditRequest
-    from diffsynth_qie.models.devices import check_device_name
+    from diffsynth_qie.models.load.devices import check_device_name
 
     big = EditRequest(images=[Image.new("RGB", (32, 32))], prompt="x", width=16384, height=16384)
     with pytest.raises(ValueError, match=r"16384x16384 is 268\.4 MP, more than max_output_pixels"):
@@ -391,7 +391,7 @@ def test_an_edit_larger_than_the_cap_or_on_a_missing_device_is_refused_up_front(
 
 # --- distributed corner cases ------------------------------------------------------------------------------
 def test_an_empty_micro_batch_is_a_zero_loss_that_reaches_every_trainable_weight(tiny_model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.training.accumulation import micro_loss_scale
     from diffsynth_qie.training.config import LoRAConfig, RunConfig, TrainConfig
     from diffsynth_qie.training.module import QIETrainingModule

@@ -55,7 +55,7 @@ def test_the_output_moves_away_from_the_source_as_strength_rises(editor, lbm):
 def test_strength_is_checked_and_refused_on_a_fixed_grid(editor, capsys):
     from diffsynth_qie.cli import build_parser
     from diffsynth_qie.inference import EditRequest
-    from diffsynth_qie.models.qwen21 import scheduler21
+    from diffsynth_qie.models.qwen_image_21.qwen21 import scheduler21
 
     with pytest.raises(ValueError, match=r"strength must be in \[0, 1\]"):
         editor.edit(EditRequest(images=[_image()], prompt="x", strength=1.5))

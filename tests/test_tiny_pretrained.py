@@ -56,8 +56,8 @@ def test_loaded_by_diffsynths_loader_and_reproduces_images(pretrained_dir):
     from diffsynth_qie.data.demo import random_shapes_image
     from diffsynth_qie.inference import EditRequest, Editor
     from diffsynth_qie.inference.evaluate import psnr
-    from diffsynth_qie.models.encoding import decode_latents, encode_image
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.qwen_image_edit.encoding import decode_latents, encode_image
+    from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.tiny.pretrained import is_pretrained
     from diffsynth_qie.tiny.vae import TinyConvQwenImageVAE
     from diffsynth_qie.training.pretrain_tiny import recipe_fingerprint

@@ -115,7 +115,7 @@ def tokens_of(target, edits) -> int:
 
 
 def fresh_dit(model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=model_dir, components=("dit",), device="cpu",
                          torch_dtype=torch.float32).dit

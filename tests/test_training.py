@@ -60,7 +60,7 @@ def reference_run(cache_dir, tiny_model_dir, tmp_path_factory):
 
 
 def fresh_dit(model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=model_dir, components=("dit",), device="cpu",
                          torch_dtype=torch.float32).dit
@@ -75,7 +75,7 @@ def resolved(cfg):
 @torch.no_grad()
 def eval_loss(dit, store, zero_cond_t=False, sigmas=(0.3, 0.7)) -> float:
     """Deterministic flow-matching loss over the whole cache at fixed σ and noise."""
-    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
 
     g = torch.Generator().manual_seed(123)
     losses = []
@@ -407,8 +407,8 @@ def test_reference_loss_curve_matches_pinned_values(reference_run):
 
 @pytest.mark.filterwarnings("ignore:Alpha detected in the LoRA file")
 def test_training_lowers_the_loss_and_the_lora_changes_the_output(reference_run, store, tiny_model_dir):
-    from diffsynth_qie.models.forward import dit_forward
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
+    from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.lora import apply_lora, load_lora_state
 
     cfg, result = reference_run
@@ -437,7 +437,7 @@ def test_training_lowers_the_loss_and_the_lora_changes_the_output(reference_run,
 
 def test_saved_lora_reproduces_the_trained_module(reference_run, tiny_model_dir, store):
     """Checkpoint LoRA (alpha != rank) merged into a plain DiT == the PEFT module it came from."""
-    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
     from diffsynth_qie.lora import apply_lora, load_lora_state
     from diffsynth_qie.training.checkpoint import LORA_NAME, TRAINABLE_NAME, list_checkpoints
     from diffsynth_qie.training.module import QIETrainingModule
@@ -557,7 +557,7 @@ def test_prodigy_schedule_free_saves_the_average_and_validation_renders(cache_di
 
 
 def test_lora_checkpoint_initialises_the_run(reference_run, cache_dir, tiny_model_dir, tmp_path, store):
-    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
     from diffsynth_qie.lora import apply_lora, load_lora_state
     from diffsynth_qie.training.module import QIETrainingModule
 

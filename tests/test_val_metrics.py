@@ -120,7 +120,7 @@ def test_validator_metrics_are_output_vs_target(store, tiny_pipe, tiny_model_dir
     pytest.importorskip("torchmetrics")
     from test_validation import run_config, training_module, validator
 
-    from diffsynth_qie.models.encoding import decode_latents
+    from diffsynth_qie.models.qwen_image_edit.encoding import decode_latents
 
     indices = list(range(min(3, len(store))))
     module = training_module(tiny_pipe.dit, run_config("sft"))

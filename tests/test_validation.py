@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from conftest import fresh_accelerate
-from diffsynth_qie.models.sampling import Conditioning
+from diffsynth_qie.models.samplers.sampling import Conditioning
 from diffsynth_qie.training.config import LoRAConfig, LossConfig, RunConfig, TrainConfig
 from diffsynth_qie.training.losses.lbm import LBMConfig
 from diffsynth_qie.training.validation import Validator, entry_seed, output_name, side_by_side
@@ -156,7 +156,7 @@ def test_flow_match_validation_is_the_editors_sampling(store, tiny_pipe, tmp_pat
 
 
 def test_validation_writes_strips_and_leaves_training_state_alone(store, tiny_pipe, tiny_model_dir, tmp_path):
-    from diffsynth_qie.models.encoding import decode_latents
+    from diffsynth_qie.models.qwen_image_edit.encoding import decode_latents
 
     module = training_module(tiny_pipe.dit, run_config("sft"))
     module.train()

@@ -2,7 +2,7 @@
 
 The real ``2.1`` preset's DiT (32 layers, width 4096) runs a 2-step edit through ``velocity21`` with the prefix
 KV cache and a LoRA training step; the check must catch the host timesteps of the first 2.1 release at
-``models/qwen21.py``, and the fake device's peaks and KV cache must agree with the cache's own arithmetic.
+``models/qwen_image_21/qwen21.py``, and the fake device's peaks and KV cache must agree with the cache's own arithmetic.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_cfg_keeps_a_second_prefix_kv_cache(preset21):
 
 def _forward21_with_host_timesteps(dit, latents, timesteps, prompts, ref_latents, caches=None,
                                    use_gradient_checkpointing=False):
-    """``models/qwen21.py forward21`` as the first 2.1 release had it: the sampler's timesteps stay on the host."""
+    """``models/qwen_image_21/qwen21.py forward21`` as the first 2.1 release had it: the sampler's timesteps stay on the host."""
     from diffsynth.pipelines.qwen_image_21 import model_fn_qwen_image_21
 
     dtype = next(dit.parameters()).dtype
@@ -64,12 +64,12 @@ def _forward21_with_host_timesteps(dit, latents, timesteps, prompts, ref_latents
 
 
 def test_the_check_catches_the_samplers_host_timesteps_at_our_line(preset21, monkeypatch):
-    import diffsynth_qie.models.qwen21 as qwen21
+    import diffsynth_qie.models.qwen_image_21.qwen21 as qwen21
     from diffsynth_qie.inference.verify21 import verify_edit21
     from diffsynth_qie.memory.fake_device import FakeRunError
 
     monkeypatch.setattr(qwen21, "forward21", _forward21_with_host_timesteps)
-    with pytest.raises(FakeRunError, match=r"device mismatch in aten\.\w+.* at diffsynth_qie/models/qwen21\.py:\d+ "
+    with pytest.raises(FakeRunError, match=r"device mismatch in aten\.\w+.* at diffsynth_qie/models/qwen_image_21/qwen21\.py:\d+ "
                                            r"\(velocity\) \(in DiffSynth's 2\.1 DiT forward"):
         verify_edit21(preset21, resolution=512, ref_images=1, steps=1, num_layers=2)
 
@@ -105,12 +105,12 @@ def test_a_21_lora_step_runs_and_its_peak_grows_by_one_block_at_a_time(preset21)
 def test_a_bug_outside_the_dit_is_named_at_our_line_not_the_standins(preset21, monkeypatch):
     """The stand-in's dispatch mode sees every operator of the run; an error it passes on must still name the
     line of ours that made it (here: noise drawn on the host and mixed with device latents)."""
-    import diffsynth_qie.training.losses.sft as sft
+    import diffsynth_qie.training.losses.common as common  # the SFT loss imports it when it runs
     from diffsynth_qie.memory.fake_device import FakeRunError
     from diffsynth_qie.training.verify import batch_shapes
     from diffsynth_qie.training.verify21 import verify_train_step21
 
-    monkeypatch.setattr(sft, "sample_noise", lambda like, generator: torch.randn(like.shape, generator=generator))
+    monkeypatch.setattr(common, "sample_noise", lambda like, generator: torch.randn(like.shape, generator=generator))
     with pytest.raises(FakeRunError, match=r"device mismatch .* at diffsynth_qie/training/losses/common\.py:\d+ "
                                            r"\(add_noise\):") as caught:
         verify_train_step21(_train_config(preset21), preset21, batch_shapes(512, 1, 30, 1), num_layers=1)

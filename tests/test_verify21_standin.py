@@ -66,7 +66,7 @@ def test_the_standin_gives_diffsynths_output_and_gradients(refs, key_mask):
 
 
 def test_the_standin_fills_and_reads_the_prefix_kv_cache_as_diffsynth_does():
-    from diffsynth_qie.models.qwen21 import new_kv_cache
+    from diffsynth_qie.models.qwen_image_21.qwen21 import new_kv_cache
 
     dit = _tiny_dit().requires_grad_(False)
     inputs = _inputs([(4, 4), (2, 6)])

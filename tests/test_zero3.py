@@ -53,8 +53,8 @@ def launch(config: Path, args: list[str], timeout: int = 600) -> subprocess.Comp
 
 
 def test_zero3_trains_saves_a_loadable_lora_and_resumes(cache_dir, tiny_model_dir, tmp_path):
-    from diffsynth_qie.models.forward import dit_forward
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
+    from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.lora import apply_lora, load_lora_state
     from diffsynth_qie.training.checkpoint import STATE_DIR, TRAINABLE_NAME, list_checkpoints
     from diffsynth_qie.training.tracking import read_loss_log

@@ -10,7 +10,7 @@ Image sizing (all sides multiples of ``divisor``, never enlarged):
 - LBM source: the first reference image resized to the target's pixel size.
 
 Prompts are encoded together with the (resized) reference images by DiffSynth's
-own ``QwenImageUnit_PromptEmbedder`` (``models/encoding.py``), with the single- or
+own ``QwenImageUnit_PromptEmbedder`` (``models/qwen_image_edit/encoding.py``), with the single- or
 multi-image template chosen by the preset.
 
 Where Qwen-Image-2.1 differs (``models/family_ops.py``): sides are multiples of 32, each reference is sized as

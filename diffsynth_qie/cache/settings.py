@@ -36,8 +36,8 @@ def cache_settings(config: CacheConfig, preset, pipe) -> dict:
 def _device_and_dtype(config: CacheConfig, device):
     import torch
 
-    from ..models.devices import check_device_for
-    from ..models.loading import default_device, default_dtype
+    from ..models.load.devices import check_device_for
+    from ..models.load.loading import default_device, default_dtype
     from ..models.presets import get_preset
 
     device = config.device or (str(device) if device is not None else default_device())
@@ -48,7 +48,7 @@ def _device_and_dtype(config: CacheConfig, device):
 def load_encoders(config: CacheConfig, device):
     """The text encoder, VAE, tokenizer and processor, loaded (phase 1's models), each on its device
     (``--text_encoder_device`` / ``--vae_device``, default ``--device``)."""
-    from ..models.loading import load_pipeline
+    from ..models.load.loading import load_pipeline
 
     device, dtype = _device_and_dtype(config, device)
     return load_encoder_pipeline(config.model, config.model_dir, dtype, device, config.text_encoder_device,
@@ -60,7 +60,7 @@ def load_encoder_pipeline(model: str, model_dir, dtype, device, text_encoder_dev
     differ). The VAE's decoder is freed: encoding never uses it."""
     import torch
 
-    from ..models.loading import load_pipeline
+    from ..models.load.loading import load_pipeline
 
     devices = {"text_encoder": torch.device(text_encoder_device or device), "vae": torch.device(vae_device or device)}
     one = len(set(devices.values())) == 1
@@ -89,7 +89,7 @@ class LightPipeline:
 def light_pipeline(config: CacheConfig, device):
     """A :class:`LightPipeline` from the local files; the loaded encoders when a file is not local yet (a hub
     download happens then, as before)."""
-    from ..models.loading import provider_of, resolve_model_configs
+    from ..models.load.loading import provider_of, resolve_model_configs
     from ..models.presets import get_preset
 
     preset = get_preset(config.model)
@@ -112,7 +112,7 @@ def light_pipeline(config: CacheConfig, device):
 
 def skip_long_prompts(rows: list[EditRow], pipe, max_tokens: int) -> tuple[list[EditRow], list[SkippedRow]]:
     """``rows`` split into those whose prompts fit ``max_tokens`` tokens and the skips (logged) of the rest."""
-    from ..models.encoding import prompt_token_count
+    from ..models.prompts import prompt_token_count
 
     good, skipped = [], []
     for row in rows:

@@ -160,7 +160,7 @@ def sub_path(out: str | Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     images, mask, loras = load_inputs(args)  # before any heavy import or model load
-    from ..models.lightning import sampling_plan
+    from ..models.samplers.lightning import sampling_plan
     from ..models.presets import family_of, get_preset
 
     preset, family = get_preset(args.model), family_of(args.model)
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     from ..inference import EditRequest, Editor
     from ..inference.checks import check_request
     from ..inference.editor import device_map_with
-    from ..models.devices import check_device_name
+    from ..models.load.devices import check_device_name
     from ..utils.atomic import atomic_path
 
     request = EditRequest(
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                                 zero_cond_t=args.zero_cond_t, lora_merge=args.lora_merge,
                                 fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap)
     if args.compile:
-        from ..models.compile import compile_blocks
+        from ..models.load.compile import compile_blocks
 
         compile_blocks(editor.pipe.dit)
     if loras:

@@ -1,6 +1,6 @@
 """Cut a stream of samples into batches whose image-token padding stays small.
 
-Why: ``models/forward.py`` pads every sample's image tokens (target + reference
+Why: ``models/qwen_image_edit/forward.py`` pads every sample's image tokens (target + reference
 images, one token per 2x2 latent patch) to the longest sample of its batch, so a
 batch ``b`` costs ``len(b) * max(tokens)`` tokens of compute and wastes
 

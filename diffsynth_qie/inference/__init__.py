@@ -6,7 +6,7 @@ and benchmarks share; the sampling loops live one layer down in ``models.samplin
 mask semantics.
 """
 from .editor import EditRequest, EditResult, Editor, parse_device_map, parse_dtype
-from ..models.sampling import (Conditioning, bridge_interpolate, bridge_sigmas, bridge_step, bridge_target,
+from ..models.samplers.sampling import (Conditioning, bridge_interpolate, bridge_sigmas, bridge_step, bridge_target,
                                dit_velocity, predict_velocity, sample_bridge, sample_flow_match)
 
 __all__ = [

@@ -8,7 +8,7 @@ import math
 from PIL import Image
 
 from ..data.images import check_pixels
-from ..models.lightning import check_scheduler
+from ..models.samplers.lightning import check_scheduler
 from ..utils.text import is_empty_prompt
 from .masking import check_strength
 

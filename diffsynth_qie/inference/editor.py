@@ -2,7 +2,7 @@
 
 It drives DiffSynth's components itself instead of calling
 ``QwenImagePipeline.__call__``: the text encoder and VAE through our thin
-``models/encoding.py`` wrappers (DiffSynth's own units), the DiT through our batched
+``models/qwen_image_edit/encoding.py`` wrappers (DiffSynth's own units), the DiT through our batched
 ``dit_forward``. That buys three things DiffSynth's pipeline lacks:
 
 - true CFG as one batch of 2 (positive + negative) instead of two passes;
@@ -42,13 +42,13 @@ import torch
 from PIL import Image
 
 from ..data.images import MAX_IMAGE_PIXELS, fit_image, resize_to, to_rgb
-from ..models.encoding import DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length, white_latents
+from ..models.prompts import DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length
 from ..models.family import EDIT, family_of_pipe
-from ..models.edit_ops import reference_size  # noqa: F401 (public here)
+from ..models.qwen_image_edit.edit_ops import reference_size  # noqa: F401 (public here)
 from ..models.family_ops import ops_for
-from ..models.forward import bound_rope_cache
-from ..models.sampling import sample_bridge, sample_flow_match, seeded_noise, uses_cfg
-from ..models.schedules import ScheduleSpec
+from ..models.qwen_image_edit.forward import bound_rope_cache
+from ..models.samplers.sampling import sample_bridge, sample_flow_match, seeded_noise, uses_cfg
+from ..models.samplers.schedules import ScheduleSpec
 from .checks import check_request
 from .devices import COMPONENTS, _module_device, device_map_with, parse_device_map, parse_dtype  # noqa: F401
 from .masking import LatentMaskBlend, blend_pixels, latent_keep_weight
@@ -167,7 +167,7 @@ class Editor:
         CPU first. ``fp8_base``: the DiT's block linears are stored as FP8 (``memory/fp8.py``), quantised
         from a host copy straight onto the DiT's device; LoRAs are then applied unmerged.
         """
-        from ..models.loading import default_device, load_pipeline
+        from ..models.load.loading import default_device, load_pipeline
 
         device = str(torch.device(device)) if device else default_device()
         mapping = parse_device_map(device_map)
@@ -256,7 +256,7 @@ class Editor:
     def _white(self, width: int, height: int) -> Tensor:
         """LBM's sub-stream prior: VAE latents of a pure white image at the output size."""
         with self._running("vae"):
-            return white_latents(self.pipe, width, height)
+            return self.ops.white(self.pipe, width, height)
 
     def _decode(self, latents: Tensor) -> Image.Image:
         with self._running("vae"):

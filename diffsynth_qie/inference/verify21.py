@@ -40,7 +40,8 @@ def verify_edit21(preset, resolution: int = 1024, ref_images: int = 1, prompt_to
     from ..memory.census import build_dit
     from ..models.family_ops import ops_for
     from ..models.presets import family_of
-    from ..models.sampling import sample_flow_match, seeded_noise, uses_cfg
+    from ..models.samplers.sampling import sample_flow_match, seeded_noise, uses_cfg
+    from ..models.samplers.schedules import ScheduleSpec
 
     t0 = time.perf_counter()
     report = Edit21VerifyReport()
@@ -60,7 +61,7 @@ def verify_edit21(preset, resolution: int = 1024, ref_images: int = 1, prompt_to
 
         def prompt(tokens: int):  # as the cache / the encoder gives it: embeddings, the slot mask on the host
             pad = slot_mask21([latent_hw] * ref_images, tokens)
-            return ops.join_prompt(torch.empty(len(pad), text_dim, device=DEVICE, dtype=dtype), pad)
+            return ops.join_prompt(torch.empty(len(pad), text_dim, device=DEVICE, dtype=dtype), {"pad": pad})
 
         positive = prompt(prompt_tokens)
         report.prefix_tokens = int((~positive.pad_mask).sum()) + 4 * int(positive.pad_mask.sum())  # 4 latents a slot
@@ -70,8 +71,8 @@ def verify_edit21(preset, resolution: int = 1024, ref_images: int = 1, prompt_to
         cond.kv_cache = kv_cache
         with fc.phase("denoise"):
             noise = seeded_noise((1, family.latent_channels, *latent_hw), 0, dtype, DEVICE)
-            sample_flow_match(ops.velocity(dit, cond, cfg), noise, steps,
-                              schedule=ops.schedule(preset, steps, latent_hw, "default"))
+            sample_flow_match(ops.velocity(dit, cond, cfg), noise, ScheduleSpec.for_preset(preset, steps, latent_hw),
+                              ops.schedule)
         report.denoise_peak = fc.phases[-1].peak_bytes
         report.kv_cache = kv_cache_bytes(cond._caches.values())
         report.kv_per_prefix_token = kv_bytes_per_prefix_token(dit)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.dit_files import resolve_dit
+from ..models.load.dit_files import resolve_dit
 from .state import LoraModule, LoraState, listing
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from ..utils.atomic import atomic_save, atomic_write_json, finished_files
-from ..models.dit_files import DIT_STEM, DIT_SUBDIR, INDEX_NAME, DitFiles, resolve_dit
+from ..models.load.dit_files import DIT_STEM, DIT_SUBDIR, INDEX_NAME, DitFiles, resolve_dit
 from .apply import _check_delta
 from .formats import load_lora_state
 from .state import LoraModule, LoraState, problems

@@ -173,7 +173,7 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
             _place_encoders(plan, c, o, "on the fly: ")
     else:
         # true CFG: on a GPU the positive and the (shorter) negative prompt run as two passes of batch_size
-        # (models/sampling.py: split_cfg), so one pass's working set is what peaks
+        # (models/samplers/sampling.py: split_cfg), so one pass's working set is what peaks
         batch = o.batch_size
         _place_encoders(plan, c, o)
         if o.lora_rank:  # unmerged LoRA branches (qie edit's default), bf16
@@ -187,7 +187,7 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
     plan.host["process baseline"] = HOST_BASELINE
     # no process holds the DiT's state dict: a GPU load reads tensor by tensor, ZeRO-3 streams one tensor at a
     # time, and the FP8 / swapping host loads map the files and finish one layer (one block) at a time
-    # (models/host_weights.py, training/placement.py)
+    # (models/load/host_weights.py, training/placement.py)
     plan.host["loading (about one block at a time)"] = block
     if o.fp8_base or o.blocks_to_swap:
         plan.shared["DiT files mapped while loading (page cache)"] = c.params * o.dtype_bytes

@@ -7,7 +7,7 @@ derive every position of the joint sequence from the reference-slot mask ``img_m
 key mask (595) and ``int((~target_token_mask).sum())`` (599). On a GPU each is a host read of a device
 tensor; on the fake device there is no value to read, so the run stops there. The mask itself is known on
 the host: it comes from the cache (training) or the prompt encoder (editing), and our code moves it to the
-device (``models/qwen21.py forward21``, ``models/family_ops.py Qwen21Ops.conditioning``), as does DiffSynth's
+device (``models/qwen_image_21/qwen21.py forward21``, ``models/family_ops.py Qwen21Ops.conditioning``), as does DiffSynth's
 ``model_fn_qwen_image_21`` (the target's slots, line 425).
 
 :func:`host_bookkeeping21` makes the run possible, and changes nothing the device sees but the indexing:
@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .fake_device import FakeRunError, our_frame
+from .fake_ops import FAKE_DEVICE_FILES, FakeRunError, our_frame
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHADOW_MAX_NUMEL = 1 << 16  # masks and index lists; never activations
@@ -128,9 +128,9 @@ def _is_bookkeeping(t) -> bool:
 def reattributed(message: str) -> str:
     """``message`` (a :class:`~.fake_device.FakeRunError`'s) naming our caller's line where it names this module's
     (``our_frame`` sees this module's frames as ours): the innermost frame of this package outside this module
-    and ``fake_device.py``; inside :func:`dit21_forward`, the stand-in's line follows."""
+    and the fake device's own modules; inside :func:`dit21_forward`, the stand-in's line follows."""
     ours = [f for f in traceback.extract_stack() if f.filename.startswith(_PACKAGE)
-            and not f.filename.endswith("fake_device.py")]
+            and not f.filename.endswith(FAKE_DEVICE_FILES)]
     caller = next((f for f in reversed(ours) if f.filename != __file__), None)
     standin = next((f for f in reversed(ours) if f.filename == __file__ and f.name == "dit21_forward"), None)
     if caller is None:

@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Sequence
 
-from ..models import loading
+from ..models.load import loading
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def load_dit_pipeline(preset, model_dir=None, device: str | None = None, torch_d
                       reopen_bytes: int = REOPEN_BYTES, map_weights: bool = False):
     """``load_pipeline(preset, components=("dit",))`` whose DiT never sits whole in one process's memory
     under ZeRO-3 (see the module docstring); without ZeRO-3 it is exactly ``load_pipeline`` (``map_weights``:
-    a host load staging the weights for a GPU, as mapped views: ``models/host_weights.py``)."""
+    a host load staging the weights for a GPU, as mapped views: ``models/load/host_weights.py``)."""
     if not zero3_enabled():
         return loading.load_pipeline(preset, model_dir=model_dir, components=("dit",), device=device,
                                      torch_dtype=torch_dtype, map_weights=map_weights)

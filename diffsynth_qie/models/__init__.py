@@ -1,5 +1,7 @@
-"""Models: presets (which weights, which flags), pipeline loading, the batched DiT forward,
-encoding, and the samplers' pure math.
+"""Models: the registries (``presets.py``, ``family.py``, ``family_ops.py``, ``preset_flags.py``) at the top,
+one folder per model family (``qwen_image_edit/``, ``qwen_image_21/``: encoding, the DiT call, the family's
+ops), the samplers together (``samplers/``: flow matching, LBM's bridge, schedules, Lightning), and loading
+(``load/``: pipelines from a preset, hub look-ups, the DiT's weight files, host weights, devices, compile).
 
 Importing this package stays cheap (no torch/diffsynth): ``load_pipeline`` is imported on
 first access.
@@ -11,7 +13,7 @@ import importlib
 from .presets import PRESETS, Preset, get_preset
 
 _LAZY = {
-    "load_pipeline": "loading", "resolve_model_configs": "loading",
+    "load_pipeline": "load.loading", "resolve_model_configs": "load.loading",
 }
 
 __all__ = ["PRESETS", "Preset", "get_preset", *_LAZY]

@@ -100,7 +100,7 @@ EDIT = Family(
     model_names={"dit": "qwen_image_dit", "text_encoder": "qwen_image_text_encoder", "vae": "qwen_image_vae"},
     latent_channels=16, vae_factor=8, token_pixels=16, size_divisor=16, default_steps=40, default_cfg=4.0,
     max_references=3, licence="Apache-2.0", has_tokenizer=True, lora_targets=EDIT_LORA_TARGETS,
-    ops="diffsynth_qie.models.edit_ops.EditOps", training_template="Qwen-Image", prompt_tensors=(),
+    ops="diffsynth_qie.models.qwen_image_edit.edit_ops.EditOps", training_template="Qwen-Image", prompt_tensors=(),
     fullsize_verify=True, dit_class="diffsynth.models.qwen_image_dit.QwenImageDiT",
     text_encoder_class="diffsynth.models.qwen_image_text_encoder.QwenImageTextEncoder",
     vae_class="diffsynth.models.qwen_image_vae.QwenImageVAE", streams=2,
@@ -112,7 +112,7 @@ QWEN21 = Family(
                  "vae": "qwen_image_21_vae"},
     latent_channels=64, vae_factor=16, token_pixels=16, size_divisor=32, default_steps=40, default_cfg=1.0,
     max_references=10, licence="Qwen Research License (non-commercial use only)", has_tokenizer=False,
-    lora_targets=QWEN21_LORA_TARGETS, ops="diffsynth_qie.models.qwen21_ops.Qwen21Ops",
+    lora_targets=QWEN21_LORA_TARGETS, ops="diffsynth_qie.models.qwen_image_21.qwen21_ops.Qwen21Ops",
     training_template="Qwen-Image", prompt_tensors=("pad",),  # pad: the references' slots in the prompt [L], bool
     dit_class="diffsynth.models.qwen_image_21_dit.QwenImage21DiT",
     text_encoder_class="diffsynth.models.qwen_image_21_text_encoder.QwenImage21TextEncoder",

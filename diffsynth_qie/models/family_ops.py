@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from .family import Family, get_family
-from .schedules import ScheduleSpec
+from .samplers.schedules import ScheduleSpec
 
 Tensor = torch.Tensor
 

@@ -312,7 +312,7 @@ def tiny_model_configs() -> tuple[dict, ...]:
 def prepare_tiny(model_dir: str | os.PathLike | None) -> Path:
     """The tiny preset's provider: register its MODEL_CONFIGS; build the default model when no
     directory is given (an explicit directory is used as it is, and checked by the loader)."""
-    from ..models.loading import default_tiny_dir
+    from ..models.load.loading import default_tiny_dir
 
     register_tiny_model_configs()
     return Path(model_dir) if model_dir is not None else ensure_tiny(default_tiny_dir())

@@ -34,7 +34,7 @@ _SHIPPED_FILES = {"dit": (DIT_FILE, "transformer.safetensors"), "vae": (VAE_FILE
 
 
 def default_dir() -> Path:
-    from ..models.loading import qie_home
+    from ..models.load.loading import qie_home
 
     return qie_home() / "models" / "Qwen-Image-Edit-tiny-pretrained"
 

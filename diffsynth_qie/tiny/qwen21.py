@@ -230,7 +230,7 @@ def register_tiny21_model_configs() -> None:
 def prepare_tiny21(model_dir: str | os.PathLike | None) -> Path:
     """The ``tiny-2.1`` preset's provider: register its MODEL_CONFIGS; build the default model when no
     directory is given (an explicit one is used as it is, and checked by the loader)."""
-    from ..models.loading import qie_home
+    from ..models.load.loading import qie_home
 
     register_tiny21_model_configs()
     return Path(model_dir) if model_dir is not None else ensure_tiny21(qie_home() / "models" / "Qwen-Image-2.1-tiny")

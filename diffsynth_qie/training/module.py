@@ -243,7 +243,7 @@ class QIETrainingModule(DiffusionTrainingModule):
         if callable(predict):
             return predict(self.dit)
         if predict is not None:
-            from ..models.forward import dit_forward
+            from ..models.qwen_image_edit.forward import dit_forward
 
             return dit_forward(self.dit, **predict)
         if not batch["target_latents"]:  # an empty micro-batch (a rank with nothing left): a zero loss that

@@ -30,7 +30,7 @@ def live_store(cfg, preset, accelerator):
     from ..cache.config import CacheConfig
     from ..cache.live import LiveStore
     from ..cache.settings import load_encoder_pipeline
-    from ..models.loading import default_dtype
+    from ..models.load.loading import default_dtype
 
     o, t = cfg.onthefly, cfg.train
     here = "cpu" if accelerator.device.type == "cpu" else str(accelerator.device)

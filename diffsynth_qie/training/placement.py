@@ -2,7 +2,7 @@
 ranks on a node in turns, and how block swapping meets accelerate.
 
 With ``--fp8_base`` or ``--blocks_to_swap`` the DiT is loaded on the host, as views of the weight files'
-memory maps (``models/host_weights.py``: no process holds a private copy of it), and every layer then goes
+memory maps (``models/load/host_weights.py``: no process holds a private copy of it), and every layer then goes
 straight to its final form: quantised on this process's GPU, one layer at a time (a swapped block's FP8
 layers then go back to the host), and packed into one pinned buffer per swapped block. The processes on one
 machine do this in turns (:func:`in_turns`), so the transient host and GPU memory of loading is one process's.
@@ -98,7 +98,7 @@ def load_dit(preset, config: RunConfig, accelerator, ds_config: Optional[dict] =
     from ..memory.zero3_load import load_dit_pipeline  # under ZeRO-3 no rank holds the whole state dict
 
     device = load_device(config, device_name(accelerator), ds_config)
-    # a host load for a GPU maps the files instead of copying them (models/host_weights.py)
+    # a host load for a GPU maps the files instead of copying them (models/load/host_weights.py)
     pipe = load_dit_pipeline(preset, model_dir=config.train.model_dir, device=device,
                              torch_dtype=weight_dtype(accelerator),
                              map_weights=device == "cpu" and accelerator.device.type == "cuda")

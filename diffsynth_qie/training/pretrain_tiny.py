@@ -98,7 +98,7 @@ def train_vae(vae, seed: int, log_every: int = 100) -> float:
 def train_dit(pipe, seed: int, log_every: int = 100) -> float:
     """Full fine-tune of the DiT to reproduce the source; returns the last 50 steps' mean loss."""
     from ..data.demo import random_shapes_image
-    from ..models.encoding import encode_image, encode_prompt
+    from ..models.qwen_image_edit.encoding import encode_image, encode_prompt
 
     r = RECIPE
     rng = random.Random(f"{seed}:dit")
@@ -138,7 +138,7 @@ def pretrain_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     """Build the random tiny model in ``out_dir``, then train its VAE and DiT in place (minutes)."""
     from safetensors.torch import save_file
 
-    from ..models.loading import load_pipeline
+    from ..models.load.loading import load_pipeline
     from ..tiny.vae import TinyConvQwenImageVAE
     from ..utils.atomic import atomic_path
 

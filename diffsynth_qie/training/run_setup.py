@@ -101,8 +101,8 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     """Cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
     from accelerate.utils import set_seed
 
-    from ..models.compile import compile_blocks
-    from ..models.devices import check_device_for
+    from ..models.load.compile import compile_blocks
+    from ..models.load.devices import check_device_for
     from ..models.presets import family_of
     from ..utils.shared_dir import check_shared_dir
     from . import checkpoint as ckpt

@@ -109,7 +109,7 @@ def runner_velocity(run_dit: DiTRunner, cond, cfg: float, ops):
 
 
 def _conditioning(entries: Sequence[CacheEntry], cfg: float, zero_cond_t: bool, device, dtype, ops):
-    from ..models.sampling import uses_cfg
+    from ..models.samplers.sampling import uses_cfg
 
     def to(t: Tensor) -> Tensor:
         return t.to(device=device, dtype=dtype)
@@ -130,7 +130,7 @@ def _by_shape(jobs: Sequence[_Job]) -> list[list[_Job]]:
 
 def flow_match_jobs(entries: Sequence[CacheEntry], names: Sequence[str], dtype: torch.dtype) -> list[_Job]:
     """One job per entry, starting from ``seeded_noise`` at the target's latent shape."""
-    from ..models.sampling import seeded_noise
+    from ..models.samplers.sampling import seeded_noise
 
     return [_Job(name, k, None, seeded_noise(tuple(e.target_latents.shape), entry_seed(k), dtype),
                  e.target_latents) for k, (e, name) in enumerate(zip(entries, names))]
@@ -163,8 +163,8 @@ def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequenc
     ``preset``'s model family samples."""
     from ..models.family_ops import ops_for
     from ..models.presets import get_preset
-    from ..models.sampling import sample_bridge, sample_flow_match
-    from ..models.schedules import ScheduleSpec
+    from ..models.samplers.sampling import sample_bridge, sample_flow_match
+    from ..models.samplers.schedules import ScheduleSpec
 
     preset = get_preset(preset)
     ops = ops_for(preset.family)
@@ -213,7 +213,7 @@ class Validator:
         """VAE-only pipeline, loaded on first use: on the main process, or on every rank under
         ZeRO-3 (DiffSynth then builds it partitioned, and decoding gathers it collectively)."""
         if self._vae_pipe is None:
-            from ..models.loading import load_pipeline
+            from ..models.load.loading import load_pipeline
 
             device = self.accelerator.device
             device = "cpu" if device.type == "cpu" else str(device)

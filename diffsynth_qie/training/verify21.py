@@ -29,7 +29,7 @@ def fake_batch21(shapes: Sequence[SampleShape], family, text_dim: int, dtype: to
         "target_latents": [lat(s.height, s.width) for s in shapes],
         "edit_latents": [[lat(h, w) for h, w in s.refs] for s in shapes],
         "prompt_emb": [torch.empty(len(p), text_dim, device=DEVICE, dtype=dtype) for p in pads],
-        "prompt_pad": pads,
+        "prompt_extras": [{"pad": p} for p in pads],  # the family's prompt tensors (Family.prompt_tensors)
         "back_mask": [None for _ in shapes],
         "index": list(range(len(shapes))),
     }

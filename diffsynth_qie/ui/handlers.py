@@ -55,7 +55,7 @@ def user_message(exc: BaseException) -> str:
     command). Anything else is a bug or an environment problem: the user gets its type
     and a pointer to the server log, never a stack trace.
     """
-    from ..models.loading import MissingModelFiles
+    from ..models.load.loading import MissingModelFiles
 
     if isinstance(exc, Stopped):
         log.info("generation stopped by the user")

@@ -48,7 +48,7 @@ class Job:
 def lightning_loras(loras: list, lightning_lora: str | None, steps: int) -> tuple[list, int, float]:
     """The LoRAs, steps and CFG of the Lightning sampler: the chosen LoRA stacked with the
     configured Lightning LoRA; 4 or 8 steps (else the Lightning LoRA's own count); CFG 1."""
-    from ..models.lightning import LIGHTNING_STEPS, is_lightning_lora, lightning_steps
+    from ..models.samplers.lightning import LIGHTNING_STEPS, is_lightning_lora, lightning_steps
 
     if lightning_lora and not any(Path(p) == Path(lightning_lora) for p, _ in loras):
         if not Path(lightning_lora).is_file():

@@ -153,7 +153,7 @@ def lora_info(root: str | os.PathLike, name: str) -> LoraInfo:
     from safetensors import safe_open
 
     from ..lora.manager import lora_family
-    from ..models.lightning import is_lightning_lora
+    from ..models.samplers.lightning import is_lightning_lora
 
     path = Path(root).expanduser() / name
     try:

@@ -166,7 +166,7 @@ def generation_device(config: "UIConfig") -> str:
     """The device the DiT (most of the work) runs on: ``--dit_device``, ``--device`` or the default."""
     if config.dit_device or config.device:
         return str(config.dit_device or config.device)
-    from ..models.loading import default_device
+    from ..models.load.loading import default_device
 
     return default_device()
 

@@ -68,7 +68,7 @@ def main() -> int:
     import torch
 
     from diffsynth_qie.data.demo import make_demo_data
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.tiny.build import build_tiny
     from diffsynth_qie.training.loop import train
 

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from diffsynth_qie.models.forward import dit_forward
+from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
 from diffsynth_qie.lora.branch import lora_host_bytes, matches_target
 from diffsynth_qie.lora import LoraManager, save_lora
 from diffsynth_qie.models.presets import LORA_TARGETS_2511

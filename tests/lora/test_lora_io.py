@@ -48,7 +48,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 @pytest.fixture(scope="module")
 def pipe(tiny_model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu",
                          torch_dtype=torch.float32)

@@ -102,7 +102,7 @@ def test_merge_equals_base_plus_lora_and_keeps_layout(sharded_base, tmp_path):
 
 
 def test_merged_model_loads_through_load_pipeline(sharded_base, tiny_pipe, tmp_path):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     root, state = sharded_base
     lora = _lora(state, 3)
@@ -123,7 +123,7 @@ def test_merged_model_loads_through_load_pipeline(sharded_base, tiny_pipe, tmp_p
 
 
 def test_fp8_output_keeps_keys_and_rounds_within_e4m3(sharded_base, tmp_path):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     root, state = sharded_base
     path = save_lora(tmp_path / "l.safetensors", _lora(state, 4))
@@ -170,7 +170,7 @@ def test_extract_of_merge_recovers_the_lora(sharded_base, tiny_pipe, tmp_path):
     dit = tiny_pipe.dit
     x = torch.randn(1, 16, 4, 4, generator=g)
     prompt = [torch.randn(5, dit.txt_in.in_features, generator=g)]
-    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
 
     reference = {k: v.clone() for k, v in dit.state_dict().items()}
     try:

@@ -80,7 +80,7 @@ def test_kohya_keys_of_21_modules_resolve_and_export(lora21, tmp_path, prefix):
 def test_a_comfyui_fused_gate_up_lora_splits_into_gate_layer_and_proj(tiny21_dir, tmp_path):
     from diffsynth_qie.lora.apply import match_lora
     from diffsynth_qie.lora.formats import load_lora_state
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     dit = load_pipeline("tiny-2.1", model_dir=tiny21_dir, components=("dit",), device="cpu",
                         torch_dtype=torch.float32).dit

@@ -23,7 +23,7 @@ def poisoned(dit, n, **kw) -> BlockSwapper:
 
 
 def fresh_dit(model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=model_dir, components=("dit",), device="cpu",
                          torch_dtype=torch.float32).dit
@@ -94,7 +94,7 @@ def test_real_dit_on_meta_offloads_n_blocks_of_frozen_weights():
 
 # --- forward / backward parity and order ----------------------------------------------------
 def _loss_and_grads(dit, inputs, checkpointing):
-    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
 
     latents, t, prompts, edits = inputs
     out = dit_forward(dit, latents, t, prompts, edits, zero_cond_t=True, use_gradient_checkpointing=checkpointing)
@@ -138,7 +138,7 @@ def test_loss_and_gradients_identical_and_swap_order(tiny_model_dir, checkpointi
 
 
 def test_no_grad_forward_swaps_each_block_out_after_it_runs(tiny_model_dir):
-    from diffsynth_qie.models.forward import dit_forward
+    from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
     from diffsynth_qie.tiny.build import TinyQwenImageDiT
 
     torch.manual_seed(1)
@@ -198,7 +198,7 @@ def test_training_module_loss_and_lora_gradients_identical(tiny_model_dir, cache
 
 def test_edit_latents_identical(tiny_model_dir):
     from diffsynth_qie.inference.editor import EditRequest, Editor
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
     from PIL import Image
 
     pipe = load_pipeline("tiny", model_dir=tiny_model_dir, device="cpu", torch_dtype=torch.float32)

@@ -14,7 +14,7 @@ PINNED = json.loads((Path(__file__).parents[1] / "assets" / "train_loss_curve.js
 
 
 def fresh_dit(model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     return load_pipeline("tiny", model_dir=model_dir, components=("dit",), device="cpu",
                          torch_dtype=torch.float32).dit.requires_grad_(False)

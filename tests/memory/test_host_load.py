@@ -22,7 +22,7 @@ def _file_mappings() -> list[tuple[int, int, str]]:
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs Linux's /proc")
 def test_a_host_load_leaves_the_dit_in_its_files_memory_map(tiny_model_dir):
     """DiffSynth's reader cloned every tensor into private memory (41 GB per process for the real DiT)."""
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     dit = load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu",
                         torch_dtype=torch.float32, map_weights=True).dit
@@ -33,7 +33,7 @@ def test_a_host_load_leaves_the_dit_in_its_files_memory_map(tiny_model_dir):
 
 
 def test_a_load_that_computes_on_the_cpu_keeps_aligned_copies(tiny_model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     dit = load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu",
                         torch_dtype=torch.float32).dit
@@ -42,7 +42,7 @@ def test_a_load_that_computes_on_the_cpu_keeps_aligned_copies(tiny_model_dir):
 
 
 def test_writing_a_mapped_weight_leaves_the_file_alone(tiny_model_dir):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     pipe = load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu",
                          torch_dtype=torch.float32, map_weights=True)
@@ -60,7 +60,7 @@ def test_writing_a_mapped_weight_leaves_the_file_alone(tiny_model_dir):
 def test_mapped_tensors_convert_only_what_is_stored_in_another_dtype(tmp_path):
     from safetensors.torch import save_file
 
-    from diffsynth_qie.models.host_weights import mapped_tensors
+    from diffsynth_qie.models.load.host_weights import mapped_tensors
 
     save_file({"w": torch.randn(8, 8, dtype=torch.bfloat16), "i": torch.arange(4)}, str(tmp_path / "m.safetensors"))
     same = mapped_tensors([str(tmp_path / "m.safetensors")], torch.bfloat16)
@@ -74,7 +74,7 @@ def test_fp8_layers_of_swapped_blocks_are_quantised_on_the_device_and_kept_on_th
     (``meta`` stands for the host so the two places differ)."""
     from diffsynth_qie.memory import fp8
     from diffsynth_qie.memory.block_swap import swapped_blocks
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     dit = load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu",
                         torch_dtype=torch.float32).dit.requires_grad_(False)

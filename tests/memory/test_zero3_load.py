@@ -13,7 +13,7 @@ import torch
 
 
 def _dit(tiny_model_dir, dtype):
-    from diffsynth_qie.models.loading import load_pipeline
+    from diffsynth_qie.models.load.loading import load_pipeline
 
     pipe = load_pipeline("tiny", model_dir=tiny_model_dir, components=("dit",), device="cpu", torch_dtype=dtype)
     return pipe.dit, pipe.qie_model_paths["dit"]

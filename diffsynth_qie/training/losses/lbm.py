@@ -10,9 +10,9 @@ DiffSynth's scheduler convention throughout: σ = 1 at the prior, σ = 0 at the 
   the white latents at ref_gt's size) where the row has one.
 
 Bridge ``x_σ = (1−σ)·z_T + σ·z_prior + s·√(σ(1−σ))·ε``, regression target
-``v* = z_prior − z_T`` (``models/bridge.py``, shared with the sampler). The DiT sees the noisy target tokens next to the reference
+``v* = z_prior − z_T`` (``models/samplers/bridge.py``, shared with the sampler). The DiT sees the noisy target tokens next to the reference
 images' tokens and the cached prompt embedding exactly as in editing (``zero_cond_t``
-from the run config), so the sampler (``models/sampling.py``: start at the prior,
+from the run config), so the sampler (``models/samplers/sampling.py``: start at the prior,
 σ_k = linspace(1, 1/N, N), Euler ``x ← x + (σ_{k+1} − σ_k)·v``) runs the same
 conditioning. Loss: MSE over the target tokens, optionally ``back_mask``-weighted
 (``--mask_loss_weights``), at weight 1 — not DiffSynth's bell-shaped
@@ -210,7 +210,7 @@ def make_bridge_batch(batch: dict, config: LBMConfig, generator: Optional["torch
     """Draw per sample: stream (u < p_sub -> sub), σ, ε; build x_σ and v*."""
     import torch
 
-    from ...models.bridge import bridge_interpolate, bridge_target
+    from ...models.samplers.bridge import bridge_interpolate, bridge_target
     from .common import sample_noise
 
     ends, sigmas, noise, noisy, velocity = [], [], [], [], []
@@ -238,7 +238,7 @@ def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = 
     """
     import torch
 
-    from ...models.forward import dit_forward
+    from ...models.qwen_image_edit.forward import dit_forward
     from .common import mask_weights, per_sample_mse
 
     lbm = lbm_config_of(config)

@@ -78,7 +78,7 @@ def predicted_targets(noisy: Sequence[Tensor], velocity: Sequence[Tensor], sigma
 def build_pixel_critic(lbm, preset, model_dir: Optional[str], device, dtype: torch.dtype,
                        ds_config: Optional[dict] = None) -> PixelCritic:
     """Load the VAE alone and LPIPS for ``--lbm_pixel_loss lpips`` (``ValueError`` when they cannot be)."""
-    from ...models.loading import load_pipeline
+    from ...models.load.loading import load_pipeline
     from ...metrics.lpips import require_lpips
 
     if (ds_config or {}).get("zero_optimization", {}).get("stage") == 3:

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..utils.logging import library_logs_to_debug
+from ...utils.logging import library_logs_to_debug
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Mixed-length batches without a padding mask: each sample attends over its own tokens only.
 
 A batch whose samples differ in prompt length or image layout is padded to the longest
-(``models/forward.py``), and DiffSynth's attention then gets a boolean key mask. With a mask, SDPA cannot use
+(``models/qwen_image_edit/forward.py``), and DiffSynth's attention then gets a boolean key mask. With a mask, SDPA cannot use
 the flash kernels (it falls back to the memory-efficient kernel, slower at 8 k tokens) and DiffSynth's FA3
 branch is skipped. This piece keeps DiffSynth's block code unchanged and replaces only the masked attention
 call: while a block runs inside :func:`per_sample_block`, an ``F.scaled_dot_product_attention`` call that

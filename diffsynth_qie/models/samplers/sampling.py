@@ -13,7 +13,7 @@ toy model in the LBM tests, or a DiT under training (validation). Convention
   model family returns for a :class:`~.schedules.ScheduleSpec` (``schedules.py``: one route
   for the default, Lightning and fixed-grid schedules of every family).
 - **True CFG** runs the positive and negative prompt as ONE batch of 2B through
-  :func:`~diffsynth_qie.models.forward.dit_forward` (DiffSynth runs two sequential
+  :func:`~diffsynth_qie.models.qwen_image_edit.forward.dit_forward` (DiffSynth runs two sequential
   batch-1 passes); ``v = v_neg + cfg·(v_pos − v_neg)``. Like DiffSynth, any
   ``cfg != 1`` uses the negative pass; ``cfg == 1`` skips it.
 - **Bridge (LBM)**: σ_k = linspace(1, 1/N, N), Euler ``x ← x + (σ_{k+1} − σ_k)·v`` with
@@ -34,7 +34,7 @@ import torch
 
 from .bridge import (bridge_interpolate, bridge_noise_scale, bridge_sigmas,  # noqa: F401 (re-exported)
                              bridge_step, bridge_target)
-from .forward import dit_forward
+from ..qwen_image_edit.forward import dit_forward
 from .schedules import ScheduleSpec
 
 Tensor = torch.Tensor

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from PIL import Image
 
-from ..utils.sizes import fit_image
+from ...utils.sizes import fit_image
 from .encoding import decode_latents, encode_image, encode_prompt, white_latents
-from .family import EDIT, Family
-from .family_ops import FamilyOps
+from ..family import EDIT, Family
+from ..family_ops import FamilyOps
 from .forward import dit_forward
-from .sampling import Conditioning, dit_velocity
-from .schedules import ScheduleSpec, edit_schedule
+from ..samplers.sampling import Conditioning, dit_velocity
+from ..samplers.schedules import ScheduleSpec, edit_schedule
 
 
 def reference_size(image: Image.Image, ref_max_pixels: int | None) -> tuple[int, int]:

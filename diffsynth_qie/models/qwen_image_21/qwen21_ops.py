@@ -5,10 +5,10 @@ from __future__ import annotations
 from PIL import Image
 
 from . import qwen21
-from .encoding import check_prompt_length
-from .family import QWEN21, Family
-from .family_ops import FamilyOps
-from .schedules import ScheduleSpec
+from ..prompts import check_prompt_length
+from ..family import QWEN21, Family
+from ..family_ops import FamilyOps
+from ..samplers.schedules import ScheduleSpec
 
 
 class Qwen21Ops(FamilyOps):

@@ -2,7 +2,7 @@
 names a device this machine has."""
 from __future__ import annotations
 
-from .presets import Preset
+from ..presets import Preset
 
 
 def check_device_for(preset: Preset, device, explicit_cpu: bool, flag: str = "--device cpu") -> None:

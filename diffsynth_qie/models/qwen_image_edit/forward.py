@@ -25,7 +25,7 @@ DiffSynth's own code, driven unchanged:
 - **Fast path.** When every sample has the same image layout and prompt length no mask is
   built and RoPE is shared, so the attention can use flash/cuDNN kernels.
 - **Mixed lengths on a GPU.** A padded batch's attention runs once per sample over its own
-  tokens, unmasked (``models/attention.py``), so the flash kernels stay usable; on the CPU
+  tokens, unmasked (``models/qwen_image_edit/attention.py``), so the flash kernels stay usable; on the CPU
   (and with ``per_sample_attention=False``) the masked call runs. Both give the same numbers.
 
 The batched output matches per-sample runs (tests/test_forward.py pins ≤1e-3 relative

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..utils.atomic import finished_files
+from ...utils.atomic import finished_files
 
 DIT_SUBDIR = "transformer"
 DIT_STEM = "diffusion_pytorch_model"
@@ -102,7 +102,7 @@ def resolve_dit(base: str | os.PathLike) -> DitFiles:
     """A model directory, a ``transformer/`` directory, or a preset name whose DiT is downloaded."""
     if not Path(base).exists() and "/" not in str(base):
         from .loading import resolve_model_configs
-        from .presets import PRESETS
+        from ..presets import PRESETS
 
         if str(base) in PRESETS:
             config = resolve_model_configs(str(base), components=("dit",)).configs()["dit"]

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..utils.logging import library_warnings_once, prints_to_log
+from ...utils.logging import library_warnings_once, prints_to_log
 from .hub import (HUB_CHECK_TIMEOUT_S, default_tiny_dir, diffsynth_model_base, hub_reachable,  # noqa: F401 (re-exported)
                   modelscope_snapshot, qie_home, why_no_download)
-from .presets import Preset, Source, get_preset
+from ..presets import Preset, Source, get_preset
 
 log = logging.getLogger(__name__)
 
@@ -245,14 +245,14 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
     ``model_config_kwargs`` maps a component to extra ``ModelConfig`` fields (e.g.
     ``{"text_encoder": {"offload_device": "cpu", "offload_dtype": torch.bfloat16}}``
     for DiffSynth's VRAM management on small GPUs). ``map_weights`` (a host load that stages the weights
-    for a GPU): views of the files' memory maps instead of private copies (``models/host_weights.py``).
+    for a GPU): views of the files' memory maps instead of private copies (``models/load/host_weights.py``).
     """
     preset = get_preset(preset_or_name, zero_cond_t=zero_cond_t)
     library_warnings_once()
     if preset.provider:
         model_dir = provider_of(preset)(model_dir)
     resolved = resolve_model_configs(preset, model_dir=model_dir, components=components)
-    from .family import get_family
+    from ..family import get_family
     from .host_weights import map_host_weights
 
     family = get_family(preset.family)

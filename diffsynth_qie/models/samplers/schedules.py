@@ -7,7 +7,7 @@ No sampler builds a schedule of its own.
 
 - **default**: DiffSynth's ``FlowMatchScheduler("Qwen-Image")`` set up as ``QwenImagePipeline.__call__`` does
   (``set_timesteps(steps, dynamic_shift_len=(H/16)·(W/16))``), so results match the pipeline (tests pin it).
-- **lightning**: the schedule the Lightning few-step LoRAs were distilled with (``models/lightning.py``).
+- **lightning**: the schedule the Lightning few-step LoRAs were distilled with (``models/samplers/lightning.py``).
 - **a fixed grid** (``spec.sigmas``, a distilled preset's ``Preset.sigmas``, e.g. 2.1-turbo): those sigmas, no shift.
 - ``strength`` < 1 (SDEdit): DiffSynth's ``denoising_strength``, the schedule of an edit that starts part-way.
 """
