@@ -21,10 +21,11 @@ PACKAGE = Path(diffsynth_qie.__file__).resolve().parent
 # diffusers, DiffSynth-Studio's examples folder, Qwen-Image-Lightning's repository); everything else must
 # resolve in this repository or in the installed DiffSynth.
 EXTERNAL = ("comfy/", "loaders/lora_conversion_utils.py", "examples/", "generate_with_diffusers.py")
-SOURCE = re.compile(r"(?<![\w./:-])((?:[\w-]+/)*[\w-]+\.(?:py|sh))\b")
+# (a placeholder such as ``models/<family>/<family>_ops.py`` or ``tests/test_<name>.py`` names no file)
+SOURCE = re.compile(r"(?<![\w./:>-])((?:[\w-]+/)*[\w-]+\.(?:py|sh))\b")
 TOP_DIRS = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")
                   and p.name not in ("DiffSynth-Studio", "outputs"))
-ROOTED = re.compile(r"(?<![\w./:-])((?:%s)/[\w./-]*\w)" % "|".join(map(re.escape, TOP_DIRS)))
+ROOTED = re.compile(r"(?<![\w./:-])((?:%s)/[\w./-]*\w)(?![\w./<-])" % "|".join(map(re.escape, TOP_DIRS)))
 DOTTED = re.compile(r"\bdiffsynth_qie(?:\.\w+)+")
 
 

@@ -169,9 +169,13 @@ def test_config_defaults_come_from_preset_and_flags(tmp_path):
     # an explicit override wins over the preset; 2509 has no zero_cond_t
     assert cfg.resolved(get_preset("2511", zero_cond_t=False)).train.zero_cond_t is False
     assert cfg.resolved(get_preset("2509")).train.zero_cond_t is False
-    bad = parser.parse_args(["--cache_dir", "c", "--output_dir", "o", "--cfg_dropout", "1.5"])
+    with pytest.raises(SystemExit):  # the flag declares its range: argparse's one-line usage error
+        parser.parse_args(["--cache_dir", "c", "--output_dir", "o", "--cfg_dropout", "1.5"])
+    good = parser.parse_args(["--cache_dir", "c", "--output_dir", "o"])
+    bad = train_cmd.config_from_args(good)
+    bad.train.cfg_dropout = 1.5  # a config built in Python is checked too
     with pytest.raises(ValueError, match="cfg_dropout"):
-        train_cmd.config_from_args(bad).resolved()
+        bad.resolved()
 
 
 def test_timesteps_are_per_sample_from_the_qwen_schedule():
