@@ -30,3 +30,71 @@ def test_compiled_blocks_match_eager_forward_and_backward():
     for a, b in zip(outs[0][0], outs[1][0]):
         assert float((a - b).abs().max() / a.abs().max()) < 1e-5
     assert float((outs[0][1] - outs[1][1]).abs().max() / outs[0][1].abs().max()) < 1e-5
+
+
+def _count_graphs(dit, runs) -> int:
+    """Graphs dynamo builds for ``dit``'s compiled blocks over ``runs`` (a counting backend: no code generation)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compile_blocks(dit, backend=counter)
+    runs()
+    return counter.frame_count
+
+
+def test_prompt_lengths_do_not_recompile_in_training_or_inference():
+    """Every prompt length used to compile its own graph (two in training: the first block's inputs do not require
+    grad, the later blocks' do), and past dynamo's recompile_limit (8) the blocks ran eagerly: 6 lengths here
+    now build one graph for training, one without grad, and one for the masked (mixed-length) batch."""
+    torch.manual_seed(0)
+    dit = TinyQwenImageDiT(**{**DIT_SIZES, "num_layers": 2})
+    for p in dit.parameters():
+        p.requires_grad_(False)
+    for block in dit.transformer_blocks:  # a trainable weight inside each block, as a LoRA's
+        block.img_mlp.net[2].weight.requires_grad_(True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 8, 8, generator=g)
+    lengths = range(5, 11)
+
+    def emb(n):
+        return torch.randn(n, DIT_SIZES["text_dim"], generator=g)
+
+    def runs():
+        for n in lengths:  # training: forward and backward
+            dit_forward(dit, [x], torch.tensor([300.0]), [emb(n)], [[x]], zero_cond_t=True)[0].sum().backward()
+        with torch.no_grad():
+            for n in lengths:  # validation / inference
+                dit_forward(dit, [x], torch.tensor([300.0]), [emb(n)], [[x]], zero_cond_t=True)
+            for n in lengths:  # CFG's positive and negative prompts in one batch
+                dit_forward(dit, [x, x], torch.tensor([300.0, 300.0]), [emb(n), emb(n + 3)], [[x], [x]],
+                            zero_cond_t=True)
+
+    assert _count_graphs(dit, runs) <= 3
+
+
+def test_compiled_blocks_keep_the_eager_numbers_over_prompt_lengths():
+    """The dynamic prompt length and the uniform requires_grad change no value: outputs and LoRA-like gradients
+    equal the eager model's for several lengths, mixed batches included."""
+    torch.manual_seed(0)
+    eager = TinyQwenImageDiT(**{**DIT_SIZES, "num_layers": 2})
+    for p in eager.parameters():
+        p.requires_grad_(False)
+    eager.transformer_blocks[0].txt_mlp.net[2].weight.requires_grad_(True)
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="eager")  # (dynamo's graphs run as they are: the inputs are what changed)
+    g = torch.Generator().manual_seed(2)
+    x = [torch.randn(16, 8, 8, generator=g), torch.randn(16, 8, 8, generator=g)]
+    for lengths in ([7], [11], [4, 9]):
+        emb = [torch.randn(n, DIT_SIZES["text_dim"], generator=g) for n in lengths]
+        got = []
+        for model in (eager, compiled):
+            weight = model.transformer_blocks[0].txt_mlp.net[2].weight
+            weight.grad = None
+            out = dit_forward(model, x[:len(lengths)], torch.full((len(lengths),), 500.0), emb, zero_cond_t=True)
+            sum(o.square().sum() for o in out).backward()
+            got.append((out, weight.grad))
+        for a, b in zip(got[0][0], got[1][0]):
+            assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+        assert float((got[0][1] - got[1][1]).abs().max() / got[0][1].abs().max()) < 1e-5

@@ -226,6 +226,36 @@ def test_the_samplers_host_timesteps_reach_the_dit_on_the_latents_device(monkeyp
     assert len(seen) == 2 + 4 and all(devices == (meta, meta, meta) for devices in seen), seen
 
 
+def test_an_edit_moves_each_prompts_slot_mask_to_the_device_once(monkeypatch):
+    """DiffSynth's 2.1 forward needs the slot mask on the latents' device (``model_fn_qwen_image_21`` concatenates
+    it with a target mask it makes there); an edit moves it once per prompt, with the conditioning, and every
+    denoising step and CFG pass then hands the DiT that same device tensor: no copy per DiT call."""
+    import diffsynth.pipelines.qwen_image_21 as pipeline21
+
+    from diffsynth_qie.models.family_ops import ops_for
+    from diffsynth_qie.models.qwen_image_21.qwen21 import Prompt21
+
+    seen = []
+
+    def model_fn(dit, latents, edit_image_pad_mask, **kwargs):
+        seen.append(edit_image_pad_mask)
+        return latents
+
+    monkeypatch.setattr(pipeline21, "model_fn_qwen_image_21", model_fn)
+    ops = ops_for("qwen-image-2.1")
+    host = [Prompt21(emb=torch.zeros(5, 32), pad_mask=torch.tensor([0, 1, 1, 0, 0], dtype=torch.bool))
+            for _ in range(2)]
+    cond = ops.conditioning(host[:1], host[1:], [[]], False, lambda t: t.to("meta"))
+    cond.kv_cache = False  # (the stand-in DiT has no blocks to cache)
+    masks = [p.pad_mask for p in (*cond.prompts, *cond.negatives)]
+    assert all(m.device.type == "meta" for m in masks)
+    velocity = ops.velocity(torch.nn.Linear(2, 2).to("meta"), cond, 4.0)
+    for t in (1000.0, 600.0, 200.0):
+        velocity(torch.empty(1, 64, 2, 2, device="meta"), torch.tensor([t]))
+    assert len(seen) == 3 * 2
+    assert all(m._base is masks[k % 2] for k, m in enumerate(seen))  # views of the two masks moved once
+
+
 def test_21_on_the_fly_gives_the_cached_runs_losses(cache21, tiny21_dir, tmp_path):
     from diffsynth_qie.cache.store import CacheStore
     from diffsynth_qie.data.formats import DatasetConfig

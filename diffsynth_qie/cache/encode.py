@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -175,19 +176,28 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops) -> CacheEntry
     )
 
 
+_PLACEMENT = threading.RLock()  # held while a component runs with ``pipe.device`` pointing at it (see placed)
+
+
 @contextlib.contextmanager
 def placed(pipe, component: str):
     """While ``component`` (``text_encoder`` or ``vae``) runs, the pipeline's device is the one that component's
-    weights are on, so DiffSynth's units send their inputs there (the encoders may sit on two devices)."""
+    weights are on, so DiffSynth's units send their inputs there (the encoders may sit on two devices).
+
+    ``pipe.device`` is one attribute that DiffSynth's units read, so it cannot be passed per call; with
+    ``--on_the_fly`` the encode thread and validation (the main thread) both encode through the same pipe. A
+    process-wide lock makes each ``placed`` block exclusive: no encode sees the other component's device, and
+    ``pipe.device`` is restored to what it was. The encodes are serialised (they share the device anyway)."""
     module = getattr(pipe, component, None)
     param = next(iter(module.parameters()), None) if module is not None else None
-    saved = pipe.device
-    if param is not None:
-        pipe.device = param.device
-    try:
-        yield
-    finally:
-        pipe.device = saved
+    with _PLACEMENT:
+        saved = pipe.device
+        if param is not None:
+            pipe.device = param.device
+        try:
+            yield
+        finally:
+            pipe.device = saved
 
 
 def white_key(pipe, writer: ShardWriter, size: tuple[int, int], ops) -> str:

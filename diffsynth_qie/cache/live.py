@@ -11,7 +11,8 @@ gives the numbers of a run from the cache.
 - **Metas** (what the bucket sampler needs) come from the image headers and the sizing rules alone: no
   encoder runs before training starts.
 - **Placement**: the text encoder and the VAE each run where their weights are (``--text_encoder_device`` /
-  ``--vae_device``; ``encode.placed``).
+  ``--vae_device``; ``encode.placed``). The encode thread and validation (the main thread) may load at once;
+  ``placed`` holds a lock while it points ``pipe.device`` at a component, so their encodes take turns.
 - **Augmentation** (``augment``): per (seed, epoch, entry) a crop box of 80-100 % of each side at a random
   place and a horizontal flip with probability 0.5, applied to the target, every reference and the mask
   alike (as fractions of each image's size, resized back to it; the mask before it is pooled), so they stay

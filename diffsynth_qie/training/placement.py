@@ -6,6 +6,8 @@ memory maps (``models/load/host_weights.py``: no process holds a private copy of
 straight to its final form: quantised on this process's GPU, one layer at a time (a swapped block's FP8
 layers then go back to the host), and packed into one pinned buffer per swapped block. The processes on one
 machine do this in turns (:func:`in_turns`), so the transient host and GPU memory of loading is one process's.
+A turn that fails stops every process at once with its message, and the process group's timeout
+(:func:`process_group_timeout`, 60 min, ``$QIE_DIST_TIMEOUT_MIN``) is sized for a turn, not torch's 10 min.
 
 :class:`BlockSwapper` puts everything but the swapped blocks' frozen weights on this process's device, and
 accelerate must then not move the model (``device_placement=False``). Under DDP the offloaded tensors are
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional, TypeVar
+from datetime import timedelta
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -66,15 +69,67 @@ def device_placement(swapper: Optional[BlockSwapper], count: int) -> list:
     return [None if swapper is None else False] + [None] * (count - 1)
 
 
-def in_turns(fn: Callable[[], T], turn: int, turns: int, barrier: Callable[[], None]) -> T:
-    """Run ``fn`` in this process's ``turn`` of ``turns`` (its index among the processes on this machine):
-    every process calls ``barrier`` ``turns`` times, so process k starts once 0..k-1 have finished."""
+LOAD_TIMEOUT_ENV = "QIE_DIST_TIMEOUT_MIN"
+LOAD_TIMEOUT_MIN = 60  # minutes: a turn loads and quantises a whole DiT from (possibly slow, shared) storage
+
+
+def process_group_timeout() -> timedelta:
+    """How long a collective may wait (``InitProcessGroupKwargs(timeout=...)``): ``$QIE_DIST_TIMEOUT_MIN`` minutes,
+    default 60. Torch's NCCL default (10 min) is shorter than one turn of a host load on slow storage, and the
+    processes loading in turns wait in a collective meanwhile."""
+    raw = os.environ.get(LOAD_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return timedelta(minutes=LOAD_TIMEOUT_MIN)
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = -1.0
+    if not minutes > 0:
+        raise ValueError(f"{LOAD_TIMEOUT_ENV}={raw!r}: give the process-group timeout in minutes, a positive "
+                         f"number (default {LOAD_TIMEOUT_MIN})")
+    return timedelta(minutes=minutes)
+
+
+class TurnFailed(RuntimeError):
+    """Another process's turn failed (its message is in this one's)."""
+
+
+def in_turns(fn: Callable[[], T], turn: int, turns: int,
+             exchange: Callable[[Optional[tuple[str, str]]], Sequence[Optional[tuple[str, str]]]]) -> T:
+    """Run ``fn`` in this process's ``turn`` of ``turns`` (its index among the processes on this machine).
+
+    After each turn every process calls ``exchange`` (a collective, so it is also the barrier: process k starts
+    once 0..k-1 have finished) with its failure, ``(error type, message)`` or None, and gets every process's
+    back. A process whose ``fn`` raised raises it again; every other process stops at the same turn, naming
+    the failed process and its message, instead of waiting for turns that will never end."""
     result = None
     for k in range(turns):
+        error: Optional[BaseException] = None
         if k == turn:
-            result = fn()
-        barrier()
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - told to every process, then raised here
+                error = e
+        failures = exchange(None if error is None else (type(error).__name__, str(error)))
+        if error is not None:
+            raise error
+        failed = [(rank, f) for rank, f in enumerate(failures) if f is not None]
+        if failed:
+            rank, (kind, message) = failed[0]
+            text = f"process {rank} failed while loading the DiT in its turn: {kind}: {message}"
+            raise (ValueError if kind == "ValueError" else TurnFailed)(text)
     return result
+
+
+def gathered(failure: Optional[tuple[str, str]]) -> list:
+    """Every process's ``failure`` (``torch.distributed.all_gather_object``; one process: ``[failure]``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [failure]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, failure)
+    return out
 
 
 def local_processes() -> int:
@@ -137,4 +192,4 @@ def build_module(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict])
         return build()
     log.info("loading the DiT on the host: the %d processes on this machine take turns (this one: %d)",
              turns, accelerator.local_process_index)
-    return in_turns(build, accelerator.local_process_index, turns, accelerator.wait_for_everyone)
+    return in_turns(build, accelerator.local_process_index, turns, gathered)

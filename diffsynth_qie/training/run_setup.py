@@ -18,7 +18,7 @@ import torch
 
 from ..utils.dir_lock import TrainLock
 from .config import RunConfig
-from .placement import weight_dtype
+from .placement import process_group_timeout, weight_dtype
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ _DISTRIBUTION = {"NO": "no distribution", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP 
 def make_accelerator(config: RunConfig):
     """The Accelerator (created before the DiT is loaded: ZeRO-3 must be known by then)."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     train = config.train
     mp = train.mixed_precision
@@ -39,8 +39,9 @@ def make_accelerator(config: RunConfig):
             mp = "bf16" if torch.cuda.is_available() and train.device != "cpu" else "no"
     # find_unused_parameters: the last block's text-stream LoRAs get no gradient (its outputs are discarded)
     ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
+    group = InitProcessGroupKwargs(timeout=process_group_timeout())  # sized for a turn of a host load
     return Accelerator(gradient_accumulation_steps=train.gradient_accumulation_steps, mixed_precision=mp,
-                       cpu=train.device == "cpu", step_scheduler_with_optimizer=False, kwargs_handlers=[ddp])
+                       cpu=train.device == "cpu", step_scheduler_with_optimizer=False, kwargs_handlers=[ddp, group])
 
 
 def deepspeed_config(accelerator) -> Optional[dict]:

@@ -94,11 +94,26 @@ def test_fp8_layers_of_swapped_blocks_are_quantised_on_the_device_and_kept_on_th
         assert layer.weight_bits.device.type == expected, name
 
 
+def _thread_exchange(n):
+    """``in_turns``'s exchange among ``n`` threads: a barrier that hands every thread all failures."""
+    barrier, slots = threading.Barrier(n), [None] * n
+
+    def for_rank(r):
+        def exchange(failure):
+            slots[r] = failure
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+        return exchange
+    return for_rank
+
+
 def test_processes_on_a_machine_load_in_turns():
     from diffsynth_qie.training.placement import in_turns
 
     n, spans, lock = 3, {}, threading.Lock()
-    barrier = threading.Barrier(n)
+    exchange = _thread_exchange(n)
 
     def rank(r):
         def load():
@@ -107,7 +122,7 @@ def test_processes_on_a_machine_load_in_turns():
             with lock:
                 spans[r] = (start, time.perf_counter())
             return r
-        assert in_turns(load, r, n, barrier.wait) == r
+        assert in_turns(load, r, n, exchange(r)) == r
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
     for t in threads:
@@ -116,3 +131,32 @@ def test_processes_on_a_machine_load_in_turns():
         t.join()
     ordered = [spans[r] for r in range(n)]
     assert all(ordered[k][1] <= ordered[k + 1][0] for k in range(n - 1))  # no two loads overlap, in rank order
+
+
+def test_a_failed_turn_stops_every_process_at_that_turn():
+    from diffsynth_qie.training.placement import TurnFailed, in_turns
+
+    n, calls, raised = 3, [], {}
+    exchange = _thread_exchange(n)
+
+    def rank(r):
+        def load():
+            calls.append(r)
+            if r == 1:
+                raise OSError("disk gone")
+            return r
+        try:
+            in_turns(load, r, n, exchange(r))
+        except Exception as e:  # noqa: BLE001
+            raised[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert calls == [0, 1]  # process 2 never started its turn
+    assert isinstance(raised[1], OSError)
+    for r in (0, 2):
+        assert isinstance(raised[r], TurnFailed)
+        assert "process 1 failed while loading the DiT in its turn: OSError: disk gone" in str(raised[r])

@@ -145,7 +145,10 @@ def forward21(dit, latents: Sequence[Tensor], timesteps: Tensor, prompts: Sequen
             # the latents' device, as DiffSynth's pipeline moves them)
             dit, latents=x[None], timestep=timesteps[b].reshape(1).to(device=x.device, dtype=dtype),
             prompt_embeds=prompt.emb[None], prompt_embeds_mask=None,
-            # (the mask comes from the cache on the host; DiffSynth concatenates it with a mask on the latents' device)
+            # (the mask goes to the latents' device: DiffSynth's model_fn concatenates it with a target mask it makes
+            # there, and its forward reads it back for the token bookkeeping. An edit's conditioning moved it once
+            # per prompt, so this is a no-op at every step; a training sample's comes from the cache on the host.
+            # Keeping it on the host would take a copy of DiffSynth's forward: docs/DIFFSYNTH_NOTES.md)
             edit_image_pad_mask=prompt.pad_mask[None].to(x.device),
             edit_latents=[z[None] for z in ref_latents[b]] or None,
             kv_cache=None if caches is None else caches[b], use_gradient_checkpointing=use_gradient_checkpointing)

@@ -26,7 +26,8 @@ DiffSynth's own code, driven unchanged:
   built and RoPE is shared, so the attention can use flash/cuDNN kernels.
 - **Mixed lengths on a GPU.** A padded batch's attention runs once per sample over its own
   tokens, unmasked (``models/qwen_image_edit/attention.py``), so the flash kernels stay usable; on the CPU
-  (and with ``per_sample_attention=False``) the masked call runs. Both give the same numbers.
+  (with ``per_sample_attention=False``, and with ``--compile``: ``models/load/compile.py``) the masked call
+  runs. Both give the same numbers.
 
 The batched output matches per-sample runs (tests/test_forward.py pins ≤1e-3 relative
 error in fp32, usually ~1e-6).
@@ -170,7 +171,8 @@ def dit_forward(
         prompt_embs: per sample ``[L_b, D_txt]``, valid tokens only (no padding).
         edit_latents: per sample a list (possibly empty) of reference latents ``[16, h_i, w_i]``.
         zero_cond_t: Qwen-Image-Edit-2511's zero-timestep modulation of reference tokens.
-        per_sample_attention: a padded batch's attention per sample, unmasked (``None``: on a GPU).
+        per_sample_attention: a padded batch's attention per sample, unmasked (``None``: on a GPU, unless the
+            blocks are compiled).
 
     Returns:
         One ``[16, h_b, w_b]`` prediction per sample.
@@ -202,8 +204,10 @@ def dit_forward(
     conditioning = dit.time_text_embed(t, image.dtype, addition_t_cond=extra)
     rope = rope_for_batch(dit, packed, device)
     mask = key_padding_mask(packed, device)
-    if per_sample_attention is None:
-        per_sample_attention = device.type == "cuda"
+    if per_sample_attention is None:  # (compiled blocks take the mask: a graph would bake in each sample's length)
+        from ..load.compile import is_compiled
+
+        per_sample_attention = device.type == "cuda" and not is_compiled(dit)
 
     for block in dit.transformer_blocks:
         if mask is not None and per_sample_attention:
