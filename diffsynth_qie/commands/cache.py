@@ -11,6 +11,9 @@ import argparse
 import logging
 
 log = logging.getLogger(__name__)
+# no output may be an input (cli.py): the files written into --cache_dir beside the shards
+INPUTS = ("dataset_metadata", "model_dir")
+WRITES = {"cache_dir": ("manifest.json", "skipped.jsonl")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
