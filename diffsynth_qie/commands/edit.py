@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from ..inference import EditRequest, Editor
     from ..inference.checks import check_request
     from ..inference.editor import device_map_with
-    from ..models.load.devices import check_device_name
+    from ..models.load.devices import check_device_flags
     from ..utils.atomic import atomic_path
 
     request = EditRequest(
@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
         strength=args.strength,
     )
     check_request(request)  # every value, before a model loads
-    check_device_name(args.device)
+    check_device_flags({f"--{name}": getattr(args, name.replace("-", "_"), None)
+                        for name in ("device", "text_encoder_device", "vae_device", "dit_device")})
 
     if not preset.is_tiny and family.fullsize_verify and not args.no_preflight:
         from ..inference.verify import preflight

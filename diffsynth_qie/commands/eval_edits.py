@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from ..utils.atomic import atomic_path, check_output_file
     from .edit import lora_pairs
 
+    from ..models.load.devices import check_device_name
+
+    check_device_name(args.device)  # before anything loads
     if args.grid:
         check_output_file(args.grid, "--grid")
     if args.limit is not None and args.limit < 1:
