@@ -125,11 +125,22 @@ def resolve_row(args: argparse.Namespace) -> None:
         raise ValueError(f"row {args.row} of {args.dataset_metadata} has no source image; pass --image")
 
 
+def check_reference_count(model: str, count: int) -> None:
+    """At most the family's ``max_references`` reference images (DiffSynth fails later, or truncates)."""
+    from ..models.presets import family_of
+
+    family = family_of(model)
+    if count > family.max_references:
+        raise ValueError(f"{count} reference images (--image) for --model {model}: {family.label} takes at most "
+                         f"{family.max_references}; pass {family.max_references} or fewer")
+
+
 def load_inputs(args: argparse.Namespace):
     """Read and check every input file; raises FileNotFoundError/ValueError naming the path."""
     from ..data.images import aspect_differs, check_geometry, load_mask, load_rgb
 
     resolve_row(args)
+    check_reference_count(args.model, len(args.image))
     if args.before_after and not args.lora:
         raise ValueError("--before_after compares with and without a LoRA: give --lora too")
     images = [load_rgb(p) for p in args.image]
