@@ -53,8 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
         mod = importlib.import_module(f"diffsynth_qie.commands.{module}")
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run, _interrupted=getattr(mod, "interrupted", None),
-                       _outputs=getattr(mod, "OUTPUTS", {}))
+                       _outputs=getattr(mod, "OUTPUTS", {}), _inputs=getattr(mod, "INPUTS", ()),
+                       _writes=getattr(mod, "WRITES", {}), _names=flag_names(p))
     return check_numbers(parser)  # finite numbers within declared bounds, for every command
+
+
+def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each destination as the user spells it: its flag, or a positional's metavar."""
+    return {a.dest: a.option_strings[-1] if a.option_strings else str(a.metavar or a.dest.upper())
+            for a in parser._actions}
+
+
+def refuse_overwriting_inputs(args: argparse.Namespace) -> None:
+    """No output path of the command (``OUTPUTS``, ``WRITES``) may be one of its inputs (``INPUTS``)."""
+    from .utils.paths import refuse_inputs_as_outputs
+
+    refuse_inputs_as_outputs(args, getattr(args, "_inputs", ()), getattr(args, "_outputs", {}),
+                             getattr(args, "_writes", {}), getattr(args, "_names", {}))
 
 
 def remove_leftovers_of(args: argparse.Namespace) -> None:
@@ -79,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("DEBUG" if args.verbose else args.log_level)
     try:
+        refuse_overwriting_inputs(args)
         remove_leftovers_of(args)
         code = args._run(args)
     except ValueError as e:  # user errors: one clear line, no traceback

@@ -452,7 +452,8 @@ def test_a_damaged_loss_log_is_skipped_line_by_line_by_report_and_resume(tmp_pat
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["export-lora", "{d}/a.safetensors", "{d}/a.safetensors", "--format", "comfyui"], "is the input LoRA itself"),
+    (["export-lora", "{d}/a.safetensors", "{d}/a.safetensors", "--format", "comfyui"],
+     "OUT .* is the input IN .*: it would be written over while it is read"),  # (utils/paths.py, every command)
     (["export-lora", "{d}/a.safetensors", "{d}/file.png/o.safetensors", "--format", "comfyui"], "is a file, not a directory"),
     (["edit", "--image", "{d}/file.png", "--prompt", "x", "--out", "{d}/file.png/o.png"], "is a file, not a directory"),
     (["eval-edits", "--dataset_metadata", "{d}/m.json", "--grid", "{d}"], "--grid .* is a directory"),

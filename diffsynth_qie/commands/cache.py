@@ -11,6 +11,9 @@ import argparse
 import logging
 
 log = logging.getLogger(__name__)
+# no output may be an input (cli.py): the files written into --cache_dir beside the shards
+INPUTS = ("dataset_metadata", "model_dir")
+WRITES = {"cache_dir": ("manifest.json", "skipped.jsonl")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +40,11 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from ..cache.writer import write_cache
+    from ..models.load.devices import check_device_flags
 
     config = config_from_args(args)
+    check_device_flags({"--device": config.device, "--text_encoder_device": config.text_encoder_device,
+                        "--vae_device": config.vae_device})  # before anything loads
     summary = write_cache(config)
     if summary.manifest is not None:
         log.info("cache ready: %s (%d entries; %d encoded at %.2f rows/s on rank 0, %d reused, %d skipped)",

@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 from pathlib import Path
+from typing import Optional
 
 log = logging.getLogger(__name__)
 OUTPUTS = {"out": "dir", "write_clean": "file"}
+INPUTS = ("metadata", "holdout")
+WRITES = {"out": ("check.jsonl", "check.html", "dropped.jsonl")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..data.check import CheckConfig
+    from ..data.check_report import MAX_CARDS
+    from ..utils.cli_checks import checked
     from ..utils.config_cli import add_dataclass_args
 
     parser.add_argument("metadata", metavar="METADATA", help="metadata file (any format `qie cache` reads)")
@@ -21,8 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--holdout", default=None, metavar="FILE", help="held-out metadata: its targets count as duplicates")
     parser.add_argument("--auto_mask", action="store_true",
                         help="show, for rows without a mask, the mask `qie cache --auto_mask diff` would derive")
-    parser.add_argument("--write_clean", default=None, metavar="JSON",
-                        help="also write the metadata without the flagged rows (DiffSynth JSON)")
+    parser.add_argument("--write_clean", default=None, metavar="FILE",
+                        help="also write the metadata without the flagged rows and the rows the reader skipped: "
+                             "the original records, paths made relative to FILE's folder, in FILE's format "
+                             "(.jsonl, .csv, else JSON); the rows left out are listed in --out's dropped.jsonl")
+    parser.add_argument("--report_rows", type=checked(int, 0, 100000), default=MAX_CARDS, metavar="N",
+                        help="check.html shows the first N flagged rows (all of them are in check.jsonl)")
     add_dataclass_args(parser, CheckConfig, title="thresholds")
 
 
@@ -33,10 +40,10 @@ def default_thresholds():
     return CheckConfig()
 
 
-def _rows(path: str, base) -> list:
+def _rows(path: str, base, skipped: Optional[list] = None) -> list:
     from ..data.formats import read_rows
 
-    return read_rows(path, base)
+    return read_rows(path, base, skipped=skipped)
 
 
 def _as_task(row) -> dict:
@@ -47,30 +54,41 @@ def _as_task(row) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from ..data.check import CheckConfig, check_rows
-    from ..data.check_report import write_outputs
-    from ..utils.atomic import atomic_write_text
+    from ..data.check_report import MAX_CARDS, write_outputs
     from ..utils.config_cli import dataclass_from_args
 
-    rows = _rows(args.metadata, args.dataset_base)
+    skipped: list = []
+    rows = _rows(args.metadata, args.dataset_base, skipped)
     holdout = _rows(args.holdout, None) if args.holdout else []
     checks, note = check_rows([_as_task(r) for r in rows], dataclass_from_args(CheckConfig, args),
                               [_as_task(r) for r in holdout])
-    page = write_outputs(args.out, checks, note, str(args.metadata), derived_masks=getattr(args, "auto_mask", False))
-    flagged = {c.index for c in checks if c.flags}
+    page = write_outputs(args.out, checks, note, str(args.metadata), derived_masks=getattr(args, "auto_mask", False),
+                         max_cards=getattr(args, "report_rows", MAX_CARDS))
+    flagged = {c.row_id: list(c.flags) for c in checks if c.flags}
     log.info("%d of %d rows flagged; report: %s (one line per flagged row in %s)", len(flagged), len(rows), page,
              Path(args.out) / "check.jsonl")
+    if skipped:
+        log.info("%d row(s) the reader skipped (not checked): %s", len(skipped),
+                 "; ".join(f"{s.row_id}: {s.reason}" for s in skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if note:
         log.info("direction check: %s", note)
-    if args.write_clean:
-        here = Path(args.write_clean).resolve().parent
-
-        def rel(p):
-            return os.path.relpath(Path(p).resolve(), here) if p else None
-
-        clean = [{k: v for k, v in {"prompt": r.prompts[0], "image": rel(r.target),
-                                    "edit_image": [rel(p) for p in r.edit_images] or None,
-                                    "back_mask": rel(r.back_mask), "ref_gt": rel(r.ref_gt)}.items() if v is not None}
-                 for i, r in enumerate(rows) if i not in flagged]
-        atomic_write_text(args.write_clean, json.dumps(clean, indent=1, ensure_ascii=False) + "\n")
-        log.info("wrote %s: %d clean rows", args.write_clean, len(clean))
+    if getattr(args, "write_clean", None):
+        _write_clean(args, flagged, {s.row_id: f"{s.field}: {s.reason}" for s in skipped})
     return 0
+
+
+def _write_clean(args: argparse.Namespace, flagged: dict, skipped: dict) -> None:
+    """The original records without the flagged and skipped ones; the dropped ones listed in dropped.jsonl."""
+    from ..data.check_report import json_line
+    from ..data.clean import write_clean
+    from ..utils.atomic import atomic_write_text
+
+    kept, dropped = write_clean(args.metadata, args.write_clean, flagged, skipped, base=args.dataset_base)
+    listing = Path(args.out) / "dropped.jsonl"
+    atomic_write_text(listing, "".join(json_line(d) for d in dropped))
+    log.info("wrote %s: %d of %d records kept, %d left out (each with why in %s)", args.write_clean, kept,
+             kept + len(dropped), len(dropped), listing)
+    for d in dropped[:10]:
+        log.info("  left out record %d (%s): %s", d["record"], d["row_id"], d["why"])
+    if len(dropped) > 10:
+        log.info("  ... and %d more in %s", len(dropped) - 10, listing)

@@ -19,6 +19,7 @@ from ..utils.cli_checks import INT64_MAX, checked
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "file", "before_after": "file"}
+INPUTS = ("image", "mask", "lora", "dataset_metadata", "model_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,11 +125,22 @@ def resolve_row(args: argparse.Namespace) -> None:
         raise ValueError(f"row {args.row} of {args.dataset_metadata} has no source image; pass --image")
 
 
+def check_reference_count(model: str, count: int) -> None:
+    """At most the family's ``max_references`` reference images (DiffSynth fails later, or truncates)."""
+    from ..models.presets import family_of
+
+    family = family_of(model)
+    if count > family.max_references:
+        raise ValueError(f"{count} reference images (--image) for --model {model}: {family.label} takes at most "
+                         f"{family.max_references}; pass {family.max_references} or fewer")
+
+
 def load_inputs(args: argparse.Namespace):
     """Read and check every input file; raises FileNotFoundError/ValueError naming the path."""
     from ..data.images import aspect_differs, check_geometry, load_mask, load_rgb
 
     resolve_row(args)
+    check_reference_count(args.model, len(args.image))
     if args.before_after and not args.lora:
         raise ValueError("--before_after compares with and without a LoRA: give --lora too")
     images = [load_rgb(p) for p in args.image]
@@ -172,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     from ..inference import EditRequest, Editor
     from ..inference.checks import check_request
     from ..inference.editor import device_map_with
-    from ..models.load.devices import check_device_name
+    from ..models.load.devices import check_device_flags
     from ..utils.atomic import atomic_path
 
     request = EditRequest(
@@ -184,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         strength=args.strength,
     )
     check_request(request)  # every value, before a model loads
-    check_device_name(args.device)
+    check_device_flags({f"--{name}": getattr(args, name.replace("-", "_"), None)
+                        for name in ("device", "text_encoder_device", "vae_device", "dit_device")})
 
     if not preset.is_tiny and family.fullsize_verify and not args.no_preflight:
         from ..inference.verify import preflight

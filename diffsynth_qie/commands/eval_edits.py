@@ -15,6 +15,7 @@ from ..utils.cli_checks import INT64_MAX, checked
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"grid": "file"}
+INPUTS = ("lora", "dataset_metadata", "model_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from ..utils.atomic import atomic_path, check_output_file
     from .edit import lora_pairs
 
+    from ..models.load.devices import check_device_name
+
+    check_device_name(args.device)  # before anything loads
     if args.grid:
         check_output_file(args.grid, "--grid")
     if args.limit is not None and args.limit < 1:

@@ -13,6 +13,7 @@ from ..lora.export_targets import EXPORT_TARGETS
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out_path": "file"}
+INPUTS = ("in_path",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

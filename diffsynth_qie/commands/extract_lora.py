@@ -13,6 +13,7 @@ from ..utils.cli_checks import checked
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "file"}
+INPUTS = ("base", "tuned")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

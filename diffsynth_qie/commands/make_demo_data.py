@@ -10,6 +10,7 @@ from ..utils.cli_checks import INT64_MAX, checked
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "tree"}  # (images/ too)
+INPUTS = ()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

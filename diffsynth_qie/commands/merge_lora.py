@@ -11,6 +11,7 @@ import logging
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "tree"}
+INPUTS = ("base", "lora")
 
 # Mirrors lora_merge.MERGE_DTYPES; kept here so `qie --help` does not import torch.
 DTYPES = ("bf16", "fp8", "fp32", "same")

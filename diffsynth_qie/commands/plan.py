@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prediction; fails naming the operator and line on a device/dtype mismatch or host sync")
     v.add_argument("--mixed", action="store_true",
                    help="--verify: every other sample of the batch is 4:3 with a prompt 30%% shorter")
-    v.add_argument("--verify_blocks", type=checked(int, 0, 1 << 10), default=None, metavar="N",
+    v.add_argument("--verify_blocks", type=checked(int, 1, 1 << 10), default=None, metavar="N",
                    help="--verify: build only N DiT blocks (default: all; the peak then covers N blocks)")
     v.add_argument("--edit_steps", type=checked(int, 1, 10000), default=2, help="--verify --task edit: denoising steps to run")
 
@@ -68,6 +68,8 @@ def run(args) -> int:
     from ..models.presets import family_of
 
     family = family_of(args.model)
+    if getattr(args, "mixed", False) and not args.verify:
+        raise ValueError("--mixed shapes the batch of the --verify run; add --verify, or drop --mixed")
     if args.verify and not family.fullsize_verify:
         raise ValueError(f"--verify runs Qwen-Image-Edit's training step and edit on the fake device; {family.label} "
                          "is not covered: DiffSynth's 2.1 DiT reads its token masks on the host (nonzero, "

@@ -13,6 +13,7 @@ from ..utils.cli_checks import checked
 
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "file", "output_dir": "dir"}
+INPUTS = ("output_dir",)  # (read and written: its loss.jsonl in, report.html out)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

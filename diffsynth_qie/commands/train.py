@@ -19,6 +19,9 @@ import argparse
 import logging
 
 log = logging.getLogger(__name__)
+# no output may be an input (cli.py): --output_dir is not the cache or the model, and none of its files is an input
+INPUTS = ("cache_dir", "dataset_metadata", "model_dir", "lora_checkpoint")
+WRITES = {"output_dir": ("lora.safetensors", "lora_ema.safetensors", "loss.jsonl", "skipped.jsonl")}
 
 # (dataclass name in training.config, RunConfig attribute, flag-group title); the losses' groups follow "loss"
 GROUPS = (

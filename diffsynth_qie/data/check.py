@@ -14,17 +14,26 @@ pool, at a working size of at most :data:`WORK_SIDE` px, and measured; threshold
   one size would stretch one of them;
 - ``duplicate`` / ``holdout_duplicate``: the same target (64-bit difference hash within ``dup_distance`` bits)
   as an earlier row, or as a row of ``--holdout``;
+- ``mask_aspect``: the mask's aspect ratio is not the target's (a mask made for another image; it is not
+  stretched to measure the mask flags below);
 - ``mask_empty`` / ``mask_full``: a mask covering under ``mask_empty`` or over ``mask_full`` of the image;
 - ``changes_outside_mask``: a mean absolute difference outside the mask above ``outside_change``;
 - ``reversed``: the row's colour change inside its edit region (its mask, else the pair's own difference,
   ``automask.diff_mask``) points against the dataset's majority (cosine below -0.5). The heuristic only
   decides for datasets with one consistent edit: when the majority change is weaker than ``min_majority``,
-  no row is judged and the report says so.
+  no row is judged and the report says so;
+- ``error``: measuring the row raised (its message); each row is measured inside its own error boundary, so
+  one bad row never stops the check.
+
+Every measure is a finite number or ``null``: an exact copy has ``psnr`` ``null`` and ``identical`` true (the
+report is strict JSON). Work is bounded: at most one worker per core and per row; the duplicate pass is a hash
+index (``check_dups.py``), near-linear in the rows; every phase shows its progress.
 """
 from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
@@ -52,7 +61,8 @@ class CheckConfig:
         "changes_outside_mask above this mean difference outside the mask (fraction of the range)", min=0, max=1))
     min_majority: float = field(default=0.04, metadata=cli_help(
         "reversed: judged only when the dataset's median colour change is at least this strong", min=0))
-    workers: int = field(default=4, metadata=cli_help("processes measuring rows (0: this one)", min=0))
+    workers: int = field(default=4, metadata=cli_help(
+        "processes measuring rows (0: this one); at most the core count and the row count", min=0, max=1024))
 
 
 @dataclass
@@ -126,26 +136,36 @@ def dhash(im: Image.Image) -> int:
 
 
 def measure_row(task: tuple[int, dict, CheckConfig]) -> RowCheck:
-    """A row's measurements and its own flags (everything but the dataset-level ones); runs in a worker."""
-    from .automask import diff_mask
-    from .images import MIN_SIDE, load_mask, load_rgb
-
+    """A row's measurements and its own flags (everything but the dataset-level ones); runs in a worker. Any
+    error measuring it becomes the row's ``error`` flag: one bad row never stops the check."""
     index, row, cfg = task
     out = RowCheck(index, row["row_id"], {k: v for k, v in row.items() if k != "row_id" and v})
+    try:
+        _measure(out, row, cfg)
+    except Exception as e:  # noqa: BLE001 - the row's own boundary: reported with the row, the others go on
+        log.debug("row %s: measuring failed", out.row_id, exc_info=True)
+        out.flags["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _measure(out: RowCheck, row: dict, cfg: CheckConfig) -> None:
+    from .automask import diff_mask
+    from .images import MIN_SIDE, aspect_differs, load_mask, load_rgb
+
     try:
         target = load_rgb(row["target"])
         source = load_rgb(row["source"]) if row.get("source") else None
         mask = load_mask(row["mask"]) if row.get("mask") else None
     except (OSError, ValueError) as e:
         out.flags["unreadable"] = str(e)
-        return out
+        return
     small = [f"{im.width}x{im.height}" for im in (target, source, mask) if im is not None and min(im.size) < MIN_SIDE]
     if small:
         out.flags["too_small"] = small[0]
-        return out
+        return
     out.measures["target_hash"] = dhash(target)
     if source is None:
-        return out
+        return
     ar_t, ar_s = target.width / target.height, source.width / source.height
     out.measures["aspect_ratio_difference"] = round(abs(ar_t / ar_s - 1.0), 4)
     if out.measures["aspect_ratio_difference"] > cfg.aspect_tolerance:
@@ -153,9 +173,12 @@ def measure_row(task: tuple[int, dict, CheckConfig]) -> RowCheck:
     t_work = _work(target)
     s_work = _work(source.resize(target.size, Image.Resampling.BILINEAR))
     a, b = _gray(s_work), _gray(t_work)
-    out.measures["psnr"] = round(psnr(a, b), 2)
-    if out.measures["psnr"] > cfg.psnr_identical:
-        out.flags["near_identical"] = out.measures["psnr"]
+    value = psnr(a, b)
+    out.measures["psnr"] = round(value, 2) if math.isfinite(value) else None  # (strict JSON: no Infinity)
+    if not math.isfinite(value):
+        out.measures["identical"] = True
+    if value > cfg.psnr_identical:
+        out.flags["near_identical"] = out.measures["psnr"] if math.isfinite(value) else "identical"
     out.measures["scale"] = round(scale_factor(a, b), 2)
     if abs(out.measures["scale"] - 1.0) > cfg.max_scale_change:  # (a zoom has no single shift: not measured then)
         out.flags["scale_mismatch"] = out.measures["scale"]
@@ -165,6 +188,9 @@ def measure_row(task: tuple[int, dict, CheckConfig]) -> RowCheck:
         out.measures["shift_px"] = [round(dy * px, 1), round(dx * px, 1)]
         if math.hypot(dy, dx) * px >= cfg.max_shift:
             out.flags["shifted"] = out.measures["shift_px"]
+    if mask is not None and aspect_differs(mask.size, target.size):
+        out.flags["mask_aspect"] = f"mask {mask.width}x{mask.height}, target {target.width}x{target.height}"
+        mask = None  # (made for another image: not stretched to measure it)
     region = mask.resize(target.size, Image.Resampling.NEAREST) if mask is not None else diff_mask(target, source)
     inside = np.asarray(_work(region), dtype=np.float64) / 255.0 > 0.5
     if mask is not None:
@@ -181,7 +207,15 @@ def measure_row(task: tuple[int, dict, CheckConfig]) -> RowCheck:
     if inside.any() and not (mask is not None and inside.all()):
         diff = (np.asarray(t_work, np.float64) - np.asarray(s_work, np.float64))[inside].mean(0) / 255.0
         out.measures["direction"] = [round(float(v), 4) for v in diff]
-    return out
+
+
+def pool_size(workers: int, rows: int) -> int:
+    """``--workers``, at most the cores this process may use and the rows (0: measure in this process)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = max(0, min(workers, cores, rows))
+    if n < workers:
+        log.info("--workers %d: using %d (%d core(s), %d row(s))", workers, n, cores, rows)
+    return n
 
 
 def check_rows(rows: Sequence[dict], cfg: CheckConfig, holdout: Sequence[dict] = (), show_progress: bool = True
@@ -192,27 +226,24 @@ def check_rows(rows: Sequence[dict], cfg: CheckConfig, holdout: Sequence[dict] =
 
     from tqdm import tqdm
 
+    from .check_dups import flag_duplicates
+
     tasks = [(i, r, cfg) for i, r in enumerate(rows)] + [(-1 - i, r, cfg) for i, r in enumerate(holdout)]
+    workers = pool_size(cfg.workers, len(tasks))
     checks = []
-    with tqdm(total=len(tasks), unit="row", desc="qie check-dataset", disable=not show_progress) as bar:
-        with ProcessPoolExecutor(cfg.workers) if cfg.workers > 0 else _InProcess() as pool:
-            for c in pool.map(measure_row, tasks, chunksize=4):
+    with tqdm(total=len(tasks), unit="row", desc="check-dataset: measuring", disable=not show_progress) as bar:
+        with ProcessPoolExecutor(workers) if workers > 0 else _InProcess() as pool:
+            for c in pool.map(measure_row, tasks, chunksize=max(1, min(64, len(tasks) // (4 * max(workers, 1))))):
                 checks.append(c)
                 bar.update(1)
     held, checks = [c for c in checks if c.index < 0], [c for c in checks if c.index >= 0]
-    seen: list[tuple[int, str]] = []
-    held_hashes = [(c.measures["target_hash"], c.row_id) for c in held if "target_hash" in c.measures]
-    for c in checks:
-        h = c.measures.get("target_hash")
-        if h is None:
-            continue
-        near = [rid for other, rid in seen if bin(h ^ other).count("1") <= cfg.dup_distance]
-        if near:
-            c.flags["duplicate"] = near[0]
-        near = [rid for other, rid in held_hashes if bin(h ^ other).count("1") <= cfg.dup_distance]
-        if near:
-            c.flags["holdout_duplicate"] = near[0]
-        seen.append((h, c.row_id))
+    hashed = [c for c in checks if "target_hash" in c.measures]
+    with tqdm(total=len(hashed), unit="row", desc="check-dataset: duplicates", disable=not show_progress) as bar:
+        found = flag_duplicates([(c.measures["target_hash"], c.row_id) for c in hashed],
+                                [(c.measures["target_hash"], c.row_id) for c in held if "target_hash" in c.measures],
+                                cfg.dup_distance, progress=bar.update)
+    for i, flags in found.items():
+        hashed[i].flags.update(flags)
     return checks, _flag_reversed(checks, cfg)
 
 

@@ -133,7 +133,7 @@ def read_utf8(path: Path, what: str = "metadata file") -> str:
         raise ValueError(f"{path}: not UTF-8 text ({e}); save the {what} as UTF-8") from e
 
 
-def _load_records(path: Path) -> tuple[list[tuple[int, Any]], bool]:
+def load_records(path: Path) -> tuple[list[tuple[int, Any]], bool]:
     """``(records, from_csv)``: (index, record) pairs, and whether cells are CSV strings."""
     text = read_utf8(path)
     suffix = path.suffix.lower()
@@ -236,6 +236,8 @@ def _parse_record(rec: dict, row_id: str, fmt: str, base: Path, f: FieldNames, d
         sources = [_resolve(p, base, f.edit_image_field)
                    for p in _path_list(rec.get(f.edit_image_field), f.edit_image_field, from_csv)]
         raw = rec.get(f.prompt_field)
+        if raw is None and f.prompt_field not in rec:  # DiffSynth rows written with FireRed's prompt fields
+            raw = [rec.get(f.instruction_field), rec.get(f.instruction_cn_field)]
         prompts = [t for t in (_text(x) for x in raw)] if isinstance(raw, list) else [_text(raw)]
         prompts = [p for p in prompts if p]
         inverse_prompts = []
@@ -262,6 +264,13 @@ def default_dataset_name(metadata_path: str | os.PathLike) -> str:
     return p.parent.name or p.stem
 
 
+def record_row_id(rec: Any, idx: int, dataset: str, f: FieldNames) -> str:
+    """A record's row id: its id field, else ``<dataset>:<index>``."""
+    if isinstance(rec, dict) and not _is_empty(rec.get(f.id_field)):
+        return str(rec[f.id_field])
+    return f"{dataset}:{idx}"
+
+
 def read_rows(metadata_path: str | os.PathLike, base_dir: str | os.PathLike | None = None, *,
               dataset_name: str | None = None, fields: FieldNames | None = None,
               disable_inverse: bool = False, t2i_mode: bool = False,
@@ -281,17 +290,14 @@ def read_rows(metadata_path: str | os.PathLike, base_dir: str | os.PathLike | No
         raise ValueError(f"dataset base directory {base} does not exist; pass the directory "
                          "the image paths in the metadata are relative to")
     dataset = dataset_name or default_dataset_name(path)
-    records, from_csv = _load_records(path)
+    records, from_csv = load_records(path)
     if not records:
         return []
     fmt = detect_format(records, f)
     rows: list[EditRow] = []
     seen: dict[str, int] = {}
     for idx, rec in records:
-        if isinstance(rec, dict) and not _is_empty(rec.get(f.id_field)):
-            row_id = str(rec[f.id_field])
-        else:
-            row_id = f"{dataset}:{idx}"
+        row_id = record_row_id(rec, idx, dataset, f)
         try:
             if not isinstance(rec, dict):
                 raise _RowError("row", None, f"expected a JSON object, got {type(rec).__name__}")

@@ -284,6 +284,9 @@ def validate(cfg: RunConfig) -> None:
                          "--dataset_metadata FILE to encode during training")
     if not t.output_dir:
         raise ValueError("no output directory given; pass --output_dir DIR")
+    if t.validate_with != "raw" and not t.ema_decay:
+        raise ValueError(f"--validate_with {t.validate_with} renders with the EMA of the weights; pass --ema_decay D "
+                         "(e.g. 0.999) too, or --validate_with raw")
     positive = {"batch_size": t.batch_size, "gradient_accumulation_steps": t.gradient_accumulation_steps,
                 "log_every": t.log_every, "validation_steps": t.validation_steps}
     for name, value in positive.items():

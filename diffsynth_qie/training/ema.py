@@ -84,6 +84,9 @@ class LoraEMA:
         if set(state["shadow"]) != set(self.shadow):
             raise ValueError("the checkpoint's EMA holds other tensors than this run trains; resume with the "
                              "checkpoint's LoRA settings")
+        if float(state.get("decay", self.decay)) != self.decay:  # this run's decay, from the restored average on
+            log.info("resuming with --ema_decay %g (the checkpoint had %g): applied from this step on", self.decay,
+                     float(state["decay"]))
         for name, t in state["shadow"].items():
             self.shadow[name].copy_(self._partition(name, t) if self.partitioned else t)
 
@@ -133,11 +136,46 @@ class LoraEMA:
         return path
 
 
-def build_ema(cfg, module, accelerator) -> Optional[LoraEMA]:
-    """The run's EMA (None without ``--ema_decay``), registered for checkpointing before any resume loads."""
-    decay = cfg.train.ema_decay
-    if not decay:
-        return None
-    ema = LoraEMA(module, decay)
-    accelerator.register_for_checkpointing(ema)
-    return ema
+class _DroppedEMA:
+    """Stands in for a checkpoint's EMA while a run without ``--ema_decay`` loads it (accelerate loads one
+    registered object per saved one); what it receives is dropped."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class EMAResume:
+    """``--ema_decay`` and ``--resume``: the checkpoint's EMA continued (a changed decay applied, logged), added
+    (it starts from the resumed weights) or dropped, each with a log line. :attr:`ema` is the run's EMA (None
+    without ``--ema_decay``); call :meth:`after_load` once the checkpoint is loaded (or when there is none)."""
+
+    def __init__(self, cfg, module, accelerator, saved_config: Optional[dict]):
+        self.module, self.accelerator, self.decay = module, accelerator, cfg.train.ema_decay
+        saved = ((saved_config or {}).get("train") or {}).get("ema_decay") or 0.0
+        self.added = saved_config is not None and not saved and bool(self.decay)
+        self.ema, self._stand_in = None, None
+        if saved_config is not None and saved and not self.decay:
+            self._stand_in = _DroppedEMA()
+            accelerator.register_for_checkpointing(self._stand_in)
+            log.info("resuming without --ema_decay: the checkpoint's EMA (decay %g) is dropped", saved)
+        elif self.decay and not self.added:
+            self.ema = LoraEMA(module, self.decay)
+            accelerator.register_for_checkpointing(self.ema)  # before a resume loads the state
+
+    def after_load(self) -> Optional[LoraEMA]:
+        if self._stand_in is not None:
+            self.accelerator._custom_objects.remove(self._stand_in)  # (later checkpoints hold no EMA)
+        if self.added:  # from the resumed weights on
+            self.ema = LoraEMA(self.module, self.decay)
+            self.accelerator.register_for_checkpointing(self.ema)
+            log.info("resuming with --ema_decay %g: the checkpoint has no EMA, so it starts from the resumed "
+                     "weights", self.decay)
+        return self.ema
+
+
+def build_ema(cfg, module, accelerator, saved_config: Optional[dict] = None) -> Optional[LoraEMA]:
+    """The run's EMA (None without ``--ema_decay``) for a run that does not resume."""
+    return EMAResume(cfg, module, accelerator, saved_config).after_load()

@@ -9,6 +9,8 @@ Checked against the settings the checkpoint recorded, before anything of it is l
   schedule, warmup, final ratio, weight decay, betas, clipping). A checkpoint's optimizer and scheduler
   state hold the old values; :func:`apply_schedule` puts the new ones in, so the next step runs at the new
   schedule's learning rate for its step.
+- **The EMA** (``--ema_decay``, ``training/ema.py``: ``EMAResume``): continued; a changed decay applied from
+  the restored average on and logged; an EMA added (it starts from the resumed weights) or dropped, logged.
 - **Warned** (as before): seed, world size, batch size, accumulation and sampling flags change the data order.
 """
 from __future__ import annotations

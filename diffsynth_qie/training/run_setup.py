@@ -12,6 +12,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -81,20 +82,54 @@ class Run:
     ema: object = None        # --ema_decay's LoraEMA (training/ema.py)
 
 
+def check_flags(config: RunConfig) -> None:
+    """What the flags alone can tell, before anything is created or loaded: every device flag names a device
+    of this machine; the flags that only mean something with ``--on_the_fly`` are warned about without it."""
+    from ..models.load.devices import check_device_flags
+    from .config import OnTheFlyConfig
+
+    o = config.onthefly
+    check_device_flags({"--text_encoder_device": o.text_encoder_device, "--vae_device": o.vae_device})
+    if not o.on_the_fly:
+        given = [flag for flag, set_ in (("--augment", o.augment), ("--text_encoder_device", o.text_encoder_device),
+                                         ("--vae_device", o.vae_device),
+                                         ("--prefetch", o.prefetch != OnTheFlyConfig.prefetch)) if set_]
+        if given:
+            log.warning("%s only mean%s something with --on_the_fly; ignored (this run reads --cache_dir)",
+                        ", ".join(given), "s" if len(given) == 1 else "")
+
+
+def forget_refused(output_dir: Path, existed: bool, had_lock: bool) -> None:
+    """A run refused during its set-up leaves nothing behind: the output folder it created (nothing was
+    trained into it), else the lock file it created."""
+    import shutil
+
+    if not existed:
+        shutil.rmtree(output_dir, ignore_errors=True)
+    elif not had_lock:
+        (output_dir / TrainLock.name).unlink(missing_ok=True)
+
+
 def setup(config: RunConfig) -> Run:
-    """Accelerator, the checked config, the output-directory lock, then the run (:func:`build_run`); the lock
-    is released if that fails. (A bad flag fails before the lock: nothing is written into --output_dir.)"""
+    """Accelerator, the checked config, the output-directory lock, then the run (:func:`build_run`). Every flag
+    is checked before the lock creates --output_dir; if the set-up still fails (a missing weight file, a
+    refused resume), the lock is released and what this run created is removed (:func:`forget_refused`)."""
     from ..models.presets import get_preset
 
     accelerator = make_accelerator(config)  # first: under ZeRO-3 the DiT must be built partitioned
     ds_config = deepspeed_config(accelerator)
     preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
     cfg = config.resolved(preset)
+    check_flags(cfg)
+    out = Path(config.train.output_dir)
+    existed, had_lock = out.exists(), (out / TrainLock.name).exists()
     lock = TrainLock(config.train.output_dir).acquire_for_ranks(accelerator)  # one run per --output_dir
     try:
         return build_run(cfg, preset, accelerator, ds_config, lock)
     except BaseException:
         lock.release()
+        if accelerator.is_main_process:
+            forget_refused(out, existed, had_lock)
         raise
 
 
@@ -111,7 +146,7 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     from .module import check_fp8_base
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
                         configure_deepspeed)
-    from .ema import build_ema
+    from .ema import EMAResume
     from .losses.registry import loss_spec
     from .onthefly import check_on_the_fly, live_store
     from .placement import build_module, check_block_swap, device_placement
@@ -158,7 +193,6 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     placement = {} if swapper is None else {"device_placement": device_placement(swapper, 3)}
     wrapped, wrapped_opt, wrapped_sched = accelerator.prepare(module, optimizer, lr_scheduler, **placement)
     ckpt.install_state_hooks(accelerator, module)
-    ema = build_ema(cfg, module, accelerator)  # registered before a resume loads the state
 
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
                               gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -169,8 +203,11 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     if accelerator.is_main_process:
         ckpt.remove_leftovers(t.output_dir)
     resume_from = ckpt.resolve_resume(t.resume, t.output_dir)
-    if resume_from is not None:  # what changed since the checkpoint: refused, or applied (training/resume.py)
-        changes = check_resume(ckpt.read_trainer_state(resume_from).extra, state.extra, resume_from)
+    saved_extra = ckpt.read_trainer_state(resume_from).extra if resume_from is not None else None
+    if saved_extra is not None:  # what changed since the checkpoint: refused, or applied (training/resume.py)
+        changes = check_resume(saved_extra, state.extra, resume_from)
+    ema_resume = EMAResume(cfg, module, accelerator, saved_extra.get("config", {}) if saved_extra is not None else None)
+    if resume_from is not None:
         saved = ckpt.load_checkpoint(accelerator, module, resume_from)
         warn_data_order(saved, state, saved.extra.get("config"), cfg.to_json())
         state.step, state.position = saved.step, saved.position
@@ -178,6 +215,7 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
             apply_schedule(optimizer, wrapped_sched, cfg.optim, state.step)
         # the position must lie inside its epoch's batches (ValueError if the data or flags changed)
         sampler.load_state_dict({"epoch": state.position.epoch, "batch": state.position.batch})
+    ema = ema_resume.after_load()  # the checkpoint's EMA continued, added or dropped (training/ema.py)
     tracker = Tracker(t.output_dir, accelerator.is_main_process, t.report_to, cfg.to_json(),
                       resume_step=state.step if resume_from else None)
     validator = None

@@ -136,7 +136,8 @@ class Callbacks:
             cleared = masks.clear(value, self.folder)
         except Exception as exc:  # noqa: BLE001
             raise _error(exc) from None
-        return (cleared, masks.loaded_record(cleared["background"], value), self._unlocked(request),
+        given = self.h.give(getattr(request, "session_hash", None), cleared["background"])
+        return (cleared, masks.loaded_record(given, value), self._unlocked(request),
                 "Paint cleared (the image stays).")
 
     # Generate's inputs ------------------------------------------------------------------------
@@ -165,7 +166,7 @@ class Callbacks:
         click arrives before the button is disabled) is refused instead of queueing a duplicate.
         """
         try:
-            self.h.check(self.inputs(values))
+            self.h.check(self.inputs(values), getattr(request, "session_hash", None))
         except Exception as exc:  # noqa: BLE001
             raise _error(exc) from None
         session = getattr(request, "session_hash", None)
@@ -220,9 +221,9 @@ class Callbacks:
         return ((entry.before, entry.image), gr.update(value=entry.sub_image, visible=entry.sub_image is not None),
                 files, entry.command, gr.update(interactive=True), entry)
 
-    def restore(self, history: list[HistoryEntry], evt: gr.SelectData):
+    def restore(self, history: list[HistoryEntry], evt: gr.SelectData = None):
         """A history click: the entry's settings back in the widgets, the entry in the slider."""
-        entry = history[evt.index]
+        entry = _picked(history, evt, "history")
         s = entry.settings
         values = dict(zip(hist.RESTORED, hist.restore(entry, self.h.lora_choices())))
         values.update({name: gr.update(visible=visible, value=values[name])
@@ -231,11 +232,23 @@ class Callbacks:
                 FLOW_DEFAULT_STEPS if s.mode == MODE_LIGHTNING else s.steps,
                 f"Restored from the history: {s.summary()}.")
 
-    def show_variation(self, batch: list[HistoryEntry], evt: gr.SelectData):
-        return self._show(batch[evt.index])
+    def show_variation(self, batch: list[HistoryEntry], evt: gr.SelectData = None):
+        return self._show(_picked(batch, evt, "variations"))
 
     def edit_result(self, entry: HistoryEntry | None, editor: Any, request: gr.Request):
         if entry is None:
             raise gr.Error("generate an image first", duration=5, print_exception=False)
-        return (hist.editor_value(entry.image), masks.loaded_record(entry.image, editor), self._unlocked(request),
+        given = self.h.give(getattr(request, "session_hash", None), entry.image)
+        return (hist.editor_value(entry.image), masks.loaded_record(given, editor), self._unlocked(request),
                 f"Editing the result of seed {entry.settings.seed}: paint, describe the next edit, Generate.")
+
+
+def _picked(entries: list[HistoryEntry] | None, evt: Any, where: str) -> HistoryEntry:
+    """The entry a gallery click selected; a message (not a traceback) for a call without a click on an entry."""
+    index = getattr(evt, "index", None)
+    if isinstance(index, (list, tuple)):
+        index = index[0] if index else None
+    if not entries or not isinstance(index, int) or not 0 <= index < len(entries):
+        raise gr.Error(f"click an entry of the {where} first (nothing is there to show yet)" if not entries else
+                       f"click an entry of the {where}", duration=5, print_exception=False)
+    return entries[index]

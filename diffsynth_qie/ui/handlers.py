@@ -98,6 +98,7 @@ class UIHandlers:
         self.model_dir: str | None = config.model_dir   # what was loaded (the pretrained tiny base for plain tiny)
         self.model_label = ""
         self.known_images: frozenset[str] = frozenset()  # the examples' images, which the editor may be given
+        self._given: dict[str, set[str]] = {}  # browser session -> the files the UI put into its editor
 
     # model ------------------------------------------------------------------------------
     def _load_editor(self) -> "Editor":
@@ -246,10 +247,19 @@ class UIHandlers:
         return mode
 
     # generate ---------------------------------------------------------------------------
-    def check(self, inputs: GenerateInputs) -> Job:
-        """Validate everything Generate needs without loading the model (UIError says what to fix)."""
+    def give(self, session: str | None, path: str) -> str:
+        """Record that the UI put ``path`` into ``session``'s editor (a result, a cleared image): the files a
+        session's Generate may read back are the examples and what was given to it."""
+        if session is not None:
+            self._given.setdefault(session, set()).add(str(path))
+        return str(path)
+
+    def check(self, inputs: GenerateInputs, session: str | None = None) -> Job:
+        """Validate everything Generate needs without loading the model (UIError says what to fix). A browser
+        ``session`` reads back only its own files (:meth:`give`); None (an in-process caller) the UI's temp folder."""
         lightning = self.lightning_lora() if inputs.mode == MODE_LIGHTNING else None
-        return check_job(inputs, self.config, lightning, self.known_images)
+        own = None if session is None else frozenset(self._given.get(session, ()))
+        return check_job(inputs, self.config, lightning, self.known_images, own=own)
 
     def request_stop(self, session: str | None = None) -> None:
         """Stop ``session``'s generation: the running one at its next denoising step, a queued one as it starts.
@@ -274,7 +284,7 @@ class UIHandlers:
         from ..inference.editor import EditRequest
 
         report = progress or (lambda done, total, desc: None)
-        job = self.check(inputs)
+        job = self.check(inputs, session)
         s = job.settings
         lbm = s.mode == MODE_LBM
         folder = self.config.resolved_temp_dir / "results" / f"{time.strftime('%H%M%S')}-{time.time_ns() % 10**9:09d}"

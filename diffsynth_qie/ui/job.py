@@ -89,7 +89,7 @@ def editor_image(editor: Any, loaded: str | None, limit: int,
 
 
 def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | None = None,
-              known_images: frozenset[str] | set[str] = frozenset()) -> Job:
+              known_images: frozenset[str] | set[str] = frozenset(), own: frozenset[str] | None = None) -> Job:
     """Everything Generate needs, checked; UIError (with the fix) on the first problem. Loads no model.
 
     ``lightning_lora`` is the Lightning LoRA the Lightning sampler stacks with the chosen LoRAs
@@ -101,8 +101,10 @@ def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | No
 
     limit = config.max_upload_bytes
     temp = config.resolved_temp_dir.resolve()
-    image, painted = editor_image(inputs.editor, inputs.loaded_image, limit,
-                                  lambda p: p in known_images or Path(p).resolve().is_relative_to(temp))
+    def allowed(p: str) -> bool:  # ``own``: the files given to this browser session (None: the temp folder)
+        return p in known_images or (p in own if own is not None else Path(p).resolve().is_relative_to(temp))
+
+    image, painted = editor_image(inputs.editor, inputs.loaded_image, limit, allowed)
     if inputs.mask_file is not None:
         check_upload(inputs.mask_file, limit, "mask file")
     mask = grow_mask(combine(painted, to_pil(inputs.mask_file, "mask file"), image.size, settings.mask_invert),

@@ -2,6 +2,8 @@
 names a device this machine has."""
 from __future__ import annotations
 
+from typing import Mapping, Optional
+
 from ..presets import Preset
 
 
@@ -22,14 +24,26 @@ def check_device_for(preset: Preset, device, explicit_cpu: bool, flag: str = "--
                      "the CPU anyway (the real model needs about 82 GB of RAM in fp32 and is very slow there)")
 
 
-def check_device_name(device: str | None) -> None:
-    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` of a GPU this machine has (None: the default)."""
-    if device is None:
-        return
+def available_devices() -> list[str]:
+    """The device names a device flag accepts on this machine: ``cpu``, and ``cuda`` / ``cuda:N`` per GPU."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    valid = ["cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(gpus)] if gpus else [])
+    return ["cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(gpus)] if gpus else [])
+
+
+def check_device_name(device: str | None, flag: str = "--device") -> None:
+    """A device flag's value (``flag``): ``cpu``, ``cuda`` or ``cuda:N`` of a GPU this machine has (None: the
+    default). Checked before anything loads: torch's own error would come after the model has loaded."""
+    if device is None:
+        return
+    valid = available_devices()
     if str(device) not in valid:
-        raise ValueError(f"--device {device} is not a device of this machine; choose one of {', '.join(valid)}"
-                         + ("" if gpus else " (torch sees no GPU)"))
+        raise ValueError(f"{flag} {device} is not a device of this machine; choose one of {', '.join(valid)}"
+                         + ("" if len(valid) > 1 else " (torch sees no GPU)"))
+
+
+def check_device_flags(values: Mapping[str, Optional[str]]) -> None:
+    """Every device flag of a command (flag -> value), each as :func:`check_device_name`."""
+    for flag, value in values.items():
+        check_device_name(value, flag)

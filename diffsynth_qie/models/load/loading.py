@@ -256,6 +256,10 @@ def load_pipeline(preset_or_name: str | Preset, model_dir: str | os.PathLike | N
     from .host_weights import map_host_weights
 
     family = get_family(preset.family)
+    if model_dir is not None and "dit" in components:  # the other family's DiT, named before DiffSynth fails
+        from .dit_family import check_dit_family
+
+        check_dit_family(resolved.paths().get("dit", []), preset, family, f"--model_dir {model_dir}")
 
     device = device or default_device()
     torch_dtype = torch_dtype or default_dtype(device)
