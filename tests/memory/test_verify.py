@@ -191,8 +191,9 @@ def test_qie_plan_verify_prints_the_phases_beside_the_plan(capfd):
 
 
 def test_train_preflight_runs_a_block_swapping_run_with_its_swapper():
-    from diffsynth_qie.training import verify
+    from diffsynth_qie.training import verify, verify_preflight
 
     report = verify.preflight(run_config(blocks_to_swap=20), get_preset("2511"))
     assert report.forward_backward_peak > report.weights
-    assert ("in", 1) in report.swap_events and report.swap_events[-1] == ("out", 1)
+    last = verify_preflight.PREFLIGHT_BLOCKS  # the deeper run's last block (of PREFLIGHT_BLOCKS + 1) is the swapped one
+    assert ("in", last) in report.swap_events and report.swap_events[-1] == ("out", last)
