@@ -13,13 +13,16 @@
   cache gives them, inside the schedule-free ``eval()`` and the EMA swap exactly as ``validate_step`` does.
   Two sampler steps show the loop (every step runs the same code); the VAE decode and the PNG are left out
   (the decoder loads on the main process only, after the DiT's work, and is not part of the step).
-- **``--compile``**: the blocks compiled with the eager backend (dynamo's capture and graph breaks run; no
-  code generation).
+- **``--compile``**: ``compile_blocks`` runs on the DiT as ``qie train`` runs it, with the eager backend. Dynamo
+  itself then skips every frame: PyTorch does not compile under a non-infra dispatch mode, which the fake
+  device is, so the blocks run eagerly here. The compiled blocks' graphs, recompiles and numbers are checked on
+  the tiny model on the CPU (``tests/test_compile.py``).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import traceback
 from typing import Iterator, Sequence
 
@@ -28,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..memory.fake_ops import FAKE_DEVICE_FILES
+from ..memory.fake_ops import FAKE_DEVICE_FILES, FakeRunError
 from .verify_batch import SampleShape
 
 VALIDATION_STEPS = 2  # sampler steps of the check's validation render (each step runs the same code)
@@ -48,7 +51,10 @@ class LibraryHostReads(TorchDispatchMode):
             if any(isinstance(a, FakeTensor) for a in tree_flatten((args, kwargs))[0]):
                 self.answered += 1
                 return True if args[0].dtype == torch.bool else 1
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except FakeRunError as e:  # name the line that asked, not this mode's
+            raise FakeRunError(_reattributed(str(e))) from None
 
     def _from_library(self) -> bool:
         """The innermost frame outside torch and the fake device's modules is the library's."""
@@ -59,6 +65,18 @@ class LibraryHostReads(TorchDispatchMode):
                 continue
             return any(d in frame.filename for d in self.dirs)
         return False
+
+
+def _reattributed(message: str) -> str:
+    """``message`` naming the innermost frame of this package outside this module and the fake device's."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = [f for f in traceback.extract_stack() if f.filename.startswith(package) and f.filename != __file__
+            and not f.filename.endswith(FAKE_DEVICE_FILES)]
+    if not ours:
+        return message
+    where = f"{os.path.relpath(ours[-1].filename, os.path.dirname(package))}:{ours[-1].lineno} ({ours[-1].name})"
+    here = re.escape(os.path.relpath(__file__, os.path.dirname(package)))
+    return re.sub(here + r":\d+ \(\w+\)", lambda _: where, message, count=1)
 
 
 def library_host_reads(optimizer_name: str):
@@ -94,7 +112,7 @@ def validation_entry(shape: SampleShape, family, dim: int, lbm: bool):
         empty_prompt_mask=torch.ones(length, dtype=torch.bool), target_latents=target,
         edit_latents=[lat(h, w) for h, w in shape.refs], sub_noise=lat(shape.height, shape.width),
         lbm_source_latents=lat(shape.height, shape.width) if lbm else None,
-        prompt_extras=[extras] if extras else [], empty_prompt_extras=empty)
+        prompt_extras=[extras], empty_prompt_extras=empty)
 
 
 def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
@@ -130,7 +148,7 @@ def compiled(cfg, module) -> Iterator[None]:
         return
     from ..models.load.compile import compile_blocks
 
-    compile_blocks(module.dit, backend="eager")
+    compile_blocks(module.dit, backend="eager")  # (dynamo skips its frames under the fake device's modes)
     try:
         yield
     finally:
