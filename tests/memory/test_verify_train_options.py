@@ -200,3 +200,17 @@ def test_the_scaled_peak_matches_a_deeper_run():
     one, two, four = (step(cfg, layers=n) for n in (1, 2, 4))
     verdict = scaled_verdict(one, two, (1, 2), 4, 0, None)
     assert abs(verdict.peak_bytes - four.peak) / four.peak < 0.02, (verdict.peak_bytes / GiB, four.peak / GiB)
+
+
+def test_every_qie_train_flag_is_in_the_verify_table():
+    """docs/VERIFY.md's `qie train` table says how the check covers each flag; a new flag must be added there."""
+    from diffsynth_qie.commands import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    flags = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and a.dest != "help"}
+    section = (ROOT / "docs" / "VERIFY.md").read_text().split("## qie train", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `(--[a-z0-9_]+)` \| \S", section, re.M))
+    # --no-<flag> spellings of boolean flags are the same flag
+    missing = {f for f in flags if f not in rows and not (f.startswith("--no-") and "--" + f[5:] in rows)}
+    assert not missing, f"add these qie train flags to docs/VERIFY.md's '## qie train' table: {sorted(missing)}"
