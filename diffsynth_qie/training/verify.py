@@ -12,7 +12,8 @@ CUDA stream (``memory/fake_device.StandInTransport``): the swapped blocks' host 
 
 What it leaves out, and why: the data loader and accelerate's wrappers (host-side; the DiT sees the same batch
 dict), DeepSpeed (the engine needs a process group; ZeRO-2/3 shard what this counts for one process), and the
-``--on_the_fly`` encoders (``docs/VERIFY.md``). The batch is ``verify_batch.fake_batch``.
+``--on_the_fly`` encoders (``docs/VERIFY.md``). The batch is ``verify_batch.fake_batch``; ``qie train``'s preflight
+is ``verify_preflight.py``.
 """
 from __future__ import annotations
 
@@ -128,9 +129,3 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
     report.seconds = time.perf_counter() - t0
     return report
 
-
-def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
-    """``qie train``'s check before a real preset loads (``verify_preflight.py``); re-exported here."""
-    from .verify_preflight import preflight as run
-
-    return run(cfg, preset, gpu_memory_gb)

@@ -120,9 +120,9 @@ def test_a_device_mismatch_in_the_ema_update_is_caught_only_with_ema_decay(monke
     monkeypatch.setattr("diffsynth_qie.training.verify.build_ema", planted)
     step(run_config())  # without --ema_decay the bug is not reached
     with pytest.raises(ValueError, match=r"preflight.*device mismatch.*training/ema\.py:\d+ \(update\).*--no_preflight"):
-        from diffsynth_qie.training import verify
+        from diffsynth_qie.training.verify_preflight import preflight
 
-        verify.preflight(run_config(ema_decay=0.99), get_preset("2511"))
+        preflight(run_config(ema_decay=0.99), get_preset("2511"))
     assert ema_mod.LoraEMA.update  # (the class itself is untouched)
 
 
@@ -174,7 +174,7 @@ def _parsed(model: str, flags: list[str]):
 @pytest.mark.parametrize("script,model", [("Qwen-Image-Edit-2511.sh", "2511"), ("Qwen-Image-Edit-2509.sh", "2509"),
                                           ("Qwen-Image-Edit-LBM.sh", "2511"), ("Qwen-Image-2.1.sh", "2.1")])
 def test_the_launch_scripts_training_configurations_pass_the_preflight_on_an_80_gb_gpu(script, model):
-    from diffsynth_qie.training.verify import preflight
+    from diffsynth_qie.training.verify_preflight import preflight
 
     report = preflight(_parsed(model, _train_flags(script)), get_preset(model), gpu_memory_gb=80)
     assert 0 < report.verdict.peak_bytes < 80 * GiB and "scaled to" in report.verdict.scaled
@@ -183,7 +183,7 @@ def test_the_launch_scripts_training_configurations_pass_the_preflight_on_an_80_
 # --- the memory verdict ---------------------------------------------------------------------------------------
 def test_the_preflight_refuses_a_step_that_does_not_fit_the_gpu_in_one_line():
     from diffsynth_qie.memory.verdict import MemoryVerdictError
-    from diffsynth_qie.training.verify import preflight
+    from diffsynth_qie.training.verify_preflight import preflight
 
     with pytest.raises(MemoryVerdictError) as caught:
         preflight(run_config(gradient_checkpointing=False), get_preset("2511"), gpu_memory_gb=24)
