@@ -47,6 +47,9 @@ class Family:
     # ``prompt_<name>.<k>`` / ``empty_prompt_<name>`` (``FamilyOps.split_prompt`` makes them).
     prompt_tensors: tuple[str, ...]
     fullsize_verify: bool = False        # ``qie plan --verify`` and the preflight run this family at full size
+    # Dotted path of a context manager the fake-device checks enter inside ``FakeCuda()``: a stand-in for host
+    # bookkeeping DiffSynth's DiT of this family does on token masks ("" when its DiT needs none)
+    fake_standin: str = ""
     # DiffSynth's classes at their real sizes (default arguments), for ``qie plan``'s census on the meta device
     dit_class: str = ""
     text_encoder_class: str = ""
@@ -67,6 +70,12 @@ class Family:
     def image_tokens(self, height: int, width: int) -> int:
         """DiT tokens of one image of ``height`` x ``width`` pixels."""
         return (height // self.token_pixels) * (width // self.token_pixels)
+
+    def fake_device_standin(self):
+        """A fresh instance of :attr:`fake_standin` (a no-op context without one; imports it)."""
+        import contextlib
+
+        return _resolve(self.fake_standin)() if self.fake_standin else contextlib.nullcontext()
 
     def pipeline_type(self):
         """DiffSynth's pipeline class (imports diffsynth)."""
@@ -114,6 +123,7 @@ QWEN21 = Family(
     max_references=10, licence="Qwen Research License (non-commercial use only)", has_tokenizer=False,
     lora_targets=QWEN21_LORA_TARGETS, ops="diffsynth_qie.models.qwen_image_21.qwen21_ops.Qwen21Ops",
     training_template="Qwen-Image", prompt_tensors=("pad",),  # pad: the references' slots in the prompt [L], bool
+    fullsize_verify=True, fake_standin="diffsynth_qie.memory.standin21.host_bookkeeping21",
     dit_class="diffsynth.models.qwen_image_21_dit.QwenImage21DiT",
     text_encoder_class="diffsynth.models.qwen_image_21_text_encoder.QwenImage21TextEncoder",
     vae_class="diffsynth.models.qwen_image_21_vae.QwenImage21VAE", streams=1,

@@ -178,8 +178,11 @@ class TrainConfig:
         "after a compile of about a minute"))
     no_preflight: bool = field(default=False, metadata=_help(
         "skip the preflight: before a real preset's weights load, one training step of this configuration "
-        "runs on a fake CUDA device (full width, 2 blocks, no memory; a few seconds) and fails on any device/"
-        "dtype mismatch or host sync, and the predicted peak memory is logged"))
+        "runs on a fake CUDA device (full width, 1 and 2 blocks, no memory; seconds) and fails on any device/"
+        "dtype mismatch or host sync, or when its peak memory, scaled to the whole DiT, exceeds the GPU"))
+    gpu_memory_gb: Optional[float] = field(default=None, metadata=_help(
+        "GPU memory the preflight judges the step's peak against (default: the visible GPU's; none without a "
+        "GPU)", min=0))
 
 
 @dataclass

@@ -175,7 +175,7 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     check_fp8_base(cfg, ds_config)
     check_block_swap(cfg, ds_config)  # both before the (long) load
     if not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:
-        from .verify import preflight
+        from .verify_preflight import preflight
 
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
         set_seed(t.seed)

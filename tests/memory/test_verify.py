@@ -164,7 +164,7 @@ def test_edit_with_block_swapping_keeps_the_swapped_block_off_the_device():
 
 
 def test_train_preflight_turns_a_host_sync_into_a_value_error(monkeypatch):
-    from diffsynth_qie.training import verify
+    from diffsynth_qie.training import verify_preflight
     from diffsynth_qie.training.losses import common
 
     real = common.per_sample_mse
@@ -177,7 +177,7 @@ def test_train_preflight_turns_a_host_sync_into_a_value_error(monkeypatch):
 
     monkeypatch.setattr(common, "per_sample_mse", syncing)  # the SFT loss imports it from common when called
     with pytest.raises(ValueError, match=r"preflight.*host read.*(test_verify|losses/sft)\.py:\d+.*--no_preflight"):
-        verify.preflight(run_config(), get_preset("2511"))
+        verify_preflight.preflight(run_config(), get_preset("2511"))
 
 
 def test_qie_plan_verify_prints_the_phases_beside_the_plan(capfd):
@@ -191,8 +191,9 @@ def test_qie_plan_verify_prints_the_phases_beside_the_plan(capfd):
 
 
 def test_train_preflight_runs_a_block_swapping_run_with_its_swapper():
-    from diffsynth_qie.training import verify
+    from diffsynth_qie.training import verify_preflight
 
-    report = verify.preflight(run_config(blocks_to_swap=20), get_preset("2511"))
+    report = verify_preflight.preflight(run_config(blocks_to_swap=20), get_preset("2511"))
     assert report.forward_backward_peak > report.weights
-    assert ("in", 1) in report.swap_events and report.swap_events[-1] == ("out", 1)
+    last = verify_preflight.PREFLIGHT_BLOCKS  # the deeper run's last block (of PREFLIGHT_BLOCKS + 1) is the swapped one
+    assert ("in", last) in report.swap_events and report.swap_events[-1] == ("out", last)

@@ -34,7 +34,8 @@ def mask_weights(back_mask: Tensor, inside: float, outside: float) -> Tensor:
     m = back_mask.float().clamp(0, 1)
     w = inside * m + outside * (1 - m)
     mean = w.mean()
-    return w / mean if mean > 0 else w
+    # on the device, without a host read (a sync per masked sample): all-zero weights divide to NaN, not taken
+    return torch.where(mean > 0, w / mean, w)
 
 
 def per_sample_mse(pred: Tensor, target: Tensor, weight: Optional[Tensor] = None) -> Tensor:

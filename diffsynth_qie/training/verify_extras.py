@@ -1,0 +1,155 @@
+"""What a fake-device training step runs besides forward, backward and the optimizer step (``verify.py``).
+
+- **ProdigyPlusScheduleFree's own host reads.** The library reads values on the host by design: its step-size
+  estimate ``d`` once per step and, when it sets up a parameter's state, whether the parameter is all zero
+  (``p.any() > 0``). A GPU run pays those syncs; a fake device has no value to give. :func:`library_host_reads`
+  answers them with a stand-in value (1) for reads asked from that library's own frames only; a host read
+  from our code, or from any other library, is still an error. Its state, its ``eval()``/``train()`` swaps and
+  its step then run on the fake device and are counted like AdamW's.
+- **The EMA** (``--ema_decay``): the real :class:`~.ema.LoraEMA` built on the fake device, one update after
+  the optimizer step, and its swap into the module for validation (``--validate_with ema|both``).
+- **Validation** (``--validate_every``): one held-out sample rendered by the real sampler through the
+  training module (``validation.sample_jobs``, as ``Validator.render`` calls it), from host tensors as the
+  cache gives them, inside the schedule-free ``eval()`` and the EMA swap exactly as ``validate_step`` does.
+  Two sampler steps show the loop (every step runs the same code); the VAE decode and the PNG are left out
+  (the decoder loads on the main process only, after the DiT's work, and is not part of the step).
+- **``--compile``**: ``compile_blocks`` runs on the DiT as ``qie train`` runs it, with the eager backend. Dynamo
+  itself then skips every frame: PyTorch does not compile under a non-infra dispatch mode, which the fake
+  device is, so the blocks run eagerly here. The compiled blocks' graphs, recompiles and numbers are checked on
+  the tiny model on the CPU (``tests/test_compile.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import traceback
+from typing import Iterator, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..memory.fake_ops import FAKE_DEVICE_FILES, FakeRunError
+from .verify_batch import SampleShape
+
+VALIDATION_STEPS = 2  # sampler steps of the check's validation render (each step runs the same code)
+
+
+class LibraryHostReads(TorchDispatchMode):
+    """Host reads of fake device tensors asked from ``packages``' own frames get a stand-in value (1)."""
+
+    def __init__(self, packages: Sequence[str]):
+        super().__init__()
+        self.dirs = tuple(os.sep + p + os.sep for p in packages)
+        self.answered = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and self._from_library():
+            if any(isinstance(a, FakeTensor) for a in tree_flatten((args, kwargs))[0]):
+                self.answered += 1
+                return True if args[0].dtype == torch.bool else 1
+        try:
+            return func(*args, **kwargs)
+        except FakeRunError as e:  # name the line that asked, not this mode's
+            raise FakeRunError(_reattributed(str(e))) from None
+
+    def _from_library(self) -> bool:
+        """The innermost frame outside torch and the fake device's modules is the library's."""
+        torch_dir = os.path.dirname(torch.__file__)
+        for frame in reversed(traceback.extract_stack()):
+            if (frame.filename.startswith(torch_dir) or frame.filename == __file__
+                    or frame.filename.endswith(FAKE_DEVICE_FILES)):
+                continue
+            return any(d in frame.filename for d in self.dirs)
+        return False
+
+
+def _reattributed(message: str) -> str:
+    """``message`` naming the innermost frame of this package outside this module and the fake device's."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = [f for f in traceback.extract_stack() if f.filename.startswith(package) and f.filename != __file__
+            and not f.filename.endswith(FAKE_DEVICE_FILES)]
+    if not ours:
+        return message
+    where = f"{os.path.relpath(ours[-1].filename, os.path.dirname(package))}:{ours[-1].lineno} ({ours[-1].name})"
+    here = re.escape(os.path.relpath(__file__, os.path.dirname(package)))
+    return re.sub(here + r":\d+ \(\w+\)", lambda _: where, message, count=1)
+
+
+def library_host_reads(optimizer_name: str):
+    """The stand-in of the module docstring for ``--optimizer prodigy_sf``; a no-op for other optimizers."""
+    return LibraryHostReads(("prodigyplus",)) if optimizer_name == "prodigy_sf" else contextlib.nullcontext()
+
+
+def build_ema(cfg, module):
+    """``--ema_decay``'s average of the trainable weights, on their (fake) device; None without it."""
+    from .ema import LoraEMA
+
+    return LoraEMA(module, cfg.train.ema_decay) if cfg.train.ema_decay else None
+
+
+def validation_entry(shape: SampleShape, family, dim: int, lbm: bool):
+    """A held-out cache entry of ``shape``, on the host as the cache store loads it (values do not matter)."""
+    from ..cache.entry import CacheEntry
+    from ..memory.standin21 import slot_mask21
+
+    def lat(h: int, w: int) -> torch.Tensor:
+        return torch.zeros(family.latent_channels, *family.latent_size(h, w), dtype=torch.bfloat16)
+
+    extras = {}
+    if "pad" in family.prompt_tensors:
+        extras = {"pad": slot_mask21([family.latent_size(h, w) for h, w in shape.refs], shape.prompt_tokens)}
+    length = len(extras["pad"]) if extras else shape.prompt_tokens
+    empty = dict(extras)
+    target = lat(shape.height, shape.width)
+    return CacheEntry(
+        entry_id="check", row_id="check", dataset="check", inverse=False,
+        prompt_embs=[torch.zeros(length, dim, dtype=torch.bfloat16)], prompt_masks=[torch.ones(length, dtype=torch.bool)],
+        empty_prompt_emb=torch.zeros(length, dim, dtype=torch.bfloat16),
+        empty_prompt_mask=torch.ones(length, dtype=torch.bool), target_latents=target,
+        edit_latents=[lat(h, w) for h, w in shape.refs], sub_noise=lat(shape.height, shape.width),
+        lbm_source_latents=lat(shape.height, shape.width) if lbm else None,
+        prompt_extras=[extras], empty_prompt_extras=empty)
+
+
+def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
+    """``validate_step``'s work on one held-out ``entry``: per ``--validate_with`` tag, the schedule-free average
+    (and the EMA) swapped in, the sampler run through the module under bf16 autocast (accelerate's mixed
+    precision), swapped back."""
+    from .losses.registry import loss_spec
+    from .optim import schedule_free_eval
+    from .validation import flow_match_jobs, lbm_jobs, output_name, sample_jobs
+
+    t = cfg.train
+    device, dtype = module.compute_device_dtype()
+    lbm = loss_spec(cfg.loss.loss).bridge
+    names = [output_name(0, entry.entry_id)]
+    jobs = lbm_jobs([entry], names, cfg.lbm.lbm_sub_target) if lbm else flow_match_jobs([entry], names, dtype)
+    which = t.validate_with if ema is not None else "raw"
+    module.eval()
+    for tag in {"raw": ("",), "ema": ("-ema",), "both": ("", "-ema")}[which]:
+        with schedule_free_eval(optimizer), (ema.applied(module) if tag else contextlib.nullcontext()), \
+                torch.autocast("cuda", dtype=torch.bfloat16):
+            sample_jobs(lambda fn: module(predict=fn), [entry], jobs, lbm=lbm,
+                        steps=min(t.validation_steps, VALIDATION_STEPS), cfg=t.validation_cfg_scale,
+                        zero_cond_t=bool(t.zero_cond_t), bridge_noise=cfg.lbm.lbm_bridge_noise, device=device,
+                        dtype=dtype, preset=preset.name)
+    module.train()
+
+
+@contextlib.contextmanager
+def compiled(cfg, module) -> Iterator[None]:
+    """``--compile``: the DiT's blocks compiled as ``qie train`` compiles them, with the eager backend."""
+    if not cfg.train.compile:
+        yield
+        return
+    from ..models.load.compile import compile_blocks
+
+    compile_blocks(module.dit, backend="eager")  # (dynamo skips its frames under the fake device's modes)
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()

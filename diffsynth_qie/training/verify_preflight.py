@@ -1,0 +1,98 @@
+"""``qie train``'s preflight: the run's configuration, one training step on the fake device, and a memory verdict.
+
+Before a real preset's weights load (tens of GB, minutes), :func:`preflight` runs one optimizer step of the
+user's whole resolved ``RunConfig`` (``verify.verify_train_step``: every flag the step reads, as ``qie train``
+reads it) at full width on a DiT of a few blocks, twice: at two depths. A device or dtype mismatch, or a host
+read of a device tensor, raises ``ValueError`` naming the operator and our line. Every block runs the same code
+and holds the same, so the difference of the two peaks is one block's share (its weights, LoRA, optimizer state
+and saved activations); :func:`scaled_verdict` scales it to the whole DiT (the blocks ``--blocks_to_swap``
+keeps in host memory excepted) and judges the result against ``--gpu_memory_gb`` (default: the visible GPU),
+``memory/verdict.py``: one line, exit code 2, when it does not fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+from typing import Optional
+
+from .verify import StepReport, verify_train_step
+from .verify_batch import batch_shapes
+
+log = logging.getLogger(__name__)
+
+PREFLIGHT_BLOCKS = 2  # the deeper of the two runs (one block to hand over to the next)
+RESOLUTION = 1024  # a cache's samples are not read before the load; --on_the_fly: its --max_pixels
+
+
+def full_depth(preset) -> int:
+    """Blocks of the preset's whole DiT (its DiffSynth class's default ``num_layers``)."""
+    from ..memory.census import build_dit
+    from ..models.presets import family_of
+
+    if preset.is_tiny:
+        import torch
+
+        with torch.device("meta"):
+            return len(build_dit(preset).transformer_blocks)
+    return inspect.signature(family_of(preset).component_type("dit")).parameters["num_layers"].default
+
+
+def scaled_verdict(shallow: StepReport, deep: StepReport, depths: tuple[int, int], blocks: int,
+                   blocks_to_swap: int, gpu_bytes: Optional[int]):
+    """The steady-state step's :class:`~..memory.verdict.MemoryVerdict` for the whole ``blocks``-block DiT, from
+    runs at ``depths`` (with block swapping each run keeps its last block in host memory)."""
+    from ..memory.verdict import MemoryVerdict
+
+    per_block = max(0, (deep.peak - shallow.peak) // (depths[1] - depths[0]))
+    block_weights = max(0, (deep.weights - shallow.weights) // (depths[1] - depths[0]))
+    swapped_run = 1 if blocks_to_swap else 0
+    resident_run, resident = depths[1] - swapped_run, blocks - blocks_to_swap
+    # training holds up to two swapped blocks at once (the kept last one and the prefetched one); the run one
+    in_flight = max(0, min(blocks_to_swap, 2) - swapped_run) * block_weights
+    peak = deep.peak + (resident - resident_run) * per_block + in_flight
+    holders = sorted([(f"{resident} resident blocks (weights, LoRA, optimizer state, saved activations)",
+                       resident * per_block),
+                      ("embeddings, the last block's working set, the loss", deep.peak - resident_run * per_block)],
+                     key=lambda h: -h[1])
+    swap = f", {blocks_to_swap} in host memory" if blocks_to_swap else ""
+    return MemoryVerdict(phase="training step (steady state)", peak_bytes=int(peak), gpu_bytes=gpu_bytes,
+                         holders=tuple(holders),
+                         scaled=f"{depths[0]} and {depths[1]} of {blocks} blocks run, scaled to {blocks}{swap}")
+
+
+def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
+    """The check of the module docstring; returns the deeper run's report (``.verdict``: the memory verdict).
+    ``gpu_memory_gb`` overrides ``cfg.train.gpu_memory_gb``."""
+    from ..memory.fake_device import FakeRunError
+    from ..memory.verdict import MemoryVerdictError, check_memory, gpu_bytes_of
+    from ..models.presets import family_of
+
+    t, family = cfg.train, family_of(preset)
+    gpu = gpu_bytes_of(t.gpu_memory_gb if gpu_memory_gb is None else gpu_memory_gb)  # (outside the fake device)
+    side = RESOLUTION
+    if cfg.onthefly.on_the_fly:
+        side = max(family.size_divisor, int(math.isqrt(cfg.onthefly.max_pixels)) // family.size_divisor
+                   * family.size_divisor)
+    shapes = batch_shapes(side, 1, 300, t.batch_size, mixed=t.batch_size > 1, multiple=family.size_divisor)
+    depths = (PREFLIGHT_BLOCKS - 1, PREFLIGHT_BLOCKS)
+    run_cfg = cfg
+    if t.blocks_to_swap:  # the last of the check's blocks is swapped (the first ones hand over to it)
+        depths = (PREFLIGHT_BLOCKS, PREFLIGHT_BLOCKS + 1)
+        run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=1))
+    where = f"one training step on a fake CUDA device, before loading {preset.name}"
+    try:
+        shallow, deep = (verify_train_step(run_cfg, preset, shapes, num_layers=n) for n in depths)
+    except FakeRunError as e:
+        raise ValueError(f"preflight ({where}): {e}; pass --no_preflight to skip the check") from None
+    blocks = full_depth(preset)
+    verdict = scaled_verdict(shallow, deep, depths, blocks, min(t.blocks_to_swap, blocks), gpu)
+    deep.verdict = verdict
+    try:
+        line = check_memory(verdict)
+    except MemoryVerdictError as e:
+        raise MemoryVerdictError(f"preflight ({where}): {e}") from None
+    log.info("preflight: one training step of %s (full width) on a fake CUDA device passed in %.1f s; %s",
+             preset.name, shallow.seconds + deep.seconds, line)
+    return deep
