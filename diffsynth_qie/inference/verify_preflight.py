@@ -50,9 +50,10 @@ def preflight(model: str, request: Optional[EditRequest] = None, load: Optional[
         request = EditRequest(images=[image], prompt="edit", steps=1, height=512, width=512)
     load = load or EditLoad()
     swapped = min(load.blocks_to_swap, PREFLIGHT_BLOCKS - 1)  # the real swapper on one of the blocks run
+    run_preset, steps = _steps_run(preset, request)
     try:
-        report = verify_edit(preset, prompt_tokens=estimated_tokens(request), num_layers=PREFLIGHT_BLOCKS,
-                             request=dataclasses.replace(request, steps=_steps_run(preset, request)),
+        report = verify_edit(run_preset, prompt_tokens=estimated_tokens(request), num_layers=PREFLIGHT_BLOCKS,
+                             request=dataclasses.replace(request, steps=steps),
                              load=dataclasses.replace(load, blocks_to_swap=swapped))
     except FakeRunError as e:
         raise ValueError(f"preflight (one edit on a fake CUDA device, before loading {preset.name}): {e}; "
@@ -63,12 +64,18 @@ def preflight(model: str, request: Optional[EditRequest] = None, load: Optional[
     return report
 
 
-def _steps_run(preset, request: EditRequest) -> Optional[int]:
-    """Every step runs the same code; two show what the second step reuses (a prefix KV cache). A fixed grid
-    (``Preset.sigmas``) and the Lightning schedule keep their own step counts."""
-    if request.steps is None or preset.sigmas or request.scheduler == "lightning":
-        return request.steps
-    return min(request.steps, 2)
+def _steps_run(preset, request: EditRequest):
+    """(preset, steps) to run: every step runs the same code, and two show what the second reuses (a prefix KV
+    cache). A fixed grid (``Preset.sigmas``) runs its first two sigmas (a step count it refuses stays refused);
+    the Lightning schedule keeps its 4 or 8 steps."""
+    steps = request.steps
+    if steps is None or steps <= 2 or request.scheduler == "lightning":
+        return preset, steps
+    if preset.sigmas:
+        if steps != len(preset.sigmas):
+            return preset, steps
+        return dataclasses.replace(preset, sigmas=tuple(preset.sigmas[:2])), 2
+    return preset, 2
 
 
 def full_blocks(preset) -> int:
