@@ -170,7 +170,16 @@ def edit_load(args: argparse.Namespace, loras: list[tuple[str, float]]):
     return EditLoad(fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap,
                     lora_ranks=tuple(lora_rank_of(p) for p, _ in loras), lora_scales=tuple(s for _, s in loras),
                     lora_merge=args.lora_merge, compile=args.compile, zero_cond_t=args.zero_cond_t,
-                    dtype=parse_dtype(args.dtype))
+                    dtype=parse_dtype(args.dtype), one_gpu=one_gpu(args))
+
+
+def one_gpu(args: argparse.Namespace) -> bool:
+    """Every component on the same GPU (what the preflight's memory verdict judges)."""
+    from ..inference.devices import parse_device_map
+
+    placed = {d if ":" in d else f"{d}:0" for d in (args.device, *parse_device_map(args.device_map).values(),
+                                                  args.text_encoder_device, args.vae_device, args.dit_device) if d}
+    return not args.cpu_offload and len(placed) <= 1 and not any(str(d).startswith("cpu") for d in placed)
 
 
 def run(args: argparse.Namespace) -> int:

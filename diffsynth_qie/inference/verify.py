@@ -41,6 +41,8 @@ class EditLoad:
     compile: bool = False                    # torch.compile of each block (the eager backend here)
     zero_cond_t: Optional[bool] = None       # None: the preset's
     dtype: Optional[torch.dtype] = None      # None: bf16, as ``--dtype auto`` on a GPU
+    one_gpu: bool = True                     # every component on one GPU (else the memory verdict is not judged:
+                                             # --cpu_offload, --device_map and --*_device place them elsewhere)
 
 
 @dataclass

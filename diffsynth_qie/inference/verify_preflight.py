@@ -44,11 +44,11 @@ def preflight(model: str, request: Optional[EditRequest] = None, load: Optional[
     from ..models.presets import get_preset
 
     preset = get_preset(model)
-    gpu_bytes = gpu_bytes_of(gpu_memory_gb)  # outside the fake device
+    load = load or EditLoad()
+    gpu_bytes = gpu_bytes_of(gpu_memory_gb) if load.one_gpu else None  # (outside the fake device)
     if request is None:
         image = Image.new("RGB", (512, 512), (128, 128, 128))
         request = EditRequest(images=[image], prompt="edit", steps=1, height=512, width=512)
-    load = load or EditLoad()
     swapped = min(load.blocks_to_swap, PREFLIGHT_BLOCKS - 1)  # the real swapper on one of the blocks run
     run_preset, steps = _steps_run(preset, request)
     try:
@@ -59,8 +59,9 @@ def preflight(model: str, request: Optional[EditRequest] = None, load: Optional[
         raise ValueError(f"preflight (one edit on a fake CUDA device, before loading {preset.name}): {e}; "
                          "pass --no_preflight to skip the check") from None
     line = check_memory(edit_verdict(report, full_blocks(preset), load.blocks_to_swap, swapped, gpu_bytes))
-    log.info("preflight: one edit of %s (full width, %d blocks) on a fake CUDA device passed in %.1f s; %s",
-             preset.name, PREFLIGHT_BLOCKS, report.seconds, line)
+    log.info("preflight: one edit of %s (full width, %d blocks) on a fake CUDA device passed in %.1f s; %s%s",
+             preset.name, PREFLIGHT_BLOCKS, report.seconds, line,
+             "" if load.one_gpu else " (memory not judged: the components are placed on several devices)")
     return report
 
 
