@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     check_device_name(args.device)
 
     if not preset.is_tiny and family.fullsize_verify and not args.no_preflight:
-        from ..inference.verify import preflight
+        from ..inference.verify_preflight import preflight
 
         preflight(args.model, request, edit_load(args, loras), args.gpu_memory_gb)
     editor = Editor.from_preset(args.model, model_dir=args.model_dir, device=args.device, torch_dtype=args.dtype,

@@ -9,7 +9,7 @@ part-way start, the Lightning schedule, the mask's latent and pixel blends, LBM,
 LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (the eager backend: the same
 dynamo graphs, no kernels), Qwen-Image-2.1's prefix KV cache, and the VAE decode. The host-side stand-ins
 (prompt token bookkeeping, the finished image's host copy, a family's DiT bookkeeping) are in
-``verify_standins.py``; the preflight and its memory verdict in ``verify_preflight.py``.
+``verify_standins.py``; ``qie edit``'s preflight and its memory verdict in ``verify_preflight.py``.
 """
 from __future__ import annotations
 
@@ -174,10 +174,3 @@ def _run_phased(editor: FakeEditor, request: EditRequest, fc: FakeCuda, marks: d
         setattr(editor, name, wrap(name))
     editor.edit(request)
 
-
-def preflight(model: str, request: Optional[EditRequest] = None, load: Optional[EditLoad] = None,
-              gpu_memory_gb: Optional[float] = None):
-    """``qie edit``'s check before a real preset loads (``verify_preflight.preflight``)."""
-    from .verify_preflight import preflight as run
-
-    return run(model, request, load, gpu_memory_gb)

@@ -31,7 +31,8 @@ def mask():
 
 
 def run(req, **load):
-    from diffsynth_qie.inference.verify import EditLoad, preflight
+    from diffsynth_qie.inference.verify import EditLoad
+    from diffsynth_qie.inference.verify_preflight import preflight
 
     return preflight("2511", req, EditLoad(**load), gpu_memory_gb=1000)
 

@@ -53,13 +53,13 @@ def stand_in_files(argv: list[str], tmp: Path) -> list[str]:
 def test_the_readme_edit_examples_pass_their_preflight(argv, tmp_path, monkeypatch):
     from diffsynth_qie.cli import build_parser
     from diffsynth_qie.commands import edit
-    from diffsynth_qie.inference import editor, verify
+    from diffsynth_qie.inference import editor, verify_preflight
     from diffsynth_qie.models.presets import family_of, get_preset
 
     args = build_parser().parse_args(["edit", *stand_in_files(argv, tmp_path), "--gpu_memory_gb", "80"])
     ran = []
-    real = verify.preflight
-    monkeypatch.setattr(verify, "preflight", lambda *a, **k: ran.append(real(*a, **k)))
+    real = verify_preflight.preflight
+    monkeypatch.setattr(verify_preflight, "preflight", lambda *a, **k: ran.append(real(*a, **k)))
     monkeypatch.setattr(editor.Editor, "from_preset", classmethod(lambda *a, **k: (_ for _ in ()).throw(Loaded())))
     with qwen21_verified():
         with pytest.raises(Loaded):
