@@ -6,8 +6,9 @@ real VAE, all built on the fake device (``memory/fake_device.py``) through the f
 ``family_ops``; no family is named here): the VAE encoding of the references at their real size, the denoising
 steps with true CFG (one batch, or two passes when the prompts' lengths differ, as on a GPU), the edit strength's
 part-way start, the Lightning schedule, the mask's latent and pixel blends, LBM, the unmerged branches of every
-LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (the eager backend: the same
-dynamo graphs, no kernels), Qwen-Image-2.1's prefix KV cache, and the VAE decode. The host-side stand-ins
+LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (``compile_blocks`` with the
+eager backend; dynamo does not trace frames while the fake device's dispatch mode is active, so the blocks' ops
+run eagerly), Qwen-Image-2.1's prefix KV cache, and the VAE decode. The host-side stand-ins
 (prompt token bookkeeping, the finished image's host copy, a family's DiT bookkeeping) are in
 ``verify_standins.py``; ``qie edit``'s preflight and its memory verdict in ``verify_preflight.py``.
 """
