@@ -94,9 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the DiT memory of bf16; compute stays in --dtype)")
     d.add_argument("--compile", action="store_true",
                    help="torch.compile each DiT block (regional; faster steps on a GPU after about a minute of compiling)")
+    d.add_argument("--gpu_memory_gb", type=checked(float, 0.1, 1 << 20), default=None, metavar="GB",
+                   help="the GPU memory the preflight judges the edit's peak against (default: the visible GPU's)")
     d.add_argument("--no_preflight", action="store_true",
-                   help="skip the preflight: before a real preset loads, one edit with these devices/options runs "
-                        "on a fake CUDA device (full width, 2 DiT blocks, no memory; seconds)")
+                   help="skip the preflight: before a real preset loads, this very edit with these options runs "
+                        "on a fake CUDA device (full width, 2 DiT blocks, no memory; seconds), and its peak, "
+                        "scaled to the whole DiT, must fit --gpu_memory_gb")
 
 
 def lora_pairs(paths: list[str], scales: list[float]) -> list[tuple[str, float]]:
@@ -170,6 +173,27 @@ def sub_path(out: str | Path) -> Path:
     return out.with_name(f"{out.stem}_sub{out.suffix}")
 
 
+def edit_load(args: argparse.Namespace, loras: list[tuple[str, float]]):
+    """The load options of ``args`` as the preflight repeats them (each LoRA's rank read from its header)."""
+    from ..inference.devices import parse_dtype
+    from ..inference.verify import EditLoad
+    from ..inference.verify_standins import lora_rank_of
+
+    return EditLoad(fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap,
+                    lora_ranks=tuple(lora_rank_of(p) for p, _ in loras), lora_scales=tuple(s for _, s in loras),
+                    lora_merge=args.lora_merge, compile=args.compile, zero_cond_t=args.zero_cond_t,
+                    dtype=parse_dtype(args.dtype), one_gpu=one_gpu(args))
+
+
+def one_gpu(args: argparse.Namespace) -> bool:
+    """Every component on the same GPU (what the preflight's memory verdict judges)."""
+    from ..inference.devices import parse_device_map
+
+    placed = {d if ":" in d else f"{d}:0" for d in (args.device, *parse_device_map(args.device_map).values(),
+                                                  args.text_encoder_device, args.vae_device, args.dit_device) if d}
+    return not args.cpu_offload and len(placed) <= 1 and not any(str(d).startswith("cpu") for d in placed)
+
+
 def run(args: argparse.Namespace) -> int:
     images, mask, loras = load_inputs(args)  # before any heavy import or model load
     from ..models.samplers.lightning import sampling_plan
@@ -200,10 +224,9 @@ def run(args: argparse.Namespace) -> int:
                         for name in ("device", "text_encoder_device", "vae_device", "dit_device")})
 
     if not preset.is_tiny and family.fullsize_verify and not args.no_preflight:
-        from ..inference.verify import preflight
+        from ..inference.verify_preflight import preflight
 
-        preflight(args.model, images=len(images), fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap,
-                  lora_rank=32 if loras else 0, lbm_steps=args.lbm_steps, cfg=args.cfg)
+        preflight(args.model, request, edit_load(args, loras), args.gpu_memory_gb)
     editor = Editor.from_preset(args.model, model_dir=args.model_dir, device=args.device, torch_dtype=args.dtype,
                                 device_map=device_map_with(args.device_map, text_encoder=args.text_encoder_device,
                                                            vae=args.vae_device, dit=args.dit_device),
