@@ -300,6 +300,8 @@ class Editor:
         cond = self.ops.conditioning([prompt_emb], None if negative_emb is None else [negative_emb], [edit_latents],
                                      self.zero_cond_t, to_dit)
         latents = self._sample(request, cond, cfg, z_src, z_white, self.family.latent_size(height, width))
+        # the conditioning holds 2.1's prefix KV caches (GiBs at full size): free them before the VAE decodes
+        del cond, prompt_emb, negative_emb, edit_latents, z_src, z_white
         decoded = [self._decode(x) for x in latents]
         self.pipe.load_models_to_device([])
         if request.mask is not None and request.mask_blend > 0:
