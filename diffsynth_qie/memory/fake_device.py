@@ -132,7 +132,9 @@ a CUDA device, which needs no ``transport=``), on the modelled streams."""
 
 def _frame_of(tb) -> str:
     """``file:line (function)`` of the innermost frame of ``tb`` in this package outside the fake device."""
-    frames = [f for f in reversed(traceback.extract_tb(tb)) if not f.filename.endswith(FAKE_DEVICE_FILES)]
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in reversed(traceback.extract_tb(tb))
+              if not f.filename.endswith(FAKE_DEVICE_FILES) and not f.filename.startswith(torch_dir)]
     ours = [f for f in frames if f.filename.startswith(PACKAGE_DIR)] or frames
     if not ours:
         return "(unknown)"

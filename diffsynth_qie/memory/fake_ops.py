@@ -31,8 +31,8 @@ from .fake_streams import StreamOrder
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The fake device's own modules: a FakeRunError names the frame that called into them, never theirs.
-FAKE_DEVICE_FILES = ("fake_device.py", "fake_ops.py", "fake_memory.py", "fake_backward.py", "fake_checks.py",
-                     "fake_streams.py")
+FAKE_DEVICE_FILES = tuple(os.sep + name for name in ("fake_device.py", "fake_ops.py", "fake_memory.py",
+                                                      "fake_backward.py", "fake_checks.py", "fake_streams.py"))
 aten = torch.ops.aten
 HOST_SYNC_HINT = ("on a GPU the host waits there for everything queued on the device, stalling the step; keep "
                   "the value on the device (or on the host from the start), or move the copy out of the step")
