@@ -3,6 +3,7 @@ and the legal counterpart passes (memory/fake_checks.py, fake_streams.py, fake_o
 from __future__ import annotations
 
 import inspect
+import os
 import re
 
 import pytest
@@ -74,7 +75,8 @@ def test_autocast_mixed_inputs_are_legal_and_cast_as_autocast_does():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             assert F.linear(x, w).dtype == torch.bfloat16
             assert F.scaled_dot_product_attention(q, k, v).dtype == torch.bfloat16
-        with pytest.raises(FakeRunError, match=rf"dtype mismatch in aten\._scaled_dot_product.* at .*{at(line_of('qkv'))}"):
+        with pytest.raises(FakeRunError, match=rf"dtype mismatch in aten\._scaled_dot_product.* at .*"
+                                               rf"{at(line_of('qkv'))}"):
             F.scaled_dot_product_attention(q, k, v)  # plant: qkv
 
 
@@ -143,7 +145,8 @@ def test_tolist_numpy_and_tensor_of_device_scalars_are_caught():
             with pytest.raises(FakeRunError, match=rf"host read .*\.numpy\(\).* at .*{at(line_of('numpy'))}"):
                 x.float().cpu().numpy()  # plant: numpy
         with fc.phase("step"):
-            with pytest.raises(FakeRunError, match=rf"host sync in torch\.tensor.* at .*{at(line_of('tensor'))}.*stack"):
+            with pytest.raises(FakeRunError, match=rf"host sync in torch\.tensor.* at .*{at(line_of('tensor'))}"
+                                                   rf".*torch\.stack"):
                 torch.tensor([x[0], x[1]])  # plant: tensor
 
 
@@ -259,7 +262,6 @@ def test_swapping_sets_the_pinned_threshold_and_keeps_the_users(monkeypatch):
     assert swap_transport.pinned_allocation_bytes(int(648.2 * 2 ** 20)) == 1024 * 2 ** 20
     with FakeCuda():
         swap_transport.CudaTransport("cuda:0", "cpu")  # what BlockSwapper builds on a GPU
-    import os
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,pinned_max_round_threshold_mb:16"
     assert swap_transport.pinned_allocation_bytes(int(648.2 * 2 ** 20)) == int(648.2 * 2 ** 20)
     monkeypatch.setattr(swap_transport, "_exact_above", None)
