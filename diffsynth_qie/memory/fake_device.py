@@ -3,7 +3,7 @@
 PyTorch's ``FakeTensorMode`` runs every operator for shapes, dtypes and devices only. Under
 :func:`fake_cuda`, tensors can live on ``cuda:0`` on a machine without a GPU, so the real 20 B DiT
 builds in seconds and a whole training step or edit runs through our code exactly as on a GPU.
-Three things are added on top of the mode:
+Four things are added on top of the mode:
 
 - **The host stays real.** An operator whose inputs are all real CPU tensors (and that makes no
   tensor on the device) runs for real: σ draws, CPU noise, index lists and other host-side work
@@ -13,7 +13,7 @@ Three things are added on top of the mode:
   a ``generator=`` on another device than its output; reading a device tensor's value on the host
   (``.item()``, ``.tolist()``, ``.numpy()``, ``nonzero`` sizes, ``if tensor:``); inside a verified phase
   (:meth:`FakeCuda.phase`), copying a device tensor to the host (``.cpu()``, ``.to("cpu")``, ``copy_`` into
-  a host tensor, ``torch.tensor([device scalars])``); a tensor copied on a side stream used before its
+  a host tensor) with more device work after it, and ``torch.tensor([device scalars])``; a tensor copied on a side stream used before its
   copy was waited for. Each becomes a :class:`FakeRunError` naming the operator, the line of our code that
   asked for it and the fix; so does a CUDA driver error raised inside the session.
 - **Legal CUDA calls are modelled** (``fake_streams.py``): streams, events, ``synchronize``,
