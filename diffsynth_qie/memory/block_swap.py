@@ -33,6 +33,9 @@ Why ``param.data`` and module hooks:
   every other block. A callback queued on the autograd engine swaps out whatever is still
   in when the backward pass ends.
 
+The transports (``memory/swap_transport.py``): pinned host masters, one exact-size pinned buffer per
+block, copied on a side CUDA stream; plain host copies on a CPU.
+
 Prefetch: when block ``i`` is swapped in, the next swapped block in execution order (the
 forward order, or the backward order inside a backward pass) starts copying on a side
 CUDA stream; the compute stream waits on its event only when that block is about to run.
@@ -53,96 +56,18 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .swap_transport import (ALIGN, CudaTransport, HostTransport, block_layout,  # noqa: F401 (the API)
+                             default_transport, exact_pinned_memory, pinned_allocation_bytes)
+
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-
-
-ALIGN = 256  # bytes: every master starts at an aligned offset of its block's buffer
-
-
-def block_layout(tensors: list[Tensor]) -> tuple[list[int], int]:
-    """Byte offsets of ``tensors`` packed into one buffer (each start aligned to :data:`ALIGN`), and its size."""
-    offsets, total = [], 0
-    for t in tensors:
-        total = -(-total // ALIGN) * ALIGN
-        offsets.append(total)
-        total += t.numel() * t.element_size()
-    return offsets, total
 
 
 def swapped_blocks(dit: nn.Module, blocks_to_swap: int) -> list[str]:
     """Module paths of the blocks :class:`BlockSwapper` keeps in host memory: the last ``blocks_to_swap``."""
     total = len(getattr(dit, "transformer_blocks", ()))
     return [f"transformer_blocks.{i}" for i in range(max(0, total - blocks_to_swap), total)] if blocks_to_swap else []
-
-
-class HostTransport:
-    """Copies between two host tensor sets: the mechanism without a GPU (CPU runs and tests)."""
-
-    pin_memory = False
-
-    def __init__(self, device, offload_device):
-        self.device, self.offload_device = torch.device(device), torch.device(offload_device)
-
-    def masters(self, tensors: list[Tensor]) -> list[Tensor]:
-        """Offload copies of a block's frozen tensors, carved out of one buffer: one allocation per block.
-        PyTorch's pinned-memory allocator rounds every allocation up to a power of two, which cost 1.58x the
-        real DiT's block size (1024 MiB for 648 MiB) when each tensor had its own."""
-        offsets, total = block_layout(tensors)
-        buffer = torch.empty(total, dtype=torch.uint8, device=self.offload_device, pin_memory=self.pin_memory)
-        out = []
-        for t, offset in zip(tensors, offsets):
-            view = buffer[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            view.copy_(t.detach())
-            out.append(view)
-        return out
-
-    def evicted(self, master: Tensor) -> Tensor:
-        """What a parameter points at while its block is out."""
-        return master
-
-    def start(self, masters: list[Tensor]):
-        """Begin copying ``masters`` to the device; returns a handle for :meth:`finish`."""
-        return [m.to(self.device, copy=True) for m in masters]
-
-    def finish(self, handle) -> list[Tensor]:
-        """The device tensors, ready for the compute stream."""
-        return handle
-
-
-class CudaTransport(HostTransport):
-    """Pinned host masters (one pinned buffer per block), copies on a side CUDA stream ordered by events."""
-
-    pin_memory = True
-
-    def __init__(self, device, offload_device):
-        super().__init__(device, offload_device)
-        self.stream = torch.cuda.Stream(device=self.device)
-
-    def start(self, masters: list[Tensor]):
-        with torch.cuda.stream(self.stream):
-            tensors = [m.to(self.device, non_blocking=True) for m in masters]
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return tensors, event
-
-    def finish(self, handle) -> list[Tensor]:
-        tensors, event = handle
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(event)
-        for t in tensors:  # allocated on the side stream, used (and freed) on the compute stream
-            t.record_stream(current)
-        return tensors
-
-
-def default_transport(device, offload_device) -> HostTransport:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return CudaTransport(device, offload_device)
-    if device.type == "cpu":
-        log.warning("block swapping on the CPU saves no memory (it only exercises the mechanism)")
-    return HostTransport(device, offload_device)
 
 
 def _in_backward() -> bool:

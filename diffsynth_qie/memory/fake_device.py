@@ -3,40 +3,49 @@
 PyTorch's ``FakeTensorMode`` runs every operator for shapes, dtypes and devices only. Under
 :func:`fake_cuda`, tensors can live on ``cuda:0`` on a machine without a GPU, so the real 20 B DiT
 builds in seconds and a whole training step or edit runs through our code exactly as on a GPU.
-Three things are added on top of the mode:
+Four things are added on top of the mode:
 
 - **The host stays real.** An operator whose inputs are all real CPU tensors (and that makes no
   tensor on the device) runs for real: σ draws, CPU noise, index lists and other host-side work
   keep their values, so the code takes the same branches it takes on a GPU.
-- **What a GPU run would refuse, or stall on, is an error** (``fake_ops.py``). Mixing a CPU and a CUDA
-  tensor raises ``FakeTensorDeviceMismatchError`` as on a GPU; reading a device tensor's value on the host
-  (``.item()``, ``.tolist()``, ``nonzero`` sizes, ``if tensor:``) would be a host sync. Both become a
-  :class:`FakeRunError` naming the operator and the line of our code that asked for it.
+- **What a GPU run would refuse, or stall on, is an error** (``fake_ops.py``, ``fake_checks.py``): mixing a
+  CPU and a CUDA tensor; operand dtypes the CUDA matmul and attention kernels refuse, FP8 reaching a matmul;
+  a ``generator=`` on another device than its output; reading a device tensor's value on the host
+  (``.item()``, ``.tolist()``, ``.numpy()``, ``nonzero`` sizes, ``if tensor:``); inside a verified phase
+  (:meth:`FakeCuda.phase`), copying a device tensor to the host (``.cpu()``, ``.to("cpu")``, ``copy_`` into
+  a host tensor) with more device work after it, and ``torch.tensor([device scalars])``; a tensor copied on a side stream used before its
+  copy was waited for. Each becomes a :class:`FakeRunError` naming the operator, the line of our code that
+  asked for it and the fix; so does a CUDA driver error raised inside the session.
+- **Legal CUDA calls are modelled** (``fake_streams.py``): streams, events, ``synchronize``,
+  ``torch.Generator("cuda")`` and pinned host memory work without a driver.
 - **Live device bytes are counted** (``fake_memory.py``). Every device storage is registered when an
   operator makes it and released when Python frees it (storages keep their Python object while alive), so
   the peak of live bytes per phase is exact for what the program holds. It cannot see allocator
   fragmentation, the caching allocator's rounding, cuBLAS/cuDNN workspaces or the CUDA context
   (``docs/MEMORY.md``).
 
-CUDA streams and events cannot be faked (creating one initialises CUDA), so block swapping runs with
-:class:`StandInTransport`: the swapped blocks' host copies are fake CPU tensors (no memory, no values),
-and a swap-in is a plain copy onto the fake device, counted like any other. PyTorch's autograd engine
+Block swapping runs its real CUDA transport (``memory/swap_transport.py``): the swapped blocks' pinned host
+copies are fake CPU tensors (no memory, counted as pinned host bytes), a swap-in is a copy on the modelled
+side stream, counted like any other device tensor and checked for its wait. PyTorch's autograd engine
 cannot run a backward pass over fake CUDA tensors on a machine without a GPU either: :func:`backward`
 (``fake_backward.py``) walks the graph itself, in the engine's order.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 from typing import Iterator, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .block_swap import HostTransport
 from .fake_backward import backward, node_hooks_kept
 from .fake_memory import DeviceMemory, PhasePeak
-from .fake_ops import (FakeRunError, FusedAttention, HostRealDeviceFake, cuda_looks_available,
-                       module_moves_set_data)
+from .fake_ops import (FAKE_DEVICE_FILES, PACKAGE_DIR, FakeRunError, FusedAttention, HostRealDeviceFake,
+                       cuda_looks_available, module_moves_set_data)
+from .fake_streams import modelled_cuda_calls
+from .swap_transport import CudaTransport
 
 __all__ = ["FakeCuda", "FakeRunError", "PhasePeak", "StandInTransport", "backward"]
 
@@ -52,20 +61,27 @@ class FakeCuda:
         self.memory = DeviceMemory()
         self.phases: list[PhasePeak] = []
         self._stack: Optional[contextlib.ExitStack] = None
+        self._ops: Optional[HostRealDeviceFake] = None
 
     def __enter__(self) -> "FakeCuda":
         self._stack = contextlib.ExitStack()
+        streams = self._stack.enter_context(modelled_cuda_calls())
         self._stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        self._stack.enter_context(HostRealDeviceFake(self.memory))
+        self._ops = self._stack.enter_context(HostRealDeviceFake(self.memory, streams))
         self._stack.enter_context(cuda_looks_available())
-        self._stack.enter_context(FusedAttention())
+        self._stack.enter_context(FusedAttention(self._ops))
         self._stack.enter_context(module_moves_set_data())
         self._stack.enter_context(node_hooks_kept())
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         stack, self._stack = self._stack, None
-        stack.__exit__(*exc)
+        stack.__exit__(exc_type, exc, tb)
+        if isinstance(exc, RuntimeError) and not isinstance(exc, FakeRunError):
+            raise FakeRunError(f"a CUDA driver call at {_frame_of(tb)}: {str(exc).splitlines()[0]} (the fake "
+                               f"device has no driver: it models streams, events, synchronize, "
+                               f"torch.Generator('cuda') and pinned memory; other calls need a GPU, keep them "
+                               f"out of the step)") from None
 
     @contextlib.contextmanager
     def build(self, dtype: torch.dtype, device: str = "cuda:0") -> Iterator[None]:
@@ -85,12 +101,22 @@ class FakeCuda:
         self.memory.add_tensors(list(module.parameters()) + list(module.buffers()))
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, host_syncs: bool = False) -> Iterator[None]:
+        """A verified phase (a training step's forward + backward, the optimizer step, an edit): its peak of
+        live device bytes is recorded, and a device-to-host copy inside it (``.cpu()``, ``.to("cpu")``,
+        ``copy_`` into a host tensor not pinned) followed by more device work in the phase is a
+        :class:`FakeRunError` naming the copy's line (a host sync: the device idles while the host waits).
+        The phase's last copy, after its device work, is its result (an edit's latents) and is legal; so
+        is every copy outside the phases (building, loading, installing block swapping, saving) or with
+        ``host_syncs=True``. ``torch.tensor([device scalars])`` reads values: an error anywhere in a phase."""
         self.memory.reset_peak()
         start = self.memory.current
+        saved = self._ops.phase, self._ops.sync
+        self._ops.phase, self._ops.sync = (None if host_syncs else name), None
         try:
             yield
         finally:
+            self._ops.phase, self._ops.sync = saved
             self.phases.append(PhasePeak(name, start, self.memory.peak, self.memory.current))
 
     @property
@@ -99,10 +125,20 @@ class FakeCuda:
 
 
 
-class StandInTransport(HostTransport):
-    """Block swapping's transport on the fake device (``memory/block_swap.py``): a swapped block's host copies
-    are fake CPU tensors (no memory; the real ones are pinned host buffers), a swap-in copies them onto the
-    fake device (counted as live device bytes, freed when the block is swapped out)."""
+StandInTransport = CudaTransport
+"""The transport block swapping runs on the fake device: its real CUDA transport (``BlockSwapper``'s default on
+a CUDA device, which needs no ``transport=``), on the modelled streams."""
 
-    def masters(self, tensors: list) -> list:
-        return [torch.empty_like(t, device=self.offload_device) for t in tensors]
+
+def _frame_of(tb) -> str:
+    """``file:line (function)`` of the innermost frame of ``tb`` in this package outside the fake device."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in reversed(traceback.extract_tb(tb))
+              if not f.filename.endswith(FAKE_DEVICE_FILES) and not f.filename.startswith(torch_dir)]
+    ours = [f for f in frames if f.filename.startswith(PACKAGE_DIR)] or frames
+    if not ours:
+        return "(unknown)"
+    f = ours[0]
+    name = os.path.relpath(f.filename, os.path.dirname(PACKAGE_DIR)) if f.filename.startswith(PACKAGE_DIR) \
+        else f.filename
+    return f"{name}:{f.lineno} ({f.name})"

@@ -3,7 +3,8 @@
 Every device storage is registered when an operator makes it (``fake_ops.HostRealDeviceFake``) and released
 when Python frees it (storages keep their Python object while alive), so the peak of live bytes per phase is
 exact for what the program holds. It cannot see allocator fragmentation, the caching allocator's rounding,
-cuBLAS/cuDNN workspaces or the CUDA context (``docs/MEMORY.md``).
+cuBLAS/cuDNN workspaces or the CUDA context (``docs/MEMORY.md``). Pinned host memory is counted apart
+(``pinned``), at the size PyTorch's pinned allocator takes (``swap_transport.pinned_allocation_bytes``).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import dataclasses
 import weakref
 
 import torch
+
+from .swap_transport import pinned_allocation_bytes
 
 
 def is_device(t) -> bool:
@@ -32,6 +35,22 @@ class DeviceMemory:
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
+        self.pinned_live: dict[int, int] = {}
+        self.pinned = 0  # live pinned host bytes
+
+    def add_pinned(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key not in self.pinned_live:
+            self.pinned_live[key] = pinned_allocation_bytes(storage.nbytes())
+            self.pinned += self.pinned_live[key]
+            weakref.finalize(storage, self._unpin, key)
+
+    def _unpin(self, key: int) -> None:
+        self.pinned -= self.pinned_live.pop(key, 0)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) in self.pinned_live
 
     def add(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)

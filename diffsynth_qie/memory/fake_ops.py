@@ -2,17 +2,21 @@
 
 :class:`HostRealDeviceFake` sits on top of PyTorch's ``FakeTensorMode``. An operator whose inputs are all
 real CPU tensors (and that makes no tensor on the device) runs for real, so host-side work keeps its values;
-device operators go to the fake mode. Mixing a CPU and a CUDA tensor (or dtypes a kernel refuses) and reading
-a device tensor's value on the host (``.item()``, ``.tolist()``, ``nonzero`` sizes, ``if tensor:``) raise a
-:class:`FakeRunError` naming the operator and the line of our code that asked for it. The patches below make
-the rest of PyTorch behave as on a machine with a GPU (autocast, fused attention, module moves).
+device operators go to the fake mode. A :class:`FakeRunError` names the operator, the line of our code that
+asked for it and the fix, for: mixing a CPU and a CUDA tensor; operand dtypes a CUDA kernel refuses and FP8
+reaching a matmul (``fake_checks.py``); a generator on another device than its output; a device-to-host
+copy inside a verified phase; reading a device tensor's value on the host (``.item()``, ``.tolist()``,
+``.numpy()``, ``nonzero`` sizes, ``if tensor:``); a tensor copied on a side stream used before its copy
+was waited for (``fake_streams.py``). Pinned host memory is modelled: a pinned allocation is a fake host
+tensor (no memory), counted at the size the pinned allocator would take. The patches below make the rest of
+PyTorch behave as on a machine with a GPU (autocast, fused attention, module moves).
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import traceback
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
@@ -21,11 +25,17 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .fake_memory import DeviceMemory
+from .fake_checks import generator_device, holds_device_tensor, host_copy, operand_dtypes, stacked
+from .fake_memory import DeviceMemory, is_device
+from .fake_streams import StreamOrder
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The fake device's own modules: a FakeRunError names the frame that called into them, never theirs.
-FAKE_DEVICE_FILES = ("fake_device.py", "fake_ops.py", "fake_memory.py", "fake_backward.py")
+FAKE_DEVICE_FILES = tuple(os.sep + name for name in ("fake_device.py", "fake_ops.py", "fake_memory.py",
+                                                      "fake_backward.py", "fake_checks.py", "fake_streams.py"))
+aten = torch.ops.aten
+HOST_SYNC_HINT = ("on a GPU the host waits there for everything queued on the device, stalling the step; keep "
+                  "the value on the device (or on the host from the start), or move the copy out of the step")
 
 
 class FakeRunError(RuntimeError):
@@ -50,17 +60,48 @@ class FusedAttention(TorchFunctionMode):
     """``F.scaled_dot_product_attention`` as a Hopper GPU runs it. The kernel choice happens in C++ before any
     fake tensor is seen, and without a device it picks the math fallback, which materialises every head's
     L x L scores; on a GPU the fused kernels keep O(L) memory. Flash attention takes bf16/fp16 without a mask,
-    the memory-efficient kernel the rest (the ops autograd differentiates on a GPU too)."""
+    the memory-efficient kernel the rest (the ops autograd differentiates on a GPU too). Under
+    ``torch.autocast("cuda")`` q, k, v (and a float mask) are cast first, as autocast does for attention.
+
+    It also sees calls before PyTorch's C++ parses them: a ``generator=`` on the wrong device,
+    ``torch.tensor([...])`` of device tensors (each read on the host) and ``.numpy()`` of a fake tensor."""
+
+    def __init__(self, device_mode: Optional["HostRealDeviceFake"] = None):
+        super().__init__()
+        self.device_mode = device_mode
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return _fused_sdpa(*args, **kwargs)
+        if kwargs.get("generator") is not None:
+            wrong = generator_device(args, kwargs)
+            if wrong:
+                raise FakeRunError(f"{wrong.split(':')[0]} in {_name(func)} at {our_frame()}:"
+                                   f"{wrong.split(':', 1)[1]}")
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _fused_sdpa(*args, **kwargs)
+        if func is torch.tensor and args and holds_device_tensor(args[0]):
+            phase = self.device_mode.phase if self.device_mode is not None else None
+            if phase is not None:
+                raise FakeRunError(f"host sync in torch.tensor([...device tensors]) at {our_frame()} (in the "
+                                   f"'{phase}' phase): each element is read on the host; build it on the device "
+                                   f"with torch.stack; {HOST_SYNC_HINT}")
+            return stacked(args[0], kwargs.get("dtype"), kwargs.get("device"))
+        if func is torch.Tensor.numpy and isinstance(args[0], FakeTensor):
+            raise FakeRunError(f"host read of a device tensor (.numpy()) at {our_frame()}: the fake device has no "
+                               f"values, and on a GPU reading them waits for the device; {HOST_SYNC_HINT}")
+        return func(*args, **kwargs)
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
 
 
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    aten = torch.ops.aten
+    if torch.is_autocast_enabled("cuda"):  # attention is on autocast's lower-precision list
+        dtype = torch.get_autocast_dtype("cuda")
+        query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(dtype)
     if attn_mask is None and query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] <= 256:
         return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernel takes an additive bias
@@ -74,14 +115,21 @@ def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
 
 class HostRealDeviceFake(TorchDispatchMode):
     """Sits on top of the ``FakeTensorMode``: host operators run for real, device ones go to the fake
-    mode; device storages are counted; what a GPU would fail or stall on becomes a FakeRunError."""
+    mode; device storages are counted; what a GPU would fail or stall on becomes a FakeRunError.
+    ``phase`` names the verified phase running (``FakeCuda.phase``): there a device-to-host copy followed by
+    more device work is a host sync (``sync`` holds its message until that work comes)."""
 
-    def __init__(self, memory: DeviceMemory):
+    def __init__(self, memory: DeviceMemory, streams: Optional[StreamOrder] = None):
         super().__init__()
-        self.memory = memory
+        self.memory, self.streams = memory, streams or StreamOrder()
+        self.phase: Optional[str] = None
+        self.sync: Optional[str] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in PINNED_OPS or kwargs.get("pin_memory"):
+            return self._pinned(func, args, kwargs)
         flat, _ = tree_flatten((args, kwargs))
         device_kw = kwargs.get("device")
         on_host = (not any(isinstance(a, FakeTensor) for a in flat)
@@ -89,6 +137,7 @@ class HostRealDeviceFake(TorchDispatchMode):
         if on_host:
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
+        self._check(func, args, kwargs, flat)
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
@@ -98,8 +147,50 @@ class HostRealDeviceFake(TorchDispatchMode):
         except RuntimeError as e:
             kind = "device mismatch in" if "device" in str(e) else "error in"
             raise FakeRunError(f"{kind} {func} at {our_frame()}: {e}") from None
-        self.memory.add_tensors(tree_flatten(out)[0])
+        outs = tree_flatten(out)[0]
+        self.memory.add_tensors(outs)
+        if packet in (aten._to_copy, aten.copy_):
+            self.streams.issued_copy(outs, our_frame())
         return out
+
+    def _check(self, func, args, kwargs, flat) -> None:
+        wrong = operand_dtypes(func, args)
+        if wrong:
+            raise FakeRunError(f"{wrong[0]} at {our_frame()}: {wrong[1]}")
+        if self.sync is not None and any(is_device(a) for a in flat):
+            raise FakeRunError(self.sync)
+        if self.phase is not None and self.sync is None:
+            what = host_copy(func, args, kwargs, self.memory.is_pinned)
+            if what:  # a sync once more device work follows in the phase (its last copy is its result)
+                self.sync = (f"host sync in {func} at {our_frame()} ({what}, in the '{self.phase}' phase, with "
+                             f"device work after it): a device tensor is copied to the host; {HOST_SYNC_HINT}")
+        if self.streams.pending:
+            tag = self.streams.unwaited(flat)
+            if tag is not None:
+                raise FakeRunError(
+                    f"stream order: {func} at {our_frame()} reads a tensor copied to the device on a side stream "
+                    f"at {tag[2]} before the stream using it waited for that copy: on a GPU it can read a "
+                    f"half-copied tensor; make the consuming stream wait (current_stream().wait_event(event) "
+                    f"with the event recorded after the copy, or wait_stream(side_stream))")
+
+    def _pinned(self, func, args, kwargs):
+        """Pinned host memory without a driver: fake host tensors (a real copy for ``pin_memory()`` of a real
+        one, whose values the host may still read), counted at the pinned allocator's size."""
+        if func.overloadpacket is aten.is_pinned:
+            return self.memory.is_pinned(args[0])
+        if func.overloadpacket is aten._pin_memory:
+            if isinstance(args[0], FakeTensor):
+                out = aten.clone.default(args[0])
+            else:
+                with unset_fake_temporarily():
+                    out = args[0].clone()
+        else:  # a factory or copy with pin_memory=True
+            out = func(*args, **dict(kwargs, pin_memory=False, device=kwargs.get("device") or "cpu"))
+        self.memory.add_pinned(out)
+        return out
+
+
+PINNED_OPS = {aten.is_pinned, aten._pin_memory}
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from .census import DiTCensus
+from .swap_transport import PINNED_EXACT_ABOVE_MB, pinned_allocation_bytes
 
 GiB = 1024 ** 3
 
@@ -163,7 +164,9 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
             # inference: the running block and the prefetched one; training also keeps the last block in for
             # the backward pass (memory/block_swap.py)
             plan.gpu["block swap buffers"] = min(o.blocks_to_swap, 3 if o.task == "train" else 2) * block
-            plan.host["swapped blocks (pinned)"] = swapped
+            # one pinned buffer per block, exact-size while swapping (memory/swap_transport.py)
+            plan.host["swapped blocks (pinned)"] = o.blocks_to_swap * pinned_allocation_bytes(
+                block, exact_above=PINNED_EXACT_ABOVE_MB << 20)
     if o.task == "train":
         lw, rest = lora_bytes(c, o)
         plan.gpu["LoRA weights"] = lw
