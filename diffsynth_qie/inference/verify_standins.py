@@ -74,13 +74,12 @@ class FakeEditor(Editor):
         return self.ops.join_prompt(hidden[0, drop:], extras)
 
     def _swap_blocks(self, blocks_to_swap):
-        """The real swapper and its hooks; copies through the fake device's stand-in for a CUDA stream."""
+        """The real swapper, its hooks and its CUDA transport, on the fake device's modelled streams."""
         from ..memory.block_swap import BlockSwapper
-        from ..memory.fake_device import StandInTransport
 
         if not blocks_to_swap:
             return None
-        return BlockSwapper(self.pipe.dit, blocks_to_swap, DEVICE, transport=StandInTransport(DEVICE, "cpu")).install()
+        return BlockSwapper(self.pipe.dit, blocks_to_swap, DEVICE).install()
 
     def _decode(self, latents):
         super_decode = self.pipe.vae_output_to_image

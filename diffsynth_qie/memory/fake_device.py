@@ -45,9 +45,8 @@ from .fake_memory import DeviceMemory, PhasePeak
 from .fake_ops import (FAKE_DEVICE_FILES, PACKAGE_DIR, FakeRunError, FusedAttention, HostRealDeviceFake,
                        cuda_looks_available, module_moves_set_data)
 from .fake_streams import modelled_cuda_calls
-from .swap_transport import CudaTransport
 
-__all__ = ["FakeCuda", "FakeRunError", "PhasePeak", "StandInTransport", "backward"]
+__all__ = ["FakeCuda", "FakeRunError", "PhasePeak", "backward"]
 
 
 class FakeCuda:
@@ -124,10 +123,6 @@ class FakeCuda:
         return self.memory.current
 
 
-
-StandInTransport = CudaTransport
-"""The transport block swapping runs on the fake device: its real CUDA transport (``BlockSwapper``'s default on
-a CUDA device, which needs no ``transport=``), on the modelled streams."""
 
 
 def _frame_of(tb) -> str:

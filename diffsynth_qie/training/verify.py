@@ -7,8 +7,9 @@ with the run's LoRA targets, the FP8 base as configured, the family's forward an
 autocast (with ``--mask_loss_weights``, on masked samples), ``backward``, the optimizer's step (ProdigyPlusScheduleFree
 included, ``verify_extras.py``), the EMA's update, and with ``--validate_every`` one validation render (the EMA
 swapped in as ``--validate_with`` asks). ``--compile`` compiles the blocks with the eager backend. Block swapping
-runs with the real :class:`~..memory.block_swap.BlockSwapper` and its hooks, copying through a stand-in for the
-CUDA stream (``memory/fake_device.StandInTransport``): the swapped blocks' host copies take no memory here.
+runs with the real :class:`~..memory.block_swap.BlockSwapper`, its hooks and its CUDA transport, on the fake
+device's modelled streams and events (a copy used before its event is waited for is an error): the swapped
+blocks' pinned host copies take no memory here (they are counted).
 
 What it leaves out, and why: the data loader and accelerate's wrappers (host-side; the DiT sees the same batch
 dict), DeepSpeed (the engine needs a process group; ZeRO-2/3 shard what this counts for one process), and the
@@ -25,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..memory.fake_device import FakeCuda, StandInTransport, backward
+from ..memory.fake_device import FakeCuda, backward
 from .verify_batch import DEVICE, SampleShape, batch_shapes, fake_batch, text_dim  # noqa: F401 (public here)
 from .verify_extras import build_ema, compiled, library_host_reads, validate_once, validation_entry
 
@@ -94,8 +95,7 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
         module.disable_lora_input_casting()  # as qie train does under bf16 autocast
         fc.register(module)
         if t.blocks_to_swap:  # the swapped blocks' frozen weights leave the device now
-            swapper = BlockSwapper(module.dit, t.blocks_to_swap, DEVICE, transport=StandInTransport(DEVICE, "cpu"),
-                                   record_events=True).install()
+            swapper = BlockSwapper(module.dit, t.blocks_to_swap, DEVICE, record_events=True).install()
             report.swap_events = swapper.events
         optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
         ema = build_ema(cfg, module)  # (built after the optimizer, as qie train builds it)
