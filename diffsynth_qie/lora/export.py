@@ -27,69 +27,22 @@ What the target tools accept (checked against their sources)
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from ..utils.atomic import atomic_save
 from .export_targets import EXPORT_TARGETS
+from .export_check import write_safetensors
 from .formats import load_lora_state, parse_lora_state_dict
+from .resolve import resolved
 from .state import FORMAT_NAME, FORMAT_VERSION, LoraState
 from .writers import _cpu, comfyui_state_dict, diffusers_state_dict  # noqa: F401  (the writers, re-exported)
 
 log = logging.getLogger(__name__)
-
-
-def _default_module_names(state: LoraState, family: str = "qwen-image-edit") -> list[str]:
-    """Module names of a family's DiT (DiffSynth's class, one block, built on the meta device), for
-    resolving kohya names when no model is at hand; as many blocks as the LoRA uses."""
-    import inspect
-
-    from ..models.family import get_family
-
-    cls = get_family(family).component_type("dit")
-    # every optional module too (Qwen-Image-Edit-2511's additional timestep embedding)
-    kwargs = {"use_additional_t_cond": True} if "use_additional_t_cond" in inspect.signature(cls).parameters else {}
-    with torch.device("meta"):
-        dit = cls(num_layers=1, **kwargs)
-    names = [n for n, _ in dit.named_modules() if n]
-    # block indices of kohya (transformer_blocks_3_) and dotted (transformer_blocks.3.) names alike
-    blocks = [int(m.group(1)) for k in [*state.modules, *state.full]
-              for m in [re.match(r"transformer_blocks[._](\d+)[._]", k)] if m]
-    out = [n for n in names if not n.startswith("transformer_blocks")]
-    for i in range(max(blocks, default=-1) + 1):
-        out += [n.replace("transformer_blocks.0", f"transformer_blocks.{i}", 1)
-                for n in names if n.startswith("transformer_blocks.0")]
-    return out
-
-
-def resolved(state: LoraState) -> LoraState:
-    """Kohya names resolved against the DiT of the family whose module names they all match."""
-    if not state.underscore_names:
-        return state
-    from ..models.family import FAMILIES
-
-    errors = []
-    for family in FAMILIES:
-        try:
-            return state.resolve(_default_module_names(state, family))
-        except ValueError as e:
-            errors.append(e)
-    raise errors[0]
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
-    from safetensors.torch import save_file
-
-    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items() if v is not None}
-    atomic_save(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
-    return path
 
 
 def save_lora(path: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | LoraState,
@@ -135,3 +88,29 @@ def export_lora(in_path: str | os.PathLike, out_path: str | os.PathLike, fmt: st
 
     checked_options(fmt, {k: v for k, v in options.items() if k != "drop_unsupported"})
     return export_checked(load_lora_state(in_path), out_path, fmt, **options).path
+
+
+def export_path(lora_path: str | os.PathLike, fmt: str) -> Path:
+    """Where ``qie train --export fmt`` writes: ``lora_<fmt>.safetensors`` beside the LoRA (a folder for a
+    PEFT-folder target)."""
+    from .export_targets import export_target
+
+    return Path(lora_path).with_name(f"lora_{fmt}" + ("" if export_target(fmt).folder else ".safetensors"))
+
+
+def export_beside(lora_path: str | os.PathLike, formats: str) -> list[Path]:
+    """``qie train --export``: each format of ``formats`` ("comfyui,diffusers") written beside ``lora_path``
+    through the same check as ``qie export-lora`` (an earlier export of the same name is replaced)."""
+    import shutil
+
+    from .export_check import export_checked
+    from .export_targets import export_names
+
+    state = load_lora_state(lora_path)
+    written = []
+    for fmt in export_names(formats):
+        out = export_path(lora_path, fmt)
+        if out.is_dir() and {p.name for p in out.iterdir()} <= {"adapter_model.safetensors", "adapter_config.json"}:
+            shutil.rmtree(out)
+        written.append(export_checked(state, out, fmt).path)
+    return written

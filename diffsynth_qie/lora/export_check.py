@@ -18,9 +18,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..utils.atomic import atomic_save
 from .adapter_metadata import ADAPTER_METADATA_KEY, checked_alpha
 from .export_targets import EXPORT_TARGETS, ExportTarget, export_target
 from .state import FORMAT_NAME, LoraModule, LoraState, listing
@@ -31,6 +33,15 @@ MAX_EXPORT_ERROR = 1e-2  # bf16 rounding of a folded lora_A stays far below; a w
 # metadata keys that state a LoRA's rank or alpha (ours, kohya's, PEFT-style): not copied into an export
 SCALE_KEYS = frozenset({"alpha", "rank", "lora_alpha", "lora_rank", "network_alpha", "network_dim",
                         "ss_network_alpha", "ss_network_dim"})
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+    """``tensors`` and ``metadata`` (non-strings as JSON) as a safetensors file, atomically."""
+    from safetensors.torch import save_file
+
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items() if v is not None}
+    atomic_save(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    return path
 
 
 def delta_norm(mod: LoraModule) -> float:
@@ -49,12 +60,12 @@ def delta_shares(state: LoraState) -> dict[str, float]:
 def families_of(state: LoraState) -> list[str]:
     """The model families whose DiT has every module the (resolved) LoRA names; a one-line error when none has."""
     from ..models.family import FAMILIES
-    from .export import _default_module_names
+    from .resolve import default_module_names
 
     names = set(state.modules) | {n.rsplit(".", 1)[0] for n in state.full}  # (full weights: "<module>.weight")
     found, unknown = [], names
     for family in FAMILIES:
-        missing = names - set(_default_module_names(state, family))
+        missing = names - set(default_module_names(state, family))
         if not missing:
             found.append(family)
         elif len(missing) < len(unknown):
@@ -153,7 +164,7 @@ def checked_options(fmt: str, options: dict) -> dict:
 def export_checked(state: LoraState, out_path: str | os.PathLike, fmt: str, drop_unsupported: bool = False,
                    **options) -> ExportReport:
     """Check ``state`` against ``fmt``'s rules, write it atomically, read the file back and compare."""
-    from .export import resolved
+    from .resolve import resolved
 
     target = export_target(fmt)
     options = checked_options(fmt, options)
@@ -178,11 +189,7 @@ def export_checked(state: LoraState, out_path: str | os.PathLike, fmt: str, drop
     if folder:
         _write_peft_folder(out, tensors, metadata, plan, errors)
     else:
-        from ..utils.atomic import atomic_save
-
         def save(tmp: Path) -> None:
-            from .export import write_safetensors
-
             write_safetensors(tmp, tensors, metadata)
             errors.append(_read_back_error(tmp, plan))
 
@@ -219,7 +226,7 @@ def _read_back_error(path: Path, plan: ExportPlan) -> float:
     """Max over modules of ``‖ΔW_file − ΔW_source‖ / ‖ΔW_source‖``; refuses a file that misses modules or errs."""
     from safetensors.torch import load_file
 
-    from .export import resolved
+    from .resolve import resolved
     from .formats import parse_lora_state_dict
 
     tensors = load_file(str(path))
@@ -247,7 +254,6 @@ def _write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], metadata: di
     """A PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``), built in a temporary
     folder beside ``out`` and renamed into place."""
     from ..utils.atomic import TEMP_MARK
-    from .export import write_safetensors
 
     if out.exists():
         raise ValueError(f"OUT {out} exists; remove it or give another folder (or a .safetensors file for one file)")

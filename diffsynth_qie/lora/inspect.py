@@ -43,7 +43,7 @@ def runtime_row(state: LoraState, fmt: str) -> dict[str, Any]:
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:
     """``qie inspect-lora``'s facts about one LoRA file, JSON-able."""
-    from .export import resolved
+    from .resolve import resolved
     from .export_check import families_of
     from .formats import load_lora_state
 

@@ -56,14 +56,14 @@ def layout_state_dict(state: LoraState, target: ExportTarget) -> dict[str, torch
 
 def comfyui_state_dict(state: LoraState) -> dict[str, torch.Tensor]:
     """ComfyUI keys: ``diffusion_model.<module>.lora_A/lora_B.weight``, ``.alpha``, ``.set_weight``."""
-    from .export import resolved
+    from .resolve import resolved
 
     return layout_state_dict(resolved(state), EXPORT_TARGETS["comfyui"])
 
 
 def diffusers_state_dict(state: LoraState, drop_full_weights: bool = False) -> dict[str, torch.Tensor]:
     """diffusers keys: ``transformer.<module>.lora_A/lora_B.weight``, alpha folded into ``lora_A``."""
-    from .export import resolved
+    from .resolve import resolved
 
     state = resolved(state)
     if state.full and not drop_full_weights:
@@ -78,14 +78,14 @@ def diffusers_state_dict(state: LoraState, drop_full_weights: bool = False) -> d
 
 def kohya_state_dict(state: LoraState) -> dict[str, torch.Tensor]:
     """kohya / musubi-tuner keys: ``lora_unet_<module with _>.lora_down/lora_up.weight`` and ``.alpha``."""
-    from .export import resolved
+    from .resolve import resolved
 
     return layout_state_dict(resolved(state), EXPORT_TARGETS["kohya"])
 
 
 def sglang_state_dict(state: LoraState) -> dict[str, torch.Tensor]:
     """SGLang keys: ``diffusion_model.<module>.lora_A/lora_B.weight``, alpha folded (SGLang reads alpha as an int)."""
-    from .export import resolved
+    from .resolve import resolved
 
     return layout_state_dict(resolved(state), EXPORT_TARGETS["sglang"])
 
@@ -93,7 +93,7 @@ def sglang_state_dict(state: LoraState) -> dict[str, torch.Tensor]:
 def vllm_state_dict(state: LoraState) -> dict[str, torch.Tensor]:
     """vLLM-Omni's single-file keys ``transformer.<module>.lora_A/lora_B.weight``, alpha folded (the PEFT folder
     renames them to ``base_model.model.<module>``, ``export_check.write_peft_folder``)."""
-    from .export import resolved
+    from .resolve import resolved
 
     return layout_state_dict(resolved(state), EXPORT_TARGETS["vllm-omni"])
 
@@ -127,7 +127,7 @@ def fused_modules(state: LoraState, fused: tuple[Fused, ...]) -> dict[str, LoraM
 
 def nunchaku_state_dict(state: LoraState) -> dict[str, torch.Tensor]:
     """Nunchaku's converter's keys: ``transformer.blocks.<n>.<module>.lora_A/lora_B.weight``, q/k/v fused."""
-    from .export import resolved
+    from .resolve import resolved
 
     target = EXPORT_TARGETS["nunchaku"]
     rule = next(iter(target.families.values()))
