@@ -313,3 +313,14 @@ def test_train_export_writes_checked_exports_beside_the_lora(models, tmp_path):
         written = export_beside(path, "comfyui,vllm-omni,nunchaku")
     assert [p.name for p in written] == ["lora_comfyui.safetensors", "lora_vllm-omni", "lora_nunchaku.safetensors"]
     assert (tmp_path / "lora_vllm-omni" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("family", [EDIT, QWEN21])
+def test_no_another_model_warning_on_dotted_names(models, tmp_path, family, caplog):
+    """A LoRA in dotted names (ours, diffusers, ComfyUI) is no 'other model's LoRA': its block modules are known."""
+    from diffsynth_qie.lora.export import export_lora, save_lora
+
+    src = save_lora(tmp_path / "src.safetensors", full_lora(models[family]))
+    with caplog.at_level("WARNING"):
+        export_lora(src, tmp_path / "c.safetensors", "comfyui")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
