@@ -178,6 +178,11 @@ after_training() {
   echo "before/after:  $out/before_after.png"
   [ -z "$DEMO_DATA" ] || echo "held-out grid: $out/heldout_grid.png (source | base | LoRA [| sub-stream] | target)"
   echo "try it:        python app_gradio.py ${MODEL_ARGS[*]} --lora_dir $out --examples $rows"
+  local exported=""   # qie train --export: lora_<format>.safetensors (vllm-omni: a PEFT folder) beside the LoRA
+  for f in "$out"/lora_*; do
+    case "$(basename "$f")" in lora_ema.safetensors) ;; *) [ -e "$f" ] && exported="$exported $f" ;; esac
+  done
+  [ -z "$exported" ] || echo "exports:      $exported  (qie inspect-lora FILE: where each loads)"
   [ "$NODE_RANK" != 0 ] || echo "report:        $report"
 }
 

@@ -18,9 +18,11 @@ import diffsynth_qie
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(diffsynth_qie.__file__).resolve().parent
 # Files of other projects that the docs cite by their own path and that no installed package holds (ComfyUI,
-# diffusers, DiffSynth-Studio's examples folder, Qwen-Image-Lightning's repository); everything else must
+# diffusers, DiffSynth-Studio's examples folder, Qwen-Image-Lightning's repository, the serving runtimes); everything else must
 # resolve in this repository or in the installed DiffSynth.
-EXTERNAL = ("comfy/", "loaders/lora_conversion_utils.py", "examples/", "generate_with_diffusers.py")
+EXTERNAL = ("comfy/", "loaders/lora_conversion_utils.py", "examples/", "generate_with_diffusers.py",
+            # the LoRA runtimes of docs/LORA_RUNTIMES.md
+            "src/diffusers/", "src/musubi_tuner/", "python/sglang/", "vllm_omni/", "nunchaku/")
 # (a placeholder such as ``models/<family>/<family>_ops.py`` or ``tests/test_<name>.py`` names no file)
 SOURCE = re.compile(r"(?<![\w./:>-])((?:[\w-]+/)*[\w-]+\.(?:py|sh))\b")
 TOP_DIRS = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")

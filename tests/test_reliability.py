@@ -527,8 +527,9 @@ def test_plan_and_export_say_when_the_files_are_not_what_the_flags_claim(tiny_mo
     save_file({"foo.bar.lora_A.weight": torch.zeros(2, 8), "foo.bar.lora_B.weight": torch.zeros(8, 2)},
               str(tmp_path / "other.safetensors"))
     assert main(["export-lora", str(tmp_path / "other.safetensors"), str(tmp_path / "o.safetensors"),
-                 "--format", "diffusers"]) == 0
-    assert "names 1 module(s) that no Qwen-Image DiT has (another model's LoRA?): foo.bar" in capsys.readouterr().err
+                 "--format", "diffusers"]) == 2  # another model's LoRA: refused, nothing written
+    assert "names 1 module(s) that no Qwen-Image DiT has (a LoRA of another model?): foo.bar" in capsys.readouterr().err
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 def test_the_same_cache_twice_is_refused(cache_dir, tiny_model_dir, tmp_path):

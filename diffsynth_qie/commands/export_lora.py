@@ -1,7 +1,7 @@
-"""`qie export-lora`: convert a LoRA (any format we read) to ComfyUI or diffusers key names.
+"""`qie export-lora`: convert a LoRA (any format we read) for one runtime, checked against its rules.
 
-The key names and alpha handling of each target are documented, with the sources
-they were checked against, in ``diffsynth_qie/lora/export.py``.
+The targets and their rules are the table ``diffsynth_qie/lora/export_targets.py``; the runtimes' source
+files behind each rule are cited in ``docs/LORA_RUNTIMES.md``.
 """
 from __future__ import annotations
 
@@ -22,8 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drop_full_weights", action="store_true",
                         help="diffusers only: export just the LoRA part when the file also holds fully "
                              "trained module weights (diffusers cannot load those)")
+    parser.add_argument("--drop_unsupported", action="store_true",
+                        help="write the modules the runtime loads and drop the rest (listed, with their share "
+                             "of the LoRA's delta); without it such an export stops with that list")
     parser.add_argument("in_path", metavar="IN", help="LoRA file (ours, DiffSynth/PEFT, diffusers, ComfyUI or kohya)")
-    parser.add_argument("out_path", metavar="OUT", help="output .safetensors file (written atomically)")
+    parser.add_argument("out_path", metavar="OUT", help="output .safetensors file (written atomically); for vllm-omni "
+                        "a folder name writes a PEFT adapter folder")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,5 +39,6 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.in_path).resolve() == Path(args.out_path).resolve():
         raise ValueError(f"OUT {args.out_path} is the input LoRA itself; write the export to another file")
     check_output_file(args.out_path, "OUT")
-    export_lora(args.in_path, args.out_path, args.fmt, drop_full_weights=args.drop_full_weights)
+    export_lora(args.in_path, args.out_path, args.fmt, drop_full_weights=args.drop_full_weights,
+                drop_unsupported=args.drop_unsupported)
     return 0

@@ -1,4 +1,5 @@
-"""Writing LoRAs: our canonical format, and exports for ComfyUI and diffusers.
+"""Writing LoRAs: our canonical format (:func:`save_lora`), and :func:`export_lora` for every runtime of
+``export_targets`` (checked in ``export_check``, key layouts in ``writers``; rules in ``docs/LORA_RUNTIMES.md``).
 
 What the target tools accept (checked against their sources)
 -----------------------------------------------------------
@@ -26,86 +27,22 @@ What the target tools accept (checked against their sources)
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from ..utils.atomic import atomic_save
-from .adapter_metadata import ADAPTER_METADATA_KEY
-from .export_targets import EXPORT_TARGETS, export_target
+from .export_targets import EXPORT_TARGETS
+from .export_check import write_safetensors
 from .formats import load_lora_state, parse_lora_state_dict
-from .state import FORMAT_NAME, FORMAT_VERSION, LoraState, listing
+from .resolve import resolved
+from .state import FORMAT_NAME, FORMAT_VERSION, LoraState
+from .writers import _cpu, comfyui_state_dict, diffusers_state_dict  # noqa: F401  (the writers, re-exported)
 
 log = logging.getLogger(__name__)
-
-EXPORT_FORMATS = tuple(EXPORT_TARGETS)  # the names of export_targets.EXPORT_TARGETS
-
-
-def _default_module_names(state: LoraState, family: str = "qwen-image-edit") -> list[str]:
-    """Module names of a family's DiT (DiffSynth's class, one block, built on the meta device), for
-    resolving kohya names when no model is at hand; as many blocks as the LoRA uses."""
-    import inspect
-
-    from ..models.family import get_family
-
-    cls = get_family(family).component_type("dit")
-    # every optional module too (Qwen-Image-Edit-2511's additional timestep embedding)
-    kwargs = {"use_additional_t_cond": True} if "use_additional_t_cond" in inspect.signature(cls).parameters else {}
-    with torch.device("meta"):
-        dit = cls(num_layers=1, **kwargs)
-    names = [n for n, _ in dit.named_modules() if n]
-    blocks = [int(m.group(1)) for k in state.modules for m in [re.match(r"transformer_blocks_(\d+)_", k)] if m]
-    out = [n for n in names if not n.startswith("transformer_blocks")]
-    for i in range(max(blocks, default=-1) + 1):
-        out += [n.replace("transformer_blocks.0", f"transformer_blocks.{i}", 1)
-                for n in names if n.startswith("transformer_blocks.0")]
-    return out
-
-
-def _resolved(state: LoraState) -> LoraState:
-    """Kohya names resolved against the DiT of the family whose module names they all match."""
-    if not state.underscore_names:
-        return state
-    from ..models.family import FAMILIES
-
-    errors = []
-    for family in FAMILIES:
-        try:
-            return state.resolve(_default_module_names(state, family))
-        except ValueError as e:
-            errors.append(e)
-    raise errors[0]
-
-
-def _warn_unknown_modules(state: LoraState) -> None:
-    """Say so when a LoRA names modules that neither family's DiT has (another model's LoRA, or a damaged file):
-    the export still writes them, and no Qwen DiT would load them."""
-    from ..models.family import FAMILIES
-
-    known = set().union(*(_default_module_names(state, family) for family in FAMILIES))
-    names = set(state.modules) | {n.rsplit(".", 1)[0] for n in state.full}  # (full weights: "<module>.weight")
-    unknown = sorted(names - known)
-    if unknown:
-        log.warning("LoRA %s names %d module(s) that no Qwen-Image DiT has (another model's LoRA?): %s", state.source,
-                    len(unknown), listing(unknown))
-
-
-def _cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous().clone()
-
-
-def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
-    from safetensors.torch import save_file
-
-    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items() if v is not None}
-    atomic_save(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
-    return path
 
 
 def save_lora(path: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | LoraState,
@@ -120,7 +57,7 @@ def save_lora(path: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | 
     module's ``.alpha`` where the module has none and alpha != its rank.
     """
     state = state_dict if isinstance(state_dict, LoraState) else parse_lora_state_dict(state_dict, source=str(path))
-    state = _resolved(state)
+    state = resolved(state)
     metadata = dict(metadata or {})
     run_alpha = metadata.get("alpha")
     tensors: dict[str, torch.Tensor] = {}
@@ -137,68 +74,43 @@ def save_lora(path: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | 
             "full_weights": sorted(state.full)}
     info.update(metadata)
     info.update(format=FORMAT_NAME, format_version=FORMAT_VERSION)
-    return _write(Path(path), tensors, info)
+    return write_safetensors(Path(path), tensors, info)
 
 
-def comfyui_state_dict(state: LoraState) -> dict[str, torch.Tensor]:
-    """ComfyUI keys: ``diffusion_model.<module>.lora_A/lora_B.weight``, ``.alpha``, ``.set_weight``."""
-    state = _resolved(state)
-    out: dict[str, torch.Tensor] = {}
-    for name, mod in sorted(state.modules.items()):
-        out[f"diffusion_model.{name}.lora_A.weight"] = _cpu(mod.A)
-        out[f"diffusion_model.{name}.lora_B.weight"] = _cpu(mod.B)
-        if mod.alpha is not None:
-            out[f"diffusion_model.{name}.alpha"] = torch.tensor(float(mod.alpha), dtype=torch.float32)
-    for name, tensor in sorted(state.full.items()):
-        target = name[: -len(".weight")] if name.endswith(".weight") else name
-        out[f"diffusion_model.{target}.set_weight"] = _cpu(tensor)
-    return out
-
-
-def diffusers_state_dict(state: LoraState, drop_full_weights: bool = False) -> dict[str, torch.Tensor]:
-    """diffusers keys: ``transformer.<module>.lora_A/lora_B.weight``, alpha folded into ``lora_A``."""
-    state = _resolved(state)
-    if state.full and not drop_full_weights:
-        raise ValueError(f"LoRA {state.source} holds full module weights ({listing(list(state.full))}) that "
-                         "diffusers' LoRA loader cannot load; export with --format comfyui, or pass "
-                         "--drop_full_weights to export only the LoRA part")
-    if state.full:
-        log.warning("dropping %d full module weight(s) for the diffusers export: %s",
-                    len(state.full), listing(list(state.full)))
-    out: dict[str, torch.Tensor] = {}
-    for name, mod in sorted(state.modules.items()):
-        a = mod.A if mod.alpha is None else (mod.A.float() * mod.scale).to(mod.A.dtype)
-        out[f"transformer.{name}.lora_A.weight"] = _cpu(a)
-        out[f"transformer.{name}.lora_B.weight"] = _cpu(mod.B)
-    return out
-
-
-# metadata keys that state a LoRA's rank or alpha (ours, kohya's, PEFT-style): not copied into an export
-SCALE_KEYS = frozenset({"alpha", "rank", "lora_alpha", "lora_rank", "network_alpha", "network_dim",
-                        "ss_network_alpha", "ss_network_dim"})
+EXPORT_FORMATS = tuple(EXPORT_TARGETS)  # the names of export_targets.EXPORT_TARGETS
 
 
 def export_lora(in_path: str | os.PathLike, out_path: str | os.PathLike, fmt: str, **options) -> Path:
-    """Convert any supported LoRA file to a runtime's key names (``fmt``: an ``EXPORT_TARGETS`` name;
-    ``options``: that target's writer options, e.g. ``drop_full_weights`` for diffusers)."""
-    target = export_target(fmt)
-    unknown = sorted(k for k, v in options.items() if v and k not in target.options)
-    if unknown:
-        takes = [t.name for t in EXPORT_TARGETS.values() if unknown[0] in t.options]
-        raise ValueError(f"--{unknown[0]} does not apply to --format {fmt}; it applies to --format "
-                         f"{' / '.join(takes) or '(none)'}")
-    options = {k: v for k, v in options.items() if k in target.options}
-    state = load_lora_state(in_path)
-    _warn_unknown_modules(_resolved(state))
-    tensors = target.write_fn()(state, **options)
-    # alpha is written as .alpha tensors or folded into lora_A; a copied lora_adapter_metadata, or plain
-    # alpha/rank keys of the source, would make a tool apply it a second time.
-    metadata = {k: v for k, v in state.metadata.items()
-                if k not in ("format", "format_version", ADAPTER_METADATA_KEY) and k.lower() not in SCALE_KEYS}
-    metadata.update(format=fmt, converted_by=FORMAT_NAME, source_format=state.format)
-    ranks = sorted({m.rank for m in state.modules.values()})
-    if target.alpha_folded and len(ranks) == 1:  # folded: the file's own scale alpha / rank is 1
-        metadata.update(rank=str(ranks[0]), alpha=str(ranks[0]), alpha_folded_into_lora_A="true")
-    out = _write(Path(out_path), tensors, metadata)
-    log.info("wrote %s LoRA %s (%d tensors, from %s format)", fmt, out, len(tensors), state.format)
-    return out
+    """Convert any supported LoRA file to a runtime's key names, checked against the runtime's rules first and
+    read back after (``fmt``: an ``EXPORT_TARGETS`` name; ``options``: ``drop_unsupported`` and the target's
+    writer options, e.g. ``drop_full_weights`` for diffusers). See ``export_check.export_checked``."""
+    from .export_check import checked_options, export_checked
+
+    checked_options(fmt, {k: v for k, v in options.items() if k != "drop_unsupported"})
+    return export_checked(load_lora_state(in_path), out_path, fmt, **options).path
+
+
+def export_path(lora_path: str | os.PathLike, fmt: str) -> Path:
+    """Where ``qie train --export fmt`` writes: ``lora_<fmt>.safetensors`` beside the LoRA (a folder for a
+    PEFT-folder target)."""
+    from .export_targets import export_target
+
+    return Path(lora_path).with_name(f"lora_{fmt}" + ("" if export_target(fmt).folder else ".safetensors"))
+
+
+def export_beside(lora_path: str | os.PathLike, formats: str) -> list[Path]:
+    """``qie train --export``: each format of ``formats`` ("comfyui,diffusers") written beside ``lora_path``
+    through the same check as ``qie export-lora`` (an earlier export of the same name is replaced)."""
+    import shutil
+
+    from .export_check import export_checked
+    from .export_targets import export_names
+
+    state = load_lora_state(lora_path)
+    written = []
+    for fmt in export_names(formats):
+        out = export_path(lora_path, fmt)
+        if out.is_dir() and {p.name for p in out.iterdir()} <= {"adapter_model.safetensors", "adapter_config.json"}:
+            shutil.rmtree(out)
+        written.append(export_checked(state, out, fmt).path)
+    return written

@@ -1,40 +1,189 @@
-"""The runtimes ``qie export-lora --format`` writes for, as data: one :class:`ExportTarget` per format.
+"""The runtimes ``qie export-lora --format`` writes for, and what each loads, as data: one :class:`ExportTarget`
+per runtime.
 
-Torch-free, so ``qie export-lora``'s choices and help come from this table without importing the writers.
-A target names its writer (``"module:function"``, a function ``(LoraState, **options) -> {key: tensor}``),
-the options it takes, and whether its file folds alpha into ``lora_A`` (a scale of 1). Adding a format: its
-writer function (``lora/export.py`` or a module of its own) and one entry here.
+Torch-free, so ``qie export-lora``'s choices and help, ``qie inspect-lora``'s rows, ``--lora_targets serving``
+and the README's "where will my LoRA load" table all come from this one table. Each rule's source file in the
+runtime's repository is cited in ``docs/LORA_RUNTIMES.md``. A target names:
+
+- the key layout it writes: ``prefix`` + module path (``underscore``: kohya's ``.`` -> ``_``) + ``pair`` names;
+- ``accepted_prefixes``: the prefixes the runtime maps (documentation, and ``as_is`` below);
+- where alpha goes: ``"tensor"`` (a float ``<module>.alpha``) or ``"folded"`` (``alpha / rank`` multiplied into
+  lora_A; the runtime ignores or truncates alpha, or wants an integer);
+- ``full_weights``: whether the runtime applies fully trained module weights;
+- per family (``families``; a family not listed cannot have this target) a :class:`FamilyRule`: the modules the
+  runtime can put a LoRA on, its fused layouts, and which of our input formats it reads unchanged.
 """
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
+
+EDIT, QWEN21 = "qwen-image-edit", "qwen-image-2.1"  # models.family names (a test keeps them equal)
+
+# Qwen-Image-Edit's linears that are vLLM parallel layers (LinearBase); img/txt_mod.1, img_in, txt_in,
+# proj_out and the embedders are plain nn.Linear there, and nn.Linear takes no LoRA.
+_EDIT_PARALLEL = r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|(img|txt)_mlp\.net\.(0\.proj|2))"
+_BLOCKS = r"transformer_blocks\.\d+\..+"  # inside a transformer block
+_ALL_FORMATS = ("diffsynth_qie", "diffsynth", "peft", "diffusers", "comfyui", "kohya")
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A module the runtime's model holds as one weight where DiffSynth's DiT has ``parts`` (stacked by rows)."""
+
+    name: str  # e.g. "attn.to_qkv"
+    parts: tuple[str, ...]  # e.g. ("attn.to_q", "attn.to_k", "attn.to_v")
+
+
+@dataclass(frozen=True)
+class FamilyRule:
+    modules: Optional[str] = None  # regex a module path must fully match; None: every linear of the DiT
+    fused: tuple[Fused, ...] = ()  # fused layouts of the runtime's checkpoints for this family
+    write_fused: bool = False  # the file must hold the fused module (parts fused exactly, rank summed)
+    half_prefix: Optional[str] = None  # prefix for the parts of a fused module (mapped only under it)
+    as_is: tuple[str, ...] = ()  # our input formats (formats.load_lora_state) the runtime reads unchanged
+
+    def accepts(self, module: str) -> bool:
+        return self.modules is None or re.fullmatch(self.modules, module) is not None
 
 
 @dataclass(frozen=True)
 class ExportTarget:
     name: str
+    runtime: str  # the runtime's name, for tables
     help: str  # what its file holds, for --help
     writer: str  # "module:function": (LoraState, **options) -> dict of tensors
+    prefix: str
+    accepted_prefixes: tuple[str, ...]
+    families: dict
+    pair: tuple[str, str] = ("lora_A", "lora_B")
+    underscore: bool = False
+    alpha: str = "tensor"  # "tensor": float <module>.alpha; "folded": into lora_A, none written
+    full_weights: bool = False
+    folder: bool = False  # a PEFT folder (adapter_model.safetensors + adapter_config.json) unless OUT is a file
     options: tuple[str, ...] = ()  # keyword options of the writer (each a `qie export-lora` flag)
-    alpha_folded: bool = False  # alpha / rank multiplied into lora_A: the file's own scale is 1
+
+    @property
+    def alpha_folded(self) -> bool:
+        """alpha / rank multiplied into lora_A: the file's own scale is 1."""
+        return self.alpha == "folded"
+
+    def rule(self, family: str) -> Optional[FamilyRule]:
+        return self.families.get(family)
 
     def write_fn(self) -> Callable:
         module, _, name = self.writer.partition(":")
         return getattr(importlib.import_module(module), name)
 
 
+_W = "diffsynth_qie.lora.writers:"
 EXPORT_TARGETS: dict[str, ExportTarget] = {t.name: t for t in (
-    ExportTarget("comfyui", "diffusion_model.<module>.lora_A/lora_B.weight + .alpha (+ .set_weight for full "
-                 "module weights)", "diffsynth_qie.lora.export:comfyui_state_dict"),
-    ExportTarget("diffusers", "transformer.<module>.lora_A/lora_B.weight with alpha folded in",
-                 "diffsynth_qie.lora.export:diffusers_state_dict", options=("drop_full_weights",),
-                 alpha_folded=True),
+    ExportTarget(
+        "comfyui", "ComfyUI", "diffusion_model.<module>.lora_A/lora_B.weight + .alpha (+ .set_weight for full "
+        "module weights); 2.1's img_mlp.gate_layer/proj as transformer.<module> (loads on fused gate_up too)",
+        _W + "comfyui_state_dict", prefix="diffusion_model.", full_weights=True,
+        accepted_prefixes=("diffusion_model.", "lora_unet_", "", "transformer.", "lycoris_"),
+        families={EDIT: FamilyRule(as_is=("diffsynth_qie", "diffsynth", "comfyui", "diffusers", "kohya")),
+                  QWEN21: FamilyRule(fused=(Fused("img_mlp.gate_up", ("img_mlp.gate_layer", "img_mlp.proj")),),
+                                     half_prefix="transformer.", as_is=("diffsynth_qie", "diffsynth", "diffusers"))}),
+    ExportTarget(
+        "diffusers", "diffusers", "transformer.<module>.lora_A/lora_B.weight with alpha folded in",
+        _W + "diffusers_state_dict", prefix="transformer.", alpha="folded", options=("drop_full_weights",),
+        accepted_prefixes=("transformer.", "diffusion_model.", "lora_unet_"),
+        families={EDIT: FamilyRule(as_is=("diffusers", "comfyui", "kohya")),
+                  QWEN21: FamilyRule(as_is=("diffusers", "comfyui", "kohya"))}),
+    ExportTarget(
+        "kohya", "musubi-tuner", "lora_unet_<module with _>.lora_down/lora_up.weight + .alpha (kohya / musubi-tuner)",
+        _W + "kohya_state_dict", prefix="lora_unet_", underscore=True, pair=("lora_down", "lora_up"),
+        accepted_prefixes=("lora_unet_",),
+        families={EDIT: FamilyRule(modules=_BLOCKS, as_is=("kohya",)),
+                  QWEN21: FamilyRule(modules=_BLOCKS, as_is=("kohya",))}),
+    ExportTarget(
+        "sglang", "SGLang", "diffusion_model.<module>.lora_A/lora_B.weight, alpha folded (SGLang reads it as an "
+        "integer), integer metadata alpha = rank", _W + "sglang_state_dict", prefix="diffusion_model.",
+        alpha="folded", accepted_prefixes=("diffusion_model.", "", "base_model.model."),
+        families={EDIT: FamilyRule(as_is=("diffsynth_qie", "diffsynth", "comfyui", "peft")),
+                  QWEN21: FamilyRule(as_is=("diffsynth_qie", "diffsynth", "comfyui", "peft", "diffusers"))}),
+    ExportTarget(
+        "vllm-omni", "vLLM-Omni", "a PEFT folder (adapter_model.safetensors: base_model.model.<module>.lora_A/B, "
+        "adapter_config.json), or with OUT *.safetensors one file of transformer.<module>.lora_A/B; alpha folded",
+        _W + "vllm_state_dict", prefix="transformer.", alpha="folded", folder=True,
+        accepted_prefixes=("base_model.model.", "diffusion_model.", "transformer."),
+        families={EDIT: FamilyRule(modules=_EDIT_PARALLEL, fused=(
+                      Fused("attn.to_qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+                      Fused("attn.add_kv_proj", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"))),
+                      as_is=("peft", "comfyui", "diffusers")),
+                  QWEN21: FamilyRule(fused=(Fused("attn.to_qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),),
+                                     as_is=("peft", "comfyui", "diffusers"))}),
+    ExportTarget(
+        "nunchaku", "Nunchaku", "transformer.blocks.<n>.<module>.lora_A/lora_B.weight as its converter reads, "
+        "q/k/v fused into to_qkv / add_qkv_proj, alpha folded", _W + "nunchaku_state_dict",
+        prefix="transformer.", alpha="folded", accepted_prefixes=("transformer.", "base_model.model."),
+        families={EDIT: FamilyRule(modules=_EDIT_PARALLEL[:-1] + r"|(img|txt)_mod\.1)", write_fused=True, fused=(
+            Fused("attn.to_qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+            Fused("attn.add_qkv_proj", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"))))}),
 )}
+
+# Candidate LoRA targets per family (PEFT suffix, one module path it names), for --lora_targets serving.
+_CANDIDATES = {
+    EDIT: tuple((s, f"transformer_blocks.0.{p}") for s, p in (
+        ("to_q", "attn.to_q"), ("to_k", "attn.to_k"), ("to_v", "attn.to_v"), ("add_q_proj", "attn.add_q_proj"),
+        ("add_k_proj", "attn.add_k_proj"), ("add_v_proj", "attn.add_v_proj"), ("to_out.0", "attn.to_out.0"),
+        ("to_add_out", "attn.to_add_out"), ("img_mlp.net.0.proj", "img_mlp.net.0.proj"),
+        ("img_mlp.net.2", "img_mlp.net.2"), ("txt_mlp.net.0.proj", "txt_mlp.net.0.proj"),
+        ("txt_mlp.net.2", "txt_mlp.net.2"), ("img_mod.1", "img_mod.1"), ("txt_mod.1", "txt_mod.1")))
+    + (("img_in", "img_in"), ("txt_in", "txt_in"), ("proj_out", "proj_out")),
+    QWEN21: tuple((s, f"transformer_blocks.0.{p}") for s, p in (
+        ("to_q", "attn.to_q"), ("to_k", "attn.to_k"), ("to_v", "attn.to_v"), ("to_out.0", "attn.to_out.0"),
+        ("img_mlp.proj", "img_mlp.proj"), ("img_mlp.gate_layer", "img_mlp.gate_layer"), ("img_mlp.out", "img_mlp.out"))),
+}
 
 
 def export_target(name: str) -> ExportTarget:
     if name not in EXPORT_TARGETS:
         raise ValueError(f"unknown export format {name!r}; choose one of {', '.join(EXPORT_TARGETS)}")
     return EXPORT_TARGETS[name]
+
+
+def export_names(value: str | None) -> list[str]:
+    """``"comfyui,diffusers"`` -> the checked target names (``qie train --export``)."""
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    for name in names:
+        export_target(name)
+    return names
+
+
+def serving_targets(family: str) -> list[str]:
+    """The LoRA target suffixes of ``family`` that every runtime of this table which has the family loads."""
+    rules = [r for t in EXPORT_TARGETS.values() for r in [t.rule(family)] if r is not None]
+    if family not in _CANDIDATES:
+        raise ValueError(f"unknown model family {family!r}; valid: {', '.join(_CANDIDATES)}")
+    return [s for s, path in _CANDIDATES[family] if all(r.accepts(path) for r in rules)]
+
+
+def load_table() -> list[list[str]]:
+    """The README's "where will my LoRA load" table: one row per target, one column per family."""
+    families = list(_CANDIDATES)
+    rows = [["runtime", "`--format`", *families, "alpha", "full weights"]]
+    for t in EXPORT_TARGETS.values():
+        cells = []
+        for family in families:
+            rule = t.rule(family)
+            if rule is None:
+                cells.append("no (no such model)")
+            elif rule.modules is None:
+                cells.append("every module")
+            else:
+                left = [s for s, p in _CANDIDATES[family] if not rule.accepts(p)]
+                cells.append("all but " + ", ".join(left) if left else "every module")
+        rows.append([t.runtime, f"`{t.name}`", *cells, "folded" if t.alpha_folded else "`.alpha` tensor",
+                     "yes" if t.full_weights else "no"])
+    return rows
+
+
+def load_table_markdown() -> str:
+    rows = load_table()
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]])

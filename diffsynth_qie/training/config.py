@@ -56,6 +56,12 @@ class LoRAConfig:
     lora_target_modules: Optional[list[str]] = field(default=None, metadata=_help(
         "module name suffixes to adapt (PEFT matching); default: the preset's list "
         "(2511 adds img_in, txt_in, proj_out)", metavar="NAME"))
+    lora_targets: Optional[Literal["default", "serving"]] = field(default=None, metadata=_help(
+        "a named target set instead of --lora_target_modules: serving = only modules every LoRA runtime loads "
+        "(ComfyUI, diffusers, musubi, SGLang, vLLM-Omni, Nunchaku; lora/export_targets.py)"))
+    export: Optional[str] = field(default=None, metadata=_help(
+        "comma-separated `qie export-lora` formats written beside lora.safetensors when training ends "
+        "(e.g. comfyui,diffusers), each checked against its runtime's rules", metavar="FORMATS"))
     lora_checkpoint: Optional[str] = field(default=None, metadata=_help(
         "start from this LoRA file (any format qie edit --lora reads); its rank must equal --lora_rank",
         metavar="FILE"))
@@ -254,7 +260,17 @@ class RunConfig:
             if train.zero_cond_t is None:
                 train = dataclasses.replace(train, zero_cond_t=preset.zero_cond_t)
             if lora.lora_target_modules is None:
-                lora = dataclasses.replace(lora, lora_target_modules=list(preset.lora_target_modules))
+                from ..lora.export_targets import serving_targets
+
+                targets = serving_targets(preset.family) if lora.lora_targets == "serving" else preset.lora_target_modules
+                lora = dataclasses.replace(lora, lora_target_modules=list(targets))
+            elif lora.lora_targets is not None:
+                raise ValueError(f"--lora_targets {lora.lora_targets} and --lora_target_modules both name the "
+                                 "targets; give one of them")
+        if lora.export:
+            from ..lora.export_targets import export_names
+
+            export_names(lora.export)  # an unknown format fails before training, not after
         if lora.lora_alpha is None:
             lora = dataclasses.replace(lora, lora_alpha=float(lora.lora_rank))
         optim = self.optim

@@ -144,6 +144,10 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
         if last_saved != state.step:  # a last checkpoint: the run can be resumed or extended
             save()
         ckpt.save_final_lora(acc, run.module, run.optimizer, run.engine, t.output_dir, {"step": state.step})
+        if run.cfg.lora.export and acc.is_main_process:  # --export: checked exports beside it
+            from ..lora.export import export_beside
+
+            export_beside(result.lora_path, run.cfg.lora.export)
         if run.ema is not None:  # lora_ema.safetensors beside it
             run.ema.save(acc, run.module, t.output_dir, {"step": state.step})
     finally:

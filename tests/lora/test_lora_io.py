@@ -548,4 +548,4 @@ def test_export_lora_command(tmp_path, dit):
     keys = set(read(tmp_path / "out.safetensors"))
     assert keys == {f"diffusion_model.{n}.{s}" for n in TARGETS[:2] for s in ("lora_A.weight", "lora_B.weight", "alpha")}
     with pytest.raises(SystemExit):
-        parser.parse_args(["--format", "kohya", str(src), "x"])
+        parser.parse_args(["--format", "onnx", str(src), "x"])  # not a target
