@@ -160,11 +160,12 @@ def _run_train(args, options, family) -> FakeRun:
     verify = _train_verifier(family)
     kwargs = {"on_the_fly": True} if options.on_the_fly and "on_the_fly" in inspect.signature(verify).parameters else {}
     r = verify(cfg, preset, shapes, num_layers=args.verify_blocks, **kwargs)
-    run = FakeRun(f"one training step ({args.loss}, {cfg.optim.optimizer}, loss {r.loss_dtype})",
+    run = FakeRun(f"one training step ({args.loss}, loss {r.loss_dtype})",
                   [("weights (DiT + LoRA, after setup)", r.weights), ("forward + backward peak", r.forward_backward_peak),
                    ("optimizer state", r.optimizer_state), ("optimizer step peak", r.optimizer_peak),
                    ("steady-state peak", r.peak)],
-                  "training step (steady state)", r.peak, r.weights, r.seconds, notes=list(r.notes))
+                  "training step (steady state)", r.peak, r.weights, r.seconds,
+                  notes=[f"optimizer {cfg.optim.optimizer}, as qie train runs --loss {args.loss}", *r.notes])
     run.uncovered = tuple(t for t in ("EMA validation copy of the LoRA (fp32)",) if options.validate_with != "raw")
     if options.on_the_fly and not kwargs:
         run.uncovered += ENCODER_TERMS

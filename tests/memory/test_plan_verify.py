@@ -100,7 +100,7 @@ def test_the_21_kv_cache_is_what_breaks_the_plan_without_its_term(capfd, monkeyp
 def test_lbm_ema_and_on_the_fly_are_verified_as_planned(capfd):
     rc, text = _run(capfd, "--model", "2511", "--loss", "lbm", "--ema_decay", "0.99", "--on_the_fly", *FAST)
     assert rc == 0, text
-    assert "one training step (lbm, prodigy_sf" in text
+    assert "one training step (lbm, loss" in text and "optimizer prodigy_sf, as qie train runs --loss lbm" in text
     assert "+33" not in text  # the encoders are either built or left out of both sides, and said so
     assert "--on_the_fly" in text
 
