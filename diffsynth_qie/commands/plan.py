@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..memory.plan import PlanOptions, describe, format_plan, predict, recommend
+    from ..memory.plan import describe, format_plan, predict, recommend
 
     from ..models.presets import family_of
 
@@ -82,14 +82,7 @@ def run(args) -> int:
     if not family.fullsize_verify:
         log.warning("%s: weights, LoRA and optimizer state are counted exactly; activations use the constants "
                     "fitted on Qwen-Image-Edit's blocks, an estimate for this family", family.label)
-    base = PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
-                       prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
-                       optimizer=args.optimizer or loss_spec(args.loss).default_optimizer, gradient_checkpointing=args.gradient_checkpointing,
-                       fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
-                       num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
-                       text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu",
-                       ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),
-                       kv_cache=args.kv_cache)
+    base = options_of(args)
     log.info("DiT: %.3f B parameters, %d blocks of %.3f B, width %d; LoRA rank %d: %.1f M parameters",
              census.params / 1e9, census.num_layers, census.block_params / 1e9, census.dim,
              base.lora_rank, census.lora_params(base.lora_rank) / 1e6)
@@ -111,6 +104,20 @@ def run(args) -> int:
     log.info("cheapest options that fit %.1f GiB: %s\n%s", args.gpu_memory_gb, describe(fit.options),
              format_plan(fit))
     return 0
+
+
+def options_of(args):
+    """The :class:`~..memory.plan.PlanOptions` of parsed ``qie plan`` arguments."""
+    from ..memory.plan import PlanOptions
+
+    return PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
+                       prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
+                       optimizer=args.optimizer or loss_spec(args.loss).default_optimizer, gradient_checkpointing=args.gradient_checkpointing,
+                       fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
+                       num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
+                       text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu",
+                       ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),
+                       kv_cache=args.kv_cache)
 
 
 def _census(args):

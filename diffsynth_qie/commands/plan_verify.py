@@ -63,16 +63,22 @@ def train_config(args, options):
 def verify_and_compare(args, options, plan) -> str:
     """Run ``options`` on the fake device, log its phases beside ``plan`` and return the verdict's line;
     ``ValueError`` (one line) on a fake-device error or a failed verdict."""
+    from ..memory.verdict import gpu_bytes_of
+
+    gpu = gpu_bytes_of(args.gpu_memory_gb)  # the visible GPU is asked before the fake device patches CUDA
+    return judge(args, options, plan, fake_run(args, options), gpu)
+
+
+def fake_run(args, options) -> FakeRun:
+    """The planned configuration run on the fake device, with the largest holders at its highest moment."""
     from ..memory.fake_device import FakeRunError
     from ..memory.fake_memory import recorded_sessions
-    from ..memory.verdict import gpu_bytes_of
     from ..models.presets import family_of
 
     if options.zero_stage:
         raise ValueError("--verify runs one process without DeepSpeed; drop --zero_stage (ZeRO-2/3 divide what it "
                          "counts by --num_gpus as the plan shows)")
     family = family_of(args.model)
-    gpu = gpu_bytes_of(args.gpu_memory_gb)  # the visible GPU is asked before the fake device patches CUDA
     with recorded_sessions() as sessions:
         try:
             run = _run_train(args, options, family) if options.task == "train" else _run_edit(args, options, family)
@@ -84,19 +90,28 @@ def verify_and_compare(args, options, plan) -> str:
         if options.task == "train" and options.ema and not top.bytes_from("training/ema.py"):
             run.uncovered += ("EMA shadow (fp32)",)
             run.notes.append("the EMA shadow is not built by this fake-device step: counted by the plan only")
-    return judge(args, options, plan, run, gpu)
+    return run
+
+
+def planned_like(args, options, plan, run: FakeRun) -> tuple[int, int]:
+    """(the plan of what ``run`` holds, at its depth; the same at full depth): both without the CUDA context and
+    the terms ``run`` does not build."""
+    from ..memory.plan import predict
+
+    run.uncovered = tuple(name for name in plan.gpu if name in run.uncovered)  # the terms this plan has
+    full = _covered(plan, run.uncovered)
+    blocks = args.verify_blocks
+    like = full if not blocks else _covered(predict(_census_of(args, blocks), _shallow(options, blocks)),
+                                            run.uncovered)
+    return like, full
 
 
 def judge(args, options, plan, run: FakeRun, gpu) -> str:
     """Log the run beside the plan and check its memory verdicts (the GPU's, then the plan's)."""
-    from ..memory.plan import predict
     from ..memory.verdict import MemoryVerdict, check_memory
 
     blocks = args.verify_blocks
-    run.uncovered = tuple(name for name in plan.gpu if name in run.uncovered)  # the terms this plan has
-    full = _covered(plan, run.uncovered)
-    like = full if not blocks else _covered(predict(_census_of(args, blocks), _shallow(options, blocks)),
-                                            run.uncovered)
+    like, full = planned_like(args, options, plan, run)
     rest = plan.gpu_peak - full  # what the run leaves out: the other blocks, uncovered terms, the CUDA context
     on_gpu = run.peak + (full - like) + rest
     added = [f"{blocks} blocks run, the others as the plan counts them"] if blocks else []
