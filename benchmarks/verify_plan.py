@@ -6,7 +6,8 @@ training and editing, at full size (every block), with the verify seconds.
 Each row parses the `qie plan` flags shown, predicts with `memory/plan.py`, runs the same configuration on the
 fake CUDA device as `qie plan --verify` does (`commands/plan_verify.fake_run`), and compares like with like:
 the plan without its CUDA-context allowance and without the terms the run does not build (named in the last
-column: the 2.1 edit is the DiT part, without its prompt encoder and VAE). A few minutes on two CPU cores.
+column: the 2.1 edit is the DiT part, without its prompt encoder and VAE). A few minutes on two CPU cores; the
+CPU seconds are the process's own (the wall seconds grow with whatever else the machine runs).
 """
 from __future__ import annotations
 
@@ -47,13 +48,13 @@ def row(label: str, flags: str) -> str:
     args = parser.parse_args(flags.split() + ["--verify"])
     options = plan_cmd.options_of(args)
     plan = predict(plan_cmd._census(args), options)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run = fake_run(args, options)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     like, _ = planned_like(args, options, plan, run)
     left_out = ", ".join(run.uncovered) or "–"
     return (f"| {label} | `{flags}` | {run.peak / GiB:.2f} | {like / GiB:.2f} | {100 * (like / run.peak - 1):+.1f} % "
-            f"| {plan.gpu_peak / GiB:.2f} | {seconds:.0f} | {left_out} |")
+            f"| {plan.gpu_peak / GiB:.2f} | {seconds:.0f} | {cpu:.0f} | {left_out} |")
 
 
 def main(argv=None) -> None:
@@ -64,8 +65,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     rows = ["| configuration | `qie plan` flags | fake-device peak (GiB) | plan, same terms (GiB) | plan vs fake | "
-            "whole plan (GiB) | verify s | plan terms not run |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "whole plan (GiB) | verify s (wall) | verify s (CPU) | plan terms not run |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for label, flags in CONFIGS:
         if args.only and args.only not in label:
             continue

@@ -64,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--verify", action="store_true",
                    help="run the configuration with the real full-size model on a fake CUDA device (a training "
                         "step, or an edit with --task edit) and print its peak device memory beside the "
-                        "prediction; fails naming the operator and line on a device/dtype mismatch or host sync")
+                        "prediction; fails (one line) naming the operator and line on a device/dtype mismatch or "
+                        "host sync, or naming the largest holders when the peak exceeds the GPU "
+                        "(--gpu_memory_gb, default: the visible GPU) or the plan is more than 10%% off")
     v.add_argument("--mixed", action="store_true",
                    help="--verify: every other sample of the batch is 4:3 with a prompt 30%% shorter")
     v.add_argument("--verify_blocks", type=checked(int, 0, 1 << 10), default=None, metavar="N",
