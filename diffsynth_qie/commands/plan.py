@@ -3,8 +3,9 @@
 Counts come from the real model classes built on the ``meta`` device (or a ``--model_dir``
 checkpoint's safetensors headers); activations from constants fitted on full-size steps on a fake CUDA
 device (``benchmarks/fit_plan.py``). ``--verify`` runs the configuration itself there — our training step
-or ``Editor.edit`` on the real full-size model, no memory, no arithmetic — and prints its peak of live device
-bytes per phase beside the prediction (``memory/fake_device.py``, ``docs/MEMORY.md``).
+or ``Editor.edit`` on the real full-size model, no memory, no arithmetic — prints its peak of live device
+bytes per phase beside the prediction, and fails (exit 2, one line) when the peak exceeds the GPU or the plan
+is more than 10 % off (``commands/plan_verify.py``, ``memory/verdict.py``, ``docs/MEMORY.md``).
 """
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no_cfg", action="store_true", help="edit: --cfg 1 (no negative pass)")
     parser.add_argument("--on_the_fly", action="store_true",
                         help="train: the text encoder and VAE run beside the DiT (qie train --on_the_fly)")
+    parser.add_argument("--ema_decay", type=checked(float, 0.0, 1.0), default=0.0,
+                        help="train: keep an fp32 EMA of the LoRA (qie train --ema_decay; 0 = none)")
+    parser.add_argument("--validate_with", default="raw", choices=("raw", "ema", "both"),
+                        help="train: ema/both copy the live LoRA while the average is swapped in for validation")
+    parser.add_argument("--loras", type=checked(int, 1, 1 << 16), nargs="+", default=None, metavar="RANK",
+                        help="edit: the ranks of stacked LoRAs attached unmerged (default: one of --lora_rank)")
+    parser.add_argument("--kv_cache", default="on", choices=("on", "off"),
+                        help="edit, Qwen-Image-2.1: its prefix KV cache on the GPU, or off (each step recomputes "
+                             "the prefix; --gpu_memory_gb turns it off when nothing else fits)")
     for name in ("text_encoder", "vae"):
         parser.add_argument(f"--{name}_device", default="gpu", choices=("gpu", "cpu"),
                             help=f"edit / --on_the_fly: where the {name.replace('_', ' ')} runs (cpu: host RAM, fp32)")
@@ -54,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--verify", action="store_true",
                    help="run the configuration with the real full-size model on a fake CUDA device (a training "
                         "step, or an edit with --task edit) and print its peak device memory beside the "
-                        "prediction; fails naming the operator and line on a device/dtype mismatch or host sync")
+                        "prediction; fails (one line) naming the operator and line on a device/dtype mismatch or "
+                        "host sync, or naming the largest holders when the peak exceeds the GPU "
+                        "(--gpu_memory_gb, default: the visible GPU) or the plan is more than 10%% off")
     v.add_argument("--mixed", action="store_true",
                    help="--verify: every other sample of the batch is 4:3 with a prompt 30%% shorter")
     v.add_argument("--verify_blocks", type=checked(int, 1, 1 << 10), default=None, metavar="N",
@@ -63,27 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..memory.plan import PlanOptions, describe, format_plan, predict, recommend
+    from ..memory.plan import describe, format_plan, predict, recommend
 
     from ..models.presets import family_of
 
     family = family_of(args.model)
     if getattr(args, "mixed", False) and not args.verify:
         raise ValueError("--mixed shapes the batch of the --verify run; add --verify, or drop --mixed")
-    if args.verify and not family.fullsize_verify:
-        raise ValueError(f"--verify runs Qwen-Image-Edit's training step and edit on the fake device; {family.label} "
-                         "is not covered: DiffSynth's 2.1 DiT reads its token masks on the host (nonzero, "
-                         "repeat_interleave by mask), values a fake device does not have. Drop --verify")
     census = _census(args)
     if not family.fullsize_verify:
         log.warning("%s: weights, LoRA and optimizer state are counted exactly; activations use the constants "
                     "fitted on Qwen-Image-Edit's blocks, an estimate for this family", family.label)
-    base = PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
-                       prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
-                       optimizer=args.optimizer or loss_spec(args.loss).default_optimizer, gradient_checkpointing=args.gradient_checkpointing,
-                       fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
-                       num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
-                       text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu")
+    base = options_of(args)
     log.info("DiT: %.3f B parameters, %d blocks of %.3f B, width %d; LoRA rank %d: %.1f M parameters",
              census.params / 1e9, census.num_layers, census.block_params / 1e9, census.dim,
              base.lora_rank, census.lora_params(base.lora_rank) / 1e6)
@@ -107,6 +110,20 @@ def run(args) -> int:
     return 0
 
 
+def options_of(args):
+    """The :class:`~..memory.plan.PlanOptions` of parsed ``qie plan`` arguments."""
+    from ..memory.plan import PlanOptions
+
+    return PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
+                       prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
+                       optimizer=args.optimizer or loss_spec(args.loss).default_optimizer, gradient_checkpointing=args.gradient_checkpointing,
+                       fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
+                       num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
+                       text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu",
+                       ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),
+                       kv_cache=args.kv_cache)
+
+
 def _census(args):
     from ..memory.census import census_from_files, dit_files, preset_census
     from ..models.presets import family_of, get_preset
@@ -125,7 +142,9 @@ def _census(args):
         log.warning("--model_dir %s holds a DiT of width %d with %d blocks, but %s has width %d with %d blocks: "
                     "the plan below is for the files, not for %s; check --model", args.model_dir, census.dim,
                     census.num_layers, args.model, expected.dim, expected.num_layers, args.model)
-    if encoders:  # encoders' sizes are the preset's own (identical in every Edit repo)
+    # the prefix cache is the DiT class's; encoders' sizes are the preset's own (identical in every repo)
+    census = dataclasses.replace(census, prefix_kv_width=expected.prefix_kv_width)
+    if encoders:
         enc = preset_census(args.model, with_encoders=True)
         census = dataclasses.replace(census, text_encoder_params=enc.text_encoder_params, vae_params=enc.vae_params)
     return census

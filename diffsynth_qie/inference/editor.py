@@ -84,6 +84,8 @@ class EditRequest:
     max_prompt_tokens: Optional[int] = DEFAULT_MAX_PROMPT_TOKENS  # longer prompts are refused; None = no limit
     scheduler: str = "default"               # flow matching: "default" or "lightning" (few-step LoRAs, CFG 1)
     strength: float = 1.0                    # edit strength: 0 = the source, 1 = the full edit (SDEdit-style start)
+    kv_cache: bool = True                    # keep a prefix's keys/values across steps (Qwen-Image-2.1); False
+                                             # recomputes them at every step: slower, GiBs less at 10 references
     progress: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
 
 
@@ -299,6 +301,8 @@ class Editor:
         to_dit = lambda t: t.to(device=dit_device, dtype=self.dtype)  # noqa: E731
         cond = self.ops.conditioning([prompt_emb], None if negative_emb is None else [negative_emb], [edit_latents],
                                      self.zero_cond_t, to_dit)
+        if hasattr(cond, "kv_cache"):  # a family whose prefix keys/values can be cached across steps
+            cond.kv_cache = request.kv_cache
         latents = self._sample(request, cond, cfg, z_src, z_white, self.family.latent_size(height, width))
         # the conditioning holds 2.1's prefix KV caches (GiBs at full size): free them before the VAE decodes
         del cond, prompt_emb, negative_emb, edit_latents, z_src, z_white

@@ -69,7 +69,7 @@ class EditVerifyReport:
 
 def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_tokens: int = 300, steps: int = 2,
                 cfg: float = 4.0, lora_rank: int = 0, fp8_base: bool = False, blocks_to_swap: int = 0,
-                lbm_steps: Optional[int] = None, num_layers: Optional[int] = None, *,
+                lbm_steps: Optional[int] = None, num_layers: Optional[int] = None, *, kv_cache: bool = True,
                 request: Optional[EditRequest] = None, load: Optional[EditLoad] = None) -> EditVerifyReport:
     """Run one edit on the fake device; the peak of live device bytes per phase. ``steps`` denoising steps
     (every step has the same peak; 2 shows it), ``num_layers`` a shallower DiT (the preflight, tests).
@@ -80,7 +80,7 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
         image = Image.new("RGB", (resolution, resolution), (128, 128, 128))
         request = EditRequest(images=[image] * max(1, ref_images), prompt="edit", steps=steps, cfg=cfg,
                               height=resolution, width=resolution, lbm_steps=lbm_steps, max_pixels=resolution ** 2,
-                              ref_max_pixels=resolution ** 2, max_prompt_tokens=None)
+                              ref_max_pixels=resolution ** 2, max_prompt_tokens=None, kv_cache=kv_cache)
     if load is None:
         load = EditLoad(fp8_base=fp8_base, blocks_to_swap=blocks_to_swap, lora_ranks=(lora_rank,) if lora_rank else ())
     return _run(preset, dataclasses.replace(request, progress=None), load, prompt_tokens, num_layers)

@@ -38,6 +38,9 @@ class DiTCensus:
     lora_token_targets: int
     text_encoder_params: int = 0
     vae_params: int = 0
+    # a DiT that caches its prefix's keys and values across steps (Qwen-Image-2.1's text + reference prefix):
+    # the width of one block's keys (and of its values), else 0
+    prefix_kv_width: int = 0
 
     def lora_params(self, rank: int) -> int:
         return rank * self.lora_features
@@ -119,9 +122,10 @@ def dit_files(model_dir: str | Path, pattern: str) -> list[Path]:
     return sorted(Path(p) for p in glob.glob(str(Path(model_dir) / pattern)))
 
 
-@functools.lru_cache(maxsize=8)
-def preset_census(preset_name: str, with_encoders: bool = True) -> DiTCensus:
-    """The census of a preset's DiT, built on the ``meta`` device (the tiny model at its real sizes)."""
+@functools.lru_cache(maxsize=16)
+def preset_census(preset_name: str, with_encoders: bool = True, num_layers: int | None = None) -> DiTCensus:
+    """The census of a preset's DiT, built on the ``meta`` device (the tiny model at its real sizes);
+    ``num_layers``: of a shallower copy (what ``qie plan --verify --verify_blocks N`` runs)."""
     import torch
 
     from ..models.presets import family_of, get_preset
@@ -129,9 +133,20 @@ def preset_census(preset_name: str, with_encoders: bool = True) -> DiTCensus:
     preset = get_preset(preset_name)
     family = family_of(preset)
     with torch.device("meta"):
-        dit = build_dit(preset)
+        dit = build_dit(preset, num_layers)
         extra = _encoder_params(family) if with_encoders and not preset.is_tiny else {}
-    return census_from_module(dit, preset.lora_target_modules, family.streams, **extra)
+    return census_from_module(dit, preset.lora_target_modules, family.streams, **extra,
+                              prefix_kv_width=prefix_kv_width(dit))
+
+
+def prefix_kv_width(dit) -> int:
+    """The width of a block's cached keys, for a DiT whose forward takes a prefix KV cache (``kv_cache``);
+    0 for one that recomputes every token at every step."""
+    import inspect
+
+    if "kv_cache" not in inspect.signature(type(dit).forward).parameters:
+        return 0
+    return int(getattr(dit, "inner_dim", 0) or dit.img_in.weight.shape[0])
 
 
 def build_dit(preset, num_layers: int | None = None):

@@ -26,13 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .fake_checks import generator_device, holds_device_tensor, host_copy, operand_dtypes, stacked
-from .fake_memory import DeviceMemory, is_device
+from .fake_memory import FAKE_DEVICE_FILES, PACKAGE_DIR, DeviceMemory, is_device  # noqa: F401 (re-exported)
 from .fake_streams import StreamOrder
 
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The fake device's own modules: a FakeRunError names the frame that called into them, never theirs.
-FAKE_DEVICE_FILES = tuple(os.sep + name for name in ("fake_device.py", "fake_ops.py", "fake_memory.py",
-                                                      "fake_backward.py", "fake_checks.py", "fake_streams.py"))
 aten = torch.ops.aten
 HOST_SYNC_HINT = ("on a GPU the host waits there for everything queued on the device, stalling the step; keep "
                   "the value on the device (or on the host from the start), or move the copy out of the step")

@@ -18,6 +18,15 @@ Pure functions of a :class:`~.census.DiTCensus` (counts taken from the real modu
   (the saved block inputs plus one block being recomputed), where ``n_t`` is the number of
   LoRA-targeted linears a token passes per block (each keeps its rank-r intermediate).
   The constants are measured, not guessed: see :data:`CALIBRATION`.
+- Training with ``--ema_decay``: the EMA shadow, fp32 (4 bytes per trainable parameter, divided by
+  ``num_gpus`` under ZeRO-3), and with ``--validate_with ema|both`` the live weights' fp32 copy kept while the
+  average is swapped in for validation (whole, also under ZeRO-3).
+- Training ``--on_the_fly``: the encoders' weights where they run, and (encoders on the GPU) one image's VAE
+  encode working set, the largest encode transient, which the background encode thread runs beside the step.
+- Editing with a DiT that caches its prefix (Qwen-Image-2.1): the prefix KV cache, ``num_layers * prefix_tokens
+  * 2 (K, V) * width * b`` per prompt, for the positive and (true CFG) the negative prompt; the prefix is the
+  prompt's tokens and every reference's latent tokens (0.5 MiB per prefix token and prompt at full size).
+- Editing with stacked LoRAs: each one's unmerged branches, ``r_i * sum(in + out) * b``.
 - A fixed allowance for the CUDA context and allocator fragmentation.
 
 Host RAM: a process baseline, the swapped blocks (pinned), and about one block while loading (no
@@ -76,6 +85,10 @@ class PlanOptions:
     on_the_fly: bool = False  # train: the encoders run beside the DiT (qie train --on_the_fly)
     text_encoder_on_gpu: bool = True  # edit / --on_the_fly: False = on the host (--text_encoder_device cpu)
     vae_on_gpu: bool = True
+    ema: bool = False  # train: --ema_decay D (an fp32 average of the trainable weights)
+    validate_with: Literal["raw", "ema", "both"] = "raw"  # train: ema/both keep a copy while validating
+    loras: tuple[int, ...] = ()  # edit: the ranks of stacked LoRAs (default: one of lora_rank, if any)
+    kv_cache: Literal["on", "off"] = "on"  # edit, a DiT with a prefix KV cache: kept on the GPU, or recomputed
     dtype_bytes: int = 2  # bf16 on GPUs; the CPU calibration runs fp32 (4)
     overhead_bytes: int = CUDA_OVERHEAD
 
@@ -96,6 +109,20 @@ class PlanOptions:
             raise ValueError("--fp8_base cannot be combined with --zero_stage 3 (partitioned weights); use one or the other")
         if self.task == "edit" and self.zero_stage:
             raise ValueError("--zero_stage applies to training only; drop it with --task edit")
+        if self.validate_with != "raw" and not self.ema:
+            raise ValueError(f"--validate_with {self.validate_with} needs --ema_decay (an average to validate)")
+        if any(r < 1 for r in self.loras):
+            raise ValueError(f"--loras {' '.join(map(str, self.loras))}: every rank must be >= 1")
+
+    @property
+    def lora_ranks(self) -> tuple[int, ...]:
+        """Edit: the ranks of the LoRAs attached (unmerged)."""
+        return self.loras or ((self.lora_rank,) if self.lora_rank else ())
+
+    @property
+    def prefix_tokens(self) -> int:
+        """A prompt's prefix for a DiT that caches it: the prompt's tokens and every reference's latent tokens."""
+        return (self.resolution // 16) ** 2 * self.ref_images + self.prompt_tokens
 
     @property
     def tokens(self) -> int:
@@ -172,20 +199,31 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         plan.gpu["LoRA weights"] = lw
         plan.gpu["LoRA gradients + optimizer state"] = rest
         plan.gpu["activations" + (" (checkpointed)" if o.gradient_checkpointing else "")] = activation_bytes(c, o)
-        if o.on_the_fly:  # the encoders' weights where they run (their working set is transient, not counted)
+        if o.ema:
+            plan.gpu["EMA shadow (fp32)"] = 4 * c.lora_params(o.lora_rank) // (o.num_gpus if o.zero_stage == 3 else 1)
+            if o.validate_with != "raw":  # LoraEMA.applied: the live weights' copy while the average is in
+                plan.gpu["EMA validation copy of the LoRA (fp32)"] = 4 * c.lora_params(o.lora_rank)
+        if o.on_the_fly:  # the encoders' weights where they run, and the encode thread's working set
             _place_encoders(plan, c, o, "on the fly: ")
+            if o.vae_on_gpu:
+                plan.gpu["on the fly: encode working set (one image, VAE)"] = _vae_bytes(o, 1)
     else:
         # true CFG: on a GPU the positive and the (shorter) negative prompt run as two passes of batch_size
         # (models/samplers/sampling.py: split_cfg), so one pass's working set is what peaks
         batch = o.batch_size
         _place_encoders(plan, c, o)
-        if o.lora_rank:  # unmerged LoRA branches (qie edit's default), bf16
-            plan.gpu["LoRA branches"] = c.lora_params(o.lora_rank) * o.dtype_bytes
+        for i, rank in enumerate(o.lora_ranks):  # unmerged LoRA branches (qie edit's default), bf16
+            name = "LoRA branches" + (f" ({i + 1} of {len(o.lora_ranks)}, rank {rank})" if len(o.lora_ranks) > 1 else "")
+            plan.gpu[name] = c.lora_params(rank) * o.dtype_bytes
+        kv = kv_cache_bytes(c, o)
+        if kv:
+            plan.gpu["prefix KV cache" + (" (positive + negative prompt)" if o.cfg else "")] = kv
         # no graph is kept: one block's working set at a time, or the VAE's while it encodes / decodes
         dit = round(batch * o.tokens * c.dim * CALIBRATION["K_INFER"] * o.dtype_bytes)
-        vae = round(o.batch_size * o.resolution ** 2 * VAE_BYTES_PER_PIXEL * o.dtype_bytes / 2)
-        name = "activations (one block, no grad)" if dit >= vae else "activations (VAE encode/decode)"
-        plan.gpu[name] = max(dit, vae)
+        vae = _vae_bytes(o, o.batch_size)
+        plan.gpu["activations (one block, no grad)"] = dit
+        if vae > dit and o.vae_on_gpu:
+            plan.gpu[VAE_BEYOND] = vae - dit
     plan.gpu["CUDA context + allocator slack"] = o.overhead_bytes
     plan.host["process baseline"] = HOST_BASELINE
     # no process holds the DiT's state dict: a GPU load reads tensor by tensor, ZeRO-3 streams one tensor at a
@@ -195,6 +233,25 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
     if o.fp8_base or o.blocks_to_swap:
         plan.shared["DiT files mapped while loading (page cache)"] = c.params * o.dtype_bytes
     return plan
+
+
+def kv_cache_bytes(c: DiTCensus, o: PlanOptions) -> int:
+    """An edit's prefix KV caches, kept for the whole edit: one per prompt (two with true CFG) and sample."""
+    if not c.prefix_kv_width or o.kv_cache == "off":
+        return 0
+    per_token = c.num_layers * 2 * c.prefix_kv_width * o.dtype_bytes
+    return per_token * o.prefix_tokens * o.batch_size * (2 if o.cfg else 1)
+
+
+def _vae_bytes(o: PlanOptions, images: int) -> int:
+    """The VAE's working set encoding or decoding ``images`` images of ``resolution``²."""
+    return round(images * o.resolution ** 2 * VAE_BYTES_PER_PIXEL * o.dtype_bytes / 2)
+
+
+# the terms of the text encoder and the VAE (weights and working sets): what a run of the DiT part leaves out
+VAE_BEYOND = "VAE encode/decode (beyond the DiT's working set)"
+ENCODER_TERMS = ("text encoder", "VAE", "on the fly: text encoder", "on the fly: VAE",
+                 "on the fly: encode working set (one image, VAE)", VAE_BEYOND)
 
 
 def _place_encoders(plan: Plan, c: DiTCensus, o: PlanOptions, prefix: str = "") -> None:
@@ -210,12 +267,14 @@ def _place_encoders(plan: Plan, c: DiTCensus, o: PlanOptions, prefix: str = "") 
 
 def candidates(c: DiTCensus, base: PlanOptions) -> list[PlanOptions]:
     """Option sets from the least to the most slowdown, never weaker than ``base``'s own choices:
-    checkpointing < FP8 < swapping N blocks (N ascending) < ZeRO-3."""
+    checkpointing < FP8 < swapping N blocks (N ascending) < ZeRO-3; for an edit with a prefix KV cache, all of
+    these with the cache on the GPU, then with it off (each step recomputes the prefix)."""
     multi = base.num_gpus > 1 and base.task == "train"
     stages = [s for s in (0, 2, 3) if s >= base.zero_stage] if multi else [base.zero_stage]
     ckpts = [True] if base.gradient_checkpointing or base.task == "edit" else [False, True]
+    kvs = [base.kv_cache] + (["off"] if base.kv_cache != "off" and kv_cache_bytes(c, base) else [])
     out = []
-    for stage in stages:
+    for stage, kv in ((s, k) for k in kvs for s in stages):
         # only option sets `qie train` accepts: no swapping under DeepSpeed, no FP8 under ZeRO-3
         swaps = range(base.blocks_to_swap, c.num_layers + 1) if stage == 0 else [base.blocks_to_swap] * (not base.blocks_to_swap)
         fp8s = ([True] if base.fp8_base else [False, True]) if stage != 3 else [False] * (not base.fp8_base)
@@ -223,7 +282,7 @@ def candidates(c: DiTCensus, base: PlanOptions) -> list[PlanOptions]:
             for fp8 in fp8s:
                 for ckpt in ckpts:
                     out.append(dataclasses.replace(base, zero_stage=stage, blocks_to_swap=swap, fp8_base=fp8,
-                                                   gradient_checkpointing=ckpt))
+                                                   gradient_checkpointing=ckpt, kv_cache=kv))
     return out
 
 
@@ -242,6 +301,13 @@ def describe(o: PlanOptions) -> str:
     if o.task == "train":
         parts.append(f"--lora_rank {o.lora_rank}")
         parts += ["--gradient_checkpointing"] if o.gradient_checkpointing else []
+    parts += ["--ema_decay D"] if o.ema else []
+    parts += [f"--validate_with {o.validate_with}"] if o.validate_with != "raw" else []
+    parts += ["--on_the_fly"] if o.on_the_fly else []
+    if o.task == "edit":
+        parts += [f"--loras {' '.join(map(str, o.loras))}"] if o.loras else []
+        parts += ["--no_cfg"] if not o.cfg else []
+        parts += [f"--kv_cache {o.kv_cache}"] if o.kv_cache != "on" else []
     parts += ["--fp8_base"] if o.fp8_base else []
     parts += [f"--blocks_to_swap {o.blocks_to_swap}"] if o.blocks_to_swap else []
     parts += [f"--zero_stage {o.zero_stage} --num_gpus {o.num_gpus}"] if o.zero_stage else []
