@@ -5,10 +5,9 @@ It drives DiffSynth's components itself instead of calling
 ``models/qwen_image_edit/encoding.py`` wrappers (DiffSynth's own units), the DiT through our batched
 ``dit_forward``. That buys three things DiffSynth's pipeline lacks:
 
-- true CFG as one batch of 2 (positive + negative) instead of two passes;
-- LBM bridge sampling with a main and a white-prior sub-stream in one batch;
-- per-component devices (``device_map``) and model-level CPU offload: tensors are
-  moved at component boundaries, which we own.
+- true CFG as one batch of 2 (positive + negative); LBM bridge sampling with a main and a white-prior
+  sub-stream in one batch;
+- per-component devices (``device_map``) and model-level CPU offload at component boundaries.
 
 With no mask, no LoRA and no LBM the result equals ``QwenImagePipeline.__call__``
 (``edit_image_auto_resize=False``, same seed) up to float rounding of the batched
@@ -84,6 +83,7 @@ class EditRequest:
     max_prompt_tokens: Optional[int] = DEFAULT_MAX_PROMPT_TOKENS  # longer prompts are refused; None = no limit
     scheduler: str = "default"               # flow matching: "default" or "lightning" (few-step LoRAs, CFG 1)
     strength: float = 1.0                    # edit strength: 0 = the source, 1 = the full edit (SDEdit-style start)
+    sigmas: Optional[Sequence[float]] = None  # a fixed grid (a LoRA's declared schedule); None: the model's own
     progress: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
 
 
@@ -330,15 +330,16 @@ class Editor:
             noise = seeded_noise((1, self.family.latent_channels, *latent_hw), request.seed, self.dtype, dit_device)
             velocity = self.ops.velocity(self.pipe.dit, cond, cfg)
             keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
-            steps = self.default_steps() if request.steps is None else int(request.steps)
-            spec = ScheduleSpec.for_preset(self.preset, steps, latent_hw, request.scheduler, request.strength)
+            steps = (len(request.sigmas) if request.sigmas else self.default_steps()) if request.steps is None \
+                else int(request.steps)
+            spec = ScheduleSpec.for_preset(self.preset, steps, latent_hw, request.scheduler, request.strength,
+                                           request.sigmas)
             return sample_flow_match(velocity, noise, spec, self.ops.schedule, keep, request.progress,
                                      source=None if z_src is None else to_dit(z_src)[None])
 
     def default_steps(self) -> int:
         """The model's own step count: a fixed grid's length (2.1-turbo), else the family's default (40)."""
-        sigmas = getattr(self.preset, "sigmas", None)
-        return len(sigmas) if sigmas else self.family.default_steps
+        return len(getattr(self.preset, "sigmas", None) or ()) or self.family.default_steps
 
     def _latent_blend(self, request: EditRequest, z_src: Tensor | None, prior: Tensor) -> LatentMaskBlend | None:
         if request.mask is None or request.mask_blend <= 0:
