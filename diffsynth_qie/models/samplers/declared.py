@@ -225,3 +225,15 @@ def plan_schedule(scheduler: str, steps: Optional[int], cfg: Optional[float], lo
              Path(path).name, schedule.describe(), where,
              f", with {' and '.join(overrides)} as given" if overrides else "")
     return SchedulePlan("default", len(grid), used_cfg, grid)
+
+
+def table_markdown() -> str:
+    """The table of :data:`PUBLIC_LINES` for ``docs/SCHEDULES.md``."""
+    rows = ["| file name (example) | family | steps | sigmas / shift | CFG | load | source |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for line in PUBLIC_LINES:
+        s = line.schedule
+        grid = ", ".join(f"{v:.4g}" for v in s.sigmas) if s.sigmas is not None else f"shift {s.shift:g}"
+        rows.append(f"| `{line.example}` | {s.family} | {s.steps} | {grid} | {s.cfg:g} | "
+                    f"{'unmerged only' if s.unmerged else 'merged or unmerged'} | {line.source} |")
+    return "\n".join(rows)
