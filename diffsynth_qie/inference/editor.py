@@ -9,9 +9,8 @@ It drives DiffSynth's components itself instead of calling
   sub-stream in one batch;
 - per-component devices (``device_map``) and model-level CPU offload at component boundaries.
 
-With no mask, no LoRA and no LBM the result equals ``QwenImagePipeline.__call__``
-(``edit_image_auto_resize=False``, same seed) up to float rounding of the batched
-forward (tests/test_inference.py pins the latents).
+With no mask, no LoRA and no LBM the result equals ``QwenImagePipeline.__call__`` (``edit_image_auto_resize=False``,
+same seed) up to float rounding of the batched forward (tests/test_inference.py pins the latents).
 
 Devices
 -------
