@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.formats import read_rows
+from ..models.presets import family_of
 from ..data.rows import EditRow, SkippedRow, log_skip, validate_rows
 from ..utils.dir_lock import CacheLock
 from . import store
@@ -115,6 +116,13 @@ def rank_rows(config: CacheConfig, preset, rank: int, world_size: int) -> RankRo
             log_skip(s)
             skipped.append(s)
         good = [r for r in good if r.num_sources <= 1]
+    limit = family_of(preset).max_references  # (DiffSynth fails later on more, or truncates)
+    for r in [r for r in good if r.num_sources > limit]:
+        s = SkippedRow(r.row_id, "edit_images", None, f"{r.num_sources} reference images, but {preset.name} takes at "
+                       f"most {limit}; split the row or keep {limit} references")
+        log_skip(s)
+        skipped.append(s)
+    good = [r for r in good if r.num_sources <= limit]
     if rank != 0:
         parse_skipped = []
     return RankRows(good=good, skipped=parse_skipped + skipped, index_of={r.row_id: i for i, r in mine},

@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(SDEdit; LBM starts its bridge part-way); 0 = the source, 1 = the full edit")
     s.add_argument("--scheduler", default="auto", choices=("auto", "default", "lightning"),
                    help="flow-matching schedule: lightning = the few-step schedule the Lightning LoRAs were "
-                        "distilled with (CFG 1); auto = lightning when a --lora's name or metadata says so")
+                        "distilled with (CFG 1); auto = the schedule a --lora declares (its metadata, else the table "
+                        "of public lines in docs/SCHEDULES.md), else lightning when its name or metadata says so")
     s.add_argument("--kv_cache", default="on", choices=("on", "off"),
                    help="Qwen-Image-2.1: keep the prefix's (prompt and references) keys and values across steps "
                         "(on: about 0.5 MiB per prefix token per prompt, doubled with CFG; off: recomputed at every "
@@ -200,13 +201,16 @@ def one_gpu(args: argparse.Namespace) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     images, mask, loras = load_inputs(args)  # before any heavy import or model load
-    from ..models.samplers.lightning import sampling_plan
+    from ..lora.frozen import stack_hint
+    from ..models.samplers.declared import plan_schedule
     from ..models.presets import family_of, get_preset
 
     preset, family = get_preset(args.model), family_of(args.model)
-    args.scheduler, args.steps, args.cfg = sampling_plan(
-        args.scheduler, args.steps, args.cfg, [p for p, _ in loras],
-        default_steps=len(preset.sigmas) if preset.sigmas else family.default_steps, default_cfg=family.default_cfg)
+    stack_hint([p for p, _ in loras])
+    plan = plan_schedule(args.scheduler, args.steps, args.cfg, [p for p, _ in loras], family.name,
+                         default_steps=len(preset.sigmas) if preset.sigmas else family.default_steps,
+                         default_cfg=family.default_cfg)
+    args.scheduler, args.steps, args.cfg = plan.scheduler, plan.steps, plan.cfg
 
     from ..data.images import side_by_side
     from ..inference import EditRequest, Editor
@@ -221,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         max_output_pixels=args.max_output_pixels,
         mask_blend=args.mask_blend, mask_feather=args.mask_feather, lbm_steps=args.lbm_steps,
         lbm_noise=args.lbm_noise, max_prompt_tokens=args.max_prompt_tokens, scheduler=args.scheduler,
-        strength=args.strength, kv_cache=args.kv_cache == "on",
+        strength=args.strength, sigmas=plan.sigmas, kv_cache=args.kv_cache == "on",
     )
     check_request(request)  # every value, before a model loads
     check_device_flags({f"--{name}": getattr(args, name.replace("-", "_"), None)

@@ -20,7 +20,7 @@ import logging
 
 log = logging.getLogger(__name__)
 # no output may be an input (cli.py): --output_dir is not the cache or the model, and none of its files is an input
-INPUTS = ("cache_dir", "dataset_metadata", "model_dir", "lora_checkpoint")
+INPUTS = ("cache_dir", "dataset_metadata", "model_dir", "lora_checkpoint", "frozen_lora")
 WRITES = {"output_dir": ("lora.safetensors", "lora_ema.safetensors", "loss.jsonl", "skipped.jsonl")}
 
 # (dataclass name in training.config, RunConfig attribute, flag-group title); the losses' groups follow "loss"

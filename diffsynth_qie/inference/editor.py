@@ -5,14 +5,12 @@ It drives DiffSynth's components itself instead of calling
 ``models/qwen_image_edit/encoding.py`` wrappers (DiffSynth's own units), the DiT through our batched
 ``dit_forward``. That buys three things DiffSynth's pipeline lacks:
 
-- true CFG as one batch of 2 (positive + negative) instead of two passes;
-- LBM bridge sampling with a main and a white-prior sub-stream in one batch;
-- per-component devices (``device_map``) and model-level CPU offload: tensors are
-  moved at component boundaries, which we own.
+- true CFG as one batch of 2 (positive + negative); LBM bridge sampling with a main and a white-prior
+  sub-stream in one batch;
+- per-component devices (``device_map``) and model-level CPU offload at component boundaries.
 
-With no mask, no LoRA and no LBM the result equals ``QwenImagePipeline.__call__``
-(``edit_image_auto_resize=False``, same seed) up to float rounding of the batched
-forward (tests/test_inference.py pins the latents).
+With no mask, no LoRA and no LBM the result equals ``QwenImagePipeline.__call__`` (``edit_image_auto_resize=False``,
+same seed) up to float rounding of the batched forward (tests/test_inference.py pins the latents).
 
 Devices
 -------
@@ -35,14 +33,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 import torch
 from PIL import Image
 
-from ..data.images import MAX_IMAGE_PIXELS, fit_image, resize_to, to_rgb
-from ..models.prompts import DEFAULT_MAX_PROMPT_TOKENS, check_prompt_length
+from ..data.images import resize_to, to_rgb
+from ..models.prompts import check_prompt_length
 from ..models.family import EDIT, family_of_pipe
 from ..models.qwen_image_edit.edit_ops import reference_size  # noqa: F401 (public here)
 from ..models.family_ops import ops_for
@@ -50,71 +47,13 @@ from ..models.qwen_image_edit.forward import bound_rope_cache
 from ..models.samplers.sampling import sample_bridge, sample_flow_match, seeded_noise, uses_cfg
 from ..models.samplers.schedules import ScheduleSpec
 from .checks import check_request
+from .request import DEFAULT_MAX_PIXELS, EditRequest, EditResult, output_size  # noqa: F401 (public here too)
 from .devices import COMPONENTS, _module_device, device_map_with, parse_device_map, parse_dtype  # noqa: F401
 from .masking import LatentMaskBlend, blend_pixels, latent_keep_weight
 
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-DEFAULT_MAX_PIXELS = 1024 * 1024
-
-
-@dataclass
-class EditRequest:
-    """One edit. Sizes are pixels; the output size must be a multiple of 16."""
-
-    images: Sequence[Image.Image]            # 1..n reference images; the first is the one being edited
-    prompt: str
-    negative_prompt: str = ""
-    mask: Optional[Image.Image] = None       # white (>=128) = may change; None = whole image
-    steps: Optional[int] = None              # flow-matching steps (ignored with lbm_steps); None: the model's default
-    cfg: Optional[float] = None              # true CFG scale (flow matching); 1 = no negative pass; None: the model's
-                                             # default (4 for Qwen-Image-Edit, 1 for Qwen-Image-2.1)
-    seed: int = 0
-    height: Optional[int] = None             # default: first image fitted to max_pixels
-    width: Optional[int] = None
-    max_pixels: int = DEFAULT_MAX_PIXELS     # output budget when height/width are not given
-    max_output_pixels: int = MAX_IMAGE_PIXELS  # refuse a larger explicit height x width (the input cap)
-    ref_max_pixels: Optional[int] = DEFAULT_MAX_PIXELS  # per reference image (downscale only); None = as given
-    mask_blend: float = 1.0                  # 0 = ignore the mask, 1 = outside kept exactly
-    mask_feather: float = 0.0                # pixel-blend feather (Gaussian radius, px) inside the mask
-    lbm_steps: Optional[int] = None          # None = flow matching; N >= 1 = LBM bridge sampling
-    lbm_noise: float = 0.005                 # LBM bridge noise s
-    lbm_cfg: float = 1.0                     # CFG for LBM (off by default)
-    max_prompt_tokens: Optional[int] = DEFAULT_MAX_PROMPT_TOKENS  # longer prompts are refused; None = no limit
-    scheduler: str = "default"               # flow matching: "default" or "lightning" (few-step LoRAs, CFG 1)
-    strength: float = 1.0                    # edit strength: 0 = the source, 1 = the full edit (SDEdit-style start)
-    kv_cache: bool = True                    # keep a prefix's keys/values across steps (Qwen-Image-2.1); False
-                                             # recomputes them at every step: slower, GiBs less at 10 references
-    progress: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
-
-
-@dataclass
-class EditResult:
-    image: Image.Image                       # the edit (LBM: main stream)
-    sub_image: Optional[Image.Image]         # LBM sub-stream (white prior) result; None for flow matching
-    latents: Tensor                          # final latents [B, 16, h, w] on CPU (LBM: B=2, main then sub)
-    width: int
-    height: int
-    seconds: float
-
-
-# --- sizes --------------------------------------------------------------------------
-def output_size(request: EditRequest, first: Image.Image, divisor: int = 16) -> tuple[int, int]:
-    """(width, height): explicit (multiples of ``divisor``: 16, or 32 for Qwen-Image-2.1) or the first image
-    fitted to ``max_pixels``."""
-    if (request.height is None) != (request.width is None):
-        raise ValueError(f"give both height and width or neither (got height={request.height}, "
-                         f"width={request.width})")
-    if request.height is None:
-        return fit_image(first.size, request.max_pixels, divisor, "the first reference image")
-    for name, value in (("height", request.height), ("width", request.width)):
-        if value < divisor or value % divisor:
-            raise ValueError(f"{name}={value} must be a positive multiple of {divisor} for this model "
-                             f"(e.g. {max(divisor, value // divisor * divisor)})")
-    return int(request.width), int(request.height)
-
-
 # --- the editor ---------------------------------------------------------------------
 class Editor:
     """Edit images with a loaded pipeline (text encoder + DiT + VAE) of either family; what differs between
@@ -334,15 +273,16 @@ class Editor:
             noise = seeded_noise((1, self.family.latent_channels, *latent_hw), request.seed, self.dtype, dit_device)
             velocity = self.ops.velocity(self.pipe.dit, cond, cfg)
             keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
-            steps = self.default_steps() if request.steps is None else int(request.steps)
-            spec = ScheduleSpec.for_preset(self.preset, steps, latent_hw, request.scheduler, request.strength)
+            steps = (len(request.sigmas) if request.sigmas else self.default_steps()) if request.steps is None \
+                else int(request.steps)
+            spec = ScheduleSpec.for_preset(self.preset, steps, latent_hw, request.scheduler, request.strength,
+                                           request.sigmas)
             return sample_flow_match(velocity, noise, spec, self.ops.schedule, keep, request.progress,
                                      source=None if z_src is None else to_dit(z_src)[None])
 
     def default_steps(self) -> int:
         """The model's own step count: a fixed grid's length (2.1-turbo), else the family's default (40)."""
-        sigmas = getattr(self.preset, "sigmas", None)
-        return len(sigmas) if sigmas else self.family.default_steps
+        return len(getattr(self.preset, "sigmas", None) or ()) or self.family.default_steps
 
     def _latent_blend(self, request: EditRequest, z_src: Tensor | None, prior: Tensor) -> LatentMaskBlend | None:
         if request.mask is None or request.mask_blend <= 0:

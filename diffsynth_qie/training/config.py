@@ -1,17 +1,11 @@
 """Typed configuration of phase-2 training, one small dataclass per area.
 
-``qie train`` turns every field into a flag (``utils/config_cli.py``), so the field
-name *is* the flag name (``lora_rank`` -> ``--lora_rank``). Values that depend on
-other choices (the optimizer's learning rate, the preset's LoRA targets and
-``zero_cond_t``) default to ``None`` and are filled in by :meth:`RunConfig.resolved`;
-nothing is ever read back from the cache except tensors (``zero_cond_t``,
-checkpointing and dropout are training-time decisions).
-
-:attr:`LossConfig.loss` picks a loss from the registry in ``losses/registry.py``: its
-:class:`~.losses.spec.LossSpec` carries its capabilities (checked here) and its own config, held
-by ``RunConfig.<name>`` (``sft``: :class:`~.losses.sft.SFTConfig`, ``lbm``:
-:class:`~.losses.lbm.LBMConfig`). The losses import no torch at import time, so the flags stay
-cheap to build.
+``qie train`` turns every field into a flag (``utils/config_cli.py``): the field name *is* the flag name.
+Values that depend on other choices (the optimizer's learning rate, the preset's LoRA targets and
+``zero_cond_t``) default to ``None`` and are filled in by :meth:`RunConfig.resolved`; nothing is read back
+from the cache except tensors. :attr:`LossConfig.loss` picks a loss from ``losses/registry.py``: its
+:class:`~.losses.spec.LossSpec` carries its capabilities (checked here) and its own config, held by
+``RunConfig.<name>`` (``sft``, ``lbm``). The losses import no torch at import time (cheap flags).
 """
 from __future__ import annotations
 
@@ -68,6 +62,11 @@ class LoRAConfig:
     full_finetune_modules: Optional[list[str]] = field(default=None, metadata=_help(
         "DiT modules trained fully (dotted paths or prefixes, e.g. norm_out time_text_embed); "
         "saved as full weights inside lora.safetensors", metavar="MODULE"))
+    frozen_lora: Optional[str] = field(default=None, metadata=_help(
+        "train on top of this LoRA (e.g. a turbo or Lightning LoRA), attached unmerged and frozen; validation "
+        "samples with its declared schedule, and the trained LoRA records it (qie edit offers to stack them)",
+        metavar="FILE"))
+    frozen_lora_scale: float = field(default=1.0, metadata=_help("scale of --frozen_lora", min=-100, max=100))
 
 
 @dataclass

@@ -66,6 +66,13 @@ class QIETrainingModule(DiffusionTrainingModule):
         self.loss_fn = get_loss(config.loss.loss)
         self.pixel_critic = None  # LBM's --lbm_pixel_loss (frozen VAE + LPIPS, not part of the module's state)
         dit.requires_grad_(False)
+        self.frozen = None  # --frozen_lora: unmerged branches (buffers: no gradient, not in any saved state)
+        if lo.frozen_lora:
+            from ..lora.frozen import attach_frozen
+            from ..models.presets import PRESETS, family_of
+
+            family = family_of(preset_name).name if preset_name in PRESETS else None
+            self.frozen = attach_frozen(dit, lo.frozen_lora, lo.frozen_lora_scale, family)
         if lo.lora_rank > 0:
             targets = list(lo.lora_target_modules or [])
             if not targets:
@@ -171,14 +178,37 @@ class QIETrainingModule(DiffusionTrainingModule):
         assert not unknown, f"not trainable: {sorted(unknown)[:5]}"
         return {canonical_param_name(n): t for n, t in state.items()}
 
+    @property
+    def frozen_schedule(self):
+        """The schedule validation samples with when it is not the model's own: the frozen LoRA's declared one."""
+        return None if self.frozen is None else self.frozen.schedule
+
     def lora_metadata(self) -> dict:
         lo = self.config.lora
-        return {"rank": lo.lora_rank, "alpha": lo.lora_alpha, "lora_target_modules": list(lo.lora_target_modules or []),
+        meta = {"rank": lo.lora_rank, "alpha": lo.lora_alpha, "lora_target_modules": list(lo.lora_target_modules or []),
                 "preset": self.preset_name, "zero_cond_t": bool(self.config.train.zero_cond_t),
                 "full_finetune_modules": list(lo.full_finetune_modules or []),
                 # Which objective trained it: the UI and `qie edit` users need to know whether
                 # a LoRA is meant for flow-matching or 1–4-step LBM sampling.
                 "loss": self.config.loss.loss}
+        if self.frozen is not None:  # what it was trained on, and the schedule it was validated with
+            meta.update(self.frozen.metadata())
+        schedule = self.declared_schedule()
+        return {**meta, **(schedule.to_metadata() if schedule is not None else {})}
+
+    def declared_schedule(self):
+        """The schedule this run's LoRA declares (``models/samplers/declared.py``): the frozen LoRA's, or a
+        fixed-grid preset's (2.1-turbo) at CFG 1; None for the model's own schedule (nothing to declare)."""
+        from ..models.presets import PRESETS
+        from ..models.samplers.declared import DeclaredSchedule
+
+        if self.frozen_schedule is not None:
+            return self.frozen_schedule
+        preset = PRESETS.get(self.preset_name)
+        if preset is not None and preset.sigmas:
+            return DeclaredSchedule(len(preset.sigmas), 1.0, tuple(preset.sigmas), family=preset.family,
+                                    line=f"{preset.name} preset")
+        return None
 
     @torch.no_grad()
     def load_lora_checkpoint(self, path: str) -> None:

@@ -158,9 +158,9 @@ def lbm_jobs(entries: Sequence[CacheEntry], names: Sequence[str], sub_target: st
 @torch.no_grad()
 def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequence[_Job], *, lbm: bool, steps: int,
                 cfg: float, zero_cond_t: bool, bridge_noise: float = 0.0, device=None,
-                dtype: torch.dtype = torch.float32, preset) -> list[Render]:
+                dtype: torch.dtype = torch.float32, preset, sigmas=None) -> list[Render]:
     """Sample every job (flow matching, or LBM when ``lbm``), one sampler call per shape group, the way the
-    ``preset``'s model family samples."""
+    ``preset``'s model family samples (``sigmas``: a declared grid, used as given)."""
     from ..models.family_ops import ops_for
     from ..models.presets import get_preset
     from ..models.samplers.sampling import sample_bridge, sample_flow_match
@@ -177,7 +177,7 @@ def sample_jobs(run_dit: DiTRunner, entries: Sequence[CacheEntry], jobs: Sequenc
             generator = torch.Generator("cpu").manual_seed(entry_seed(group[0].entry))
             out = sample_bridge(velocity, prior, LBM_STEPS, bridge_noise, generator)
         else:
-            spec = ScheduleSpec.for_preset(preset, steps, prior.shape[-2:])
+            spec = ScheduleSpec.for_preset(preset, steps, prior.shape[-2:], sigmas=sigmas)
             out = sample_flow_match(velocity, prior, spec, ops.schedule)
         for job, lat in zip(group, out):
             renders[job.name] = Render(job.name, job.entry, job.stream, job.target, lat)
@@ -230,6 +230,19 @@ class Validator:
         name = getattr(getattr(config, "loss", None), "loss", None)
         return name is not None and loss_spec(name).bridge, lbm_config_of(config)
 
+    def schedule(self, wrapped_module) -> tuple[int, float, Optional[tuple]]:
+        """(steps, cfg, sigmas) of the validation sampler: the frozen LoRA's declared schedule when the module
+        trains on top of one (said once), else ``--validation_steps`` / ``--validation_cfg_scale``."""
+        declared = getattr(self.accelerator.unwrap_model(wrapped_module), "frozen_schedule", None)
+        if declared is None:
+            return self.num_steps, self.cfg_scale, None
+        if not getattr(self, "_said", False):
+            self._said = True
+            log.info("validation samples with the frozen LoRA's declared schedule (%s), not --validation_steps / "
+                     "--validation_cfg_scale", declared.describe())
+        grid = declared.grid()
+        return len(grid), declared.cfg, grid
+
     @torch.no_grad()
     def render(self, wrapped_module, device, dtype, entries: Optional[Sequence[CacheEntry]] = None) -> list[Render]:
         """Latents of every validation output; all ranks call this (the DiT runs collectively)."""
@@ -242,12 +255,13 @@ class Validator:
         def run_dit(fn):
             return wrapped_module(predict=fn)
 
+        steps, cfg, sigmas = self.schedule(wrapped_module)
         was_training = wrapped_module.training
         wrapped_module.eval()  # already so under the trainer; a no-op then
         try:
-            return sample_jobs(run_dit, entries, jobs, lbm=is_lbm, steps=self.num_steps, cfg=self.cfg_scale,
-                               zero_cond_t=self.zero_cond_t, bridge_noise=lbm.lbm_bridge_noise, device=device,
-                               dtype=dtype, preset=self.preset)
+            return sample_jobs(run_dit, entries, jobs, lbm=is_lbm, steps=steps, cfg=cfg, zero_cond_t=self.zero_cond_t,
+                               bridge_noise=lbm.lbm_bridge_noise, device=device, dtype=dtype, preset=self.preset,
+                               sigmas=sigmas)
         finally:
             wrapped_module.train(was_training)
 
@@ -269,8 +283,8 @@ class Validator:
                     if self.accelerator.is_main_process:
                         mask = entry.back_mask if which == "target" else None
                         scores.append((r.stream, output_metrics(panels[1], panels[0], mask, self._lpips_model())))
-                    if entry.edit_latents:  # a text-to-image row has no reference panel
-                        panels.insert(0, self._panel(pipe, (r.entry, "reference"), entry.edit_latents[0]))
+                    # every reference of the row, in order (a text-to-image row has none)
+                    panels[:0] = [self._panel(pipe, (r.entry, f"reference{k}"), z) for k, z in enumerate(entry.edit_latents)]
                     images[r.name] = side_by_side(panels)
             self.metrics = summarize(scores)
         if self.accelerator.is_main_process:
@@ -279,7 +293,7 @@ class Validator:
             folder = self.output_dir / f"step-{step}{tag}"
             for name, img in images.items():
                 atomic_save(folder / f"{name}.png", lambda p, img=img: img.save(p))
-            log.info("validation: %d image(s) [reference | target | output] in %s", len(images), folder)
+            log.info("validation: %d image(s) [references | target | output] in %s", len(images), folder)
             return images
         return {}
 

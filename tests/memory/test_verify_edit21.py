@@ -59,8 +59,8 @@ def test_the_check_catches_the_samplers_host_timesteps_at_our_line(preset21, mon
     import diffsynth_qie.models.qwen_image_21.qwen21 as qwen21
     from diffsynth_qie.inference.verify_preflight import preflight
 
-    plant(monkeypatch, qwen21, "forward21", "timesteps[b].reshape(1).to(device=x.device, dtype=dtype)",
-          "timesteps[b].reshape(1).to(dtype=dtype)")
+    plant(monkeypatch, qwen21, "forward21", "timesteps.reshape(-1)[group].to(device=x.device, dtype=dtype)",
+          "timesteps.reshape(-1)[group].to(dtype=dtype)")
     with pytest.raises(ValueError, match=r"preflight .*device mismatch in aten\.\w+.* at "
                                          r"diffsynth_qie/models/qwen_image_21/qwen21\.py:\d+ \((forward21|velocity)\)"):
         preflight("2.1", request21(steps=40, mask=Image.new("L", (512, 512), 255)))

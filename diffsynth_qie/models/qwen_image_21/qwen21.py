@@ -5,10 +5,13 @@ output's area in multiples of 32, RGBA, VAE-encoded), ``QwenImage21Unit_PromptEm
 template with one ``<|image_pad|>`` slot per reference, the pre-norm hidden state, the slots' mask) and
 ``model_fn_qwen_image_21``. What is ours, and why:
 
-- **Per-sample calls.** DiffSynth's 2.1 DiT forward reads ``img_mask[0]`` and ``img_shapes[0]``: it serves
-  one sample per call. :func:`forward21` keeps the batch dimension at our interface (one timestep,
-  prompt and reference set per sample) and calls the DiT once per sample, so mixed shapes batch exactly
-  (parity is equality) and every sample counts the same in any batch.
+- **Batched where exact.** DiffSynth's 2.1 DiT forward reads ``img_mask[0]`` and ``img_shapes[0]``: one token
+  layout per call. :func:`forward21` keeps the batch dimension at our interface (one timestep, prompt and
+  reference set per sample) and makes one DiT call per group of samples that share that layout (the same
+  target and reference shapes, the same prompt length and slot mask; :func:`layout_groups`), stacked on the
+  batch axis; DiffSynth's modulation takes one timestep per sample. Other samples run alone, so mixed shapes
+  batch exactly and every sample counts the same in any batch. A sampler's prefix KV cache is per prompt, so
+  calls with caches stay per sample.
 - **The prefix KV cache per prompt.** 2.1 conditions the text and reference prefix at t=0 and lets it
   attend only to itself, so its keys and values are the same at every step: :class:`Cond21` holds one
   cache per prompt (positive, negative), filled on the first step and reused after. DiffSynth's pipeline
@@ -127,32 +130,53 @@ class Cond21:
         return self._caches[key]
 
 
+def layout_groups(latents: Sequence[Tensor], prompts: Sequence[Prompt21], ref_latents: Sequence[Sequence[Tensor]]
+                  ) -> list[list[int]]:
+    """Sample indices grouped by token layout (target shape, reference shapes, prompt length and slot mask), in
+    first-seen order: each group can be one DiT call. A mask off the host is never read (its sample runs alone)."""
+    groups: dict = {}
+    for b, x in enumerate(latents):
+        pad = prompts[b].pad_mask
+        if pad.device.type != "cpu":
+            groups[("alone", b)] = [b]
+            continue
+        key = (tuple(x.shape), tuple(tuple(z.shape) for z in ref_latents[b]), tuple(prompts[b].emb.shape),
+               tuple(bool(v) for v in pad.reshape(-1).tolist()))
+        groups.setdefault(key, []).append(b)
+    return list(groups.values())
+
+
 def forward21(dit, latents: Sequence[Tensor], timesteps: Tensor, prompts: Sequence[Prompt21],
               ref_latents: Sequence[Sequence[Tensor]], caches: Optional[Sequence[Optional[list]]] = None,
               use_gradient_checkpointing: bool = False) -> list[Tensor]:
     """The 2.1 DiT's velocity for each sample: ``latents[b]`` [64, h_b, w_b] at ``timesteps[b]`` (0..1000) with
-    its own prompt and references. One DiffSynth ``model_fn_qwen_image_21`` call per sample (see the module
-    docstring); the timestep moves to the sample's device and takes the DiT's dtype before the division by 1000,
-    as in the pipeline."""
+    its own prompt and references. One DiffSynth ``model_fn_qwen_image_21`` call per group of samples with one
+    token layout (:func:`layout_groups`; per sample with ``caches``); the timestep moves to the samples' device
+    and takes the DiT's dtype before the division by 1000, as in the pipeline."""
     from diffsynth.pipelines.qwen_image_21 import model_fn_qwen_image_21
 
     dtype = next(dit.parameters()).dtype
-    out = []
-    for b, x in enumerate(latents):
-        prompt = prompts[b]
+    groups = [[b] for b in range(len(latents))] if caches is not None else layout_groups(latents, prompts, ref_latents)
+    out: list[Optional[Tensor]] = [None] * len(latents)
+    for group in groups:
+        first = group[0]
+        x = torch.stack([latents[b] for b in group])
         v = model_fn_qwen_image_21(
             # (a sampler's timesteps are the scheduler's, on the host: the DiT's timestep embedder needs them on
             # the latents' device, as DiffSynth's pipeline moves them)
-            dit, latents=x[None], timestep=timesteps[b].reshape(1).to(device=x.device, dtype=dtype),
-            prompt_embeds=prompt.emb[None], prompt_embeds_mask=None,
-            # (the mask goes to the latents' device: DiffSynth's model_fn concatenates it with a target mask it makes
-            # there, and its forward reads it back for the token bookkeeping. An edit's conditioning moved it once
-            # per prompt, so this is a no-op at every step; a training sample's comes from the cache on the host.
-            # Keeping it on the host would take a copy of DiffSynth's forward: docs/DIFFSYNTH_NOTES.md)
-            edit_image_pad_mask=prompt.pad_mask[None].to(x.device),
-            edit_latents=[z[None] for z in ref_latents[b]] or None,
-            kv_cache=None if caches is None else caches[b], use_gradient_checkpointing=use_gradient_checkpointing)
-        out.append(v[0])
+            dit, latents=x, timestep=timesteps.reshape(-1)[group].to(device=x.device, dtype=dtype),
+            prompt_embeds=torch.stack([prompts[b].emb for b in group]), prompt_embeds_mask=None,
+            # (one slot mask for the group, as the DiT reads img_mask[0]; it goes to the latents' device: DiffSynth's
+            # model_fn concatenates it with a target mask it makes there, and its forward reads it back for the token
+            # bookkeeping. An edit's conditioning moved it once per prompt, so this is a no-op at every step; a
+            # training sample's comes from the cache on the host. Keeping it on the host would take a copy of
+            # DiffSynth's forward: docs/DIFFSYNTH_NOTES.md)
+            edit_image_pad_mask=prompts[first].pad_mask[None].to(x.device),
+            edit_latents=[torch.stack([ref_latents[b][k] for b in group]) for k in range(len(ref_latents[first]))]
+            or None,
+            kv_cache=None if caches is None else caches[first], use_gradient_checkpointing=use_gradient_checkpointing)
+        for i, b in enumerate(group):
+            out[b] = v[i]
     return out
 
 

@@ -8,7 +8,8 @@ No sampler builds a schedule of its own.
 - **default**: DiffSynth's ``FlowMatchScheduler("Qwen-Image")`` set up as ``QwenImagePipeline.__call__`` does
   (``set_timesteps(steps, dynamic_shift_len=(H/16)·(W/16))``), so results match the pipeline (tests pin it).
 - **lightning**: the schedule the Lightning few-step LoRAs were distilled with (``models/samplers/lightning.py``).
-- **a fixed grid** (``spec.sigmas``, a distilled preset's ``Preset.sigmas``, e.g. 2.1-turbo): those sigmas, no shift.
+- **a fixed grid** (``spec.sigmas``, a distilled preset's ``Preset.sigmas``, e.g. 2.1-turbo, or a LoRA's declared
+  schedule, ``declared.py``): those sigmas, no shift.
 - ``strength`` < 1 (SDEdit): DiffSynth's ``denoising_strength``, the schedule of an edit that starts part-way.
 """
 from __future__ import annotations
@@ -45,9 +46,11 @@ class ScheduleSpec:
 
     @classmethod
     def for_preset(cls, preset, steps: int, latent_hw: Sequence[int], kind: str = "default",
-                   strength: float = 1.0) -> "ScheduleSpec":
-        """The spec of ``preset`` (a :class:`~.presets.Preset` or None): its fixed grid, if it has one."""
-        return cls(int(steps), tuple(latent_hw), kind, float(strength), getattr(preset, "sigmas", None))
+                   strength: float = 1.0, sigmas: Optional[Sequence[float]] = None) -> "ScheduleSpec":
+        """The spec of ``preset`` (a :class:`~.presets.Preset` or None): ``sigmas`` (a LoRA's declared grid,
+        ``declared.py``: used as given, never shifted again), else the preset's fixed grid, if it has one."""
+        grid = getattr(preset, "sigmas", None) if sigmas is None else tuple(sigmas)
+        return cls(int(steps), tuple(latent_hw), kind, float(strength), grid)
 
 
 def flow_match_scheduler(steps: int, latent_h: int, latent_w: int, strength: float = 1.0,
