@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -132,9 +133,17 @@ def test_result_png_carries_its_settings_and_the_command_repeats_it(tmp_path):
     args = build_parser().parse_args(shlex.split(command)[1:])
     assert (args.prompt, args.steps, args.cfg, args.seed, args.strength, args.mask_feather) == \
         ("make it 'blue'", 28, 2.5, 42, 0.7, 3.0)
-    assert args.lora == ["outs/run1/lora.safetensors", "outs/style.safetensors"] and args.lora_scale == [0.8, 0.5]
+    # absolute paths: the command runs from any folder, in a fresh shell (this environment's own `qie`)
+    outs = Path("outs").absolute()
+    assert args.lora == [str(outs / "run1/lora.safetensors"), str(outs / "style.safetensors")]
+    assert args.lora_scale == [0.8, 0.5]
     assert (args.image, args.mask, args.model, args.model_dir, args.out) == \
-        (["in.png"], "mask.png", "2511", "/m", "o.png")
+        ([str(Path("in.png").absolute())], str(Path("mask.png").absolute()), "2511", "/m", "o.png")
+    assert shlex.split(command)[0] == str(Path(sys.executable).parent / "qie")
+    # the reference images follow the edited image as further --image flags
+    with_refs = qie_edit_command(s, "in.png", None, lora_dir="outs", references=["r 1.png", "/abs/r2.png"])
+    assert build_parser().parse_args(shlex.split(with_refs)[1:]).image == \
+        [str(Path("in.png").absolute()), str(Path("r 1.png").absolute()), "/abs/r2.png"]
     lbm = qie_edit_command(EditSettings(prompt="p", model="tiny", mode=MODE_LBM, lbm_steps=2), "i.png", None,
                            lora_dir=".")
     args = build_parser().parse_args(shlex.split(lbm)[1:])
@@ -151,7 +160,8 @@ def test_history_restores_settings_newest_first():
     history = hist.add(None, entries[:2])
     history = hist.add(history, entries[2:])
     assert len(history) == hist.MAX_ENTRIES and history[0].settings.seed == 2 and history[-1].settings.seed == 49
-    assert hist.gallery(history)[0] == ("2.png", "p2 · seed 2 · a.safetensors")
+    # the caption starts with what tells entries apart (seed, sampler, LoRA), then the prompt
+    assert hist.gallery(history)[0] == ("2.png", "seed 2 · flow matching, 40 steps, CFG 4 · a.safetensors · p2")
     values = dict(zip(hist.RESTORED, hist.restore(history[0], [NO_LORA, "a.safetensors"])))
     assert (values["prompt"], values["seed"], values["lora"]) == ("p2", 2, "a.safetensors")
     assert dict(zip(hist.RESTORED, hist.restore(history[0], [NO_LORA])))["lora"] == NO_LORA  # since deleted
