@@ -247,3 +247,30 @@ def test_generate_uses_the_image_the_editor_was_given(tmp_path):
     h.known_images = frozenset({str(secret)})  # an example's image outside the temp folder
     job = h.check(GenerateInputs(editor=stale, prompt="x", loaded_image=masks.loaded_record(str(secret), stale)))
     assert np.array_equal(np.asarray(job.image), np.asarray(new))
+
+
+# --- defaults and checks that follow the model (review 4, bug 13) -----------------------------------
+def test_a_21_model_gets_its_own_defaults_and_no_lbm(tmp_path):
+    from diffsynth_qie.ui.lora_picker import LoraInfo
+    from diffsynth_qie.ui.model_fit import (check_lora_size, check_sampler, default_cfg, family_label,
+                                            licence_note)
+    from diffsynth_qie.ui.startup import random_label
+
+    h = UIHandlers(UIConfig(model="tiny-2.1", lora_dir=str(tmp_path), examples=""))
+    assert MODE_LBM not in [value for _, value in h.mode_choices()]
+    assert MODE_LBM in [value for _, value in UIHandlers(UIConfig(lora_dir=str(tmp_path))).mode_choices()]
+    with pytest.raises(UIError, match="LBM sampler is built for Qwen-Image-Edit"):
+        check_sampler("tiny-2.1", MODE_LBM)
+    editor = {"background": _photo(), "layers": []}
+    with pytest.raises(UIError, match="LBM"):  # refused by the precheck, before any model load
+        UIHandlers(UIConfig(model="tiny-2.1", lora_dir=str(tmp_path), examples=""),
+                   editor_factory=lambda: pytest.fail("loaded")).check(
+            GenerateInputs(editor=editor, prompt="x", mode=MODE_LBM))
+    assert default_cfg("tiny-2.1") == 1.0 and default_cfg("2511") == 4.0
+    assert family_label("tiny-2.1") == "Qwen-Image-2.1" and family_label("tiny") == "Qwen-Image-Edit"
+    assert "non-commercial" in licence_note("2.1") and "non-commercial" in licence_note("tiny-2.1")
+    assert licence_note("2511") == ""
+    assert "random weights" in random_label("tiny-2.1", None) and random_label("2511", None) == ""
+    with pytest.raises(UIError, match="another size"):  # a tiny LoRA cannot load on a real model
+        check_lora_size("2511", LoraInfo(name="t.safetensors", preset="tiny"))
+    check_lora_size("2511", LoraInfo(name="r.safetensors", preset="2509"))  # same size: a warning only
