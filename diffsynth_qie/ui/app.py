@@ -50,6 +50,11 @@ JS = """
     event.stopPropagation();
     if (note) note.textContent = `${bad.name} is not an image: drop a PNG, JPEG or WebP file.`;
   }, true);
+  document.addEventListener('keydown', (event) => {  // Ctrl+Enter (Cmd+Enter) runs Generate, as in other UIs
+    if (event.key !== 'Enter' || !(event.ctrlKey || event.metaKey)) return;
+    const button = document.querySelector('#generate');
+    if (button && !button.disabled) { event.preventDefault(); event.stopPropagation(); button.click(); }
+  }, true);
 }
 """
 

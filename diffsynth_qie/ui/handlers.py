@@ -326,7 +326,8 @@ class UIHandlers:
         first = results[0][1]
         if lbm and first.sub_image is None:
             raise RuntimeError("the editor returned no sub-stream image in LBM mode")
-        log.info("generated %d image(s) in %.2f s (%s)", len(results), seconds, s.summary())
+        log.info("generated %d image(s) in %.2f s (%s)%s", len(results), seconds, s.summary(),
+                 f"; generation stopped by the user: {stopped}" if stopped else "")
         status = status_line(job, first, seconds, started - (queued_at or started), len(results))
         return GenerateOutput(image=first.image, sub_image=first.sub_image if lbm else None, seed=s.seed,
                               status=f"{stopped} (the others were not made). {status}" if stopped else status,
