@@ -103,6 +103,10 @@ def server(tmp_path, tiny_model_dir):
     _write_lora(lora_dir / "lora.safetensors", dit_file, {"loss": "sft", "preset": "tiny", "step": 12})
     _write_lora(lora_dir / "lbm-run" / "lora.safetensors", dit_file, {"loss": "lbm", "preset": "tiny", "step": 30}, 1)
     _write_lora(lora_dir / "tiny-Lightning-8steps.safetensors", dit_file, {}, 2)
+    from safetensors.torch import save_file
+    import torch
+    save_file({"not_a_module.lora_A.weight": torch.zeros(2, 3), "not_a_module.lora_B.weight": torch.zeros(3, 2)},
+              str(lora_dir / "zz-broken.safetensors"))  # its keys fit no module: the run fails
     port = free_port()
     log_path = tmp_path / "server.log"
     env = dict(os.environ, DIFFSYNTH_SKIP_DOWNLOAD="True", GRADIO_ANALYTICS_ENABLED="False",
@@ -111,7 +115,7 @@ def server(tmp_path, tiny_model_dir):
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "app_gradio.py"), "--port", str(port), "--model", "tiny",
              "--model_dir", str(tiny_model_dir), "--lora_dir", str(lora_dir), "--device", "cpu",
-             "--temp_dir", str(tmp_path / "ui-tmp")],
+             "--temp_dir", str(tmp_path / "ui-tmp"), "--outputs_dir", str(tmp_path / "kept")],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         yield f"http://127.0.0.1:{port}", proc, log_path
@@ -188,7 +192,7 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
         except Exception as exc:  # noqa: BLE001 - any launch failure means "cannot run a browser here"
             pytest.skip(f"headless Chromium at {chromium} cannot be launched: {exc}")
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(30_000)
             _wait_for_server(url, proc, log_path, timeout=60)
             page.goto(url)
@@ -213,6 +217,11 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             status = _generate(page, 0)
             assert "6 steps" in status and "LoRA lora.safetensors × 1" in status.replace("`", ""), status
             assert "mask covers" in status, f"the example's mask did not reach the server: {status}"
+            # The result, the status and Stop are in sight at 1400x1000 where the user pressed Generate.
+            for elem in ("#result", "#status", "#stop"):
+                rect = page.eval_on_selector(elem, "e => { const r = e.getBoundingClientRect(); "
+                                                   "return [r.top, r.bottom]; }")
+                assert rect[1] > 20 and rect[0] < 1000 - 80, (elem, rect)
 
             # Before/after at the same size, the after PNG carrying its settings; dragging the slider reveals more.
             before_src, after_src = _shown(page)
@@ -234,7 +243,25 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             downloads = page.inner_text("#downloads").replace("\n", "")
             assert "edit_seed0_lora.png" in downloads and "mask.png" in downloads, downloads
             command = page.input_value("#qie-command textarea")
-            assert command.startswith("qie edit --model tiny") and "--seed 0" in command and "--steps 6" in command
+            assert command.startswith(f"{Path(sys.executable).parent / 'qie'} edit --model tiny"), command
+            assert "--seed 0" in command and "--steps 6" in command and f"--lora {tmp_path}/loras/lora" in command
+
+            # An error inside the run (a LoRA whose keys fit no module): a toast, the last result stays on screen,
+            # Generate works again (it stayed locked, under an "Error" pill, before).
+            page.click("#lora input")
+            page.get_by_role("option", name="zz-broken.safetensors").click()
+            page.click("#generate")
+            _toast(page, "not_a_module")
+            page.wait_for_selector("#generate:not([disabled])")
+            assert "Failed:" in page.inner_text("#status")
+            assert _shown(page) == (before_src, after_src) and "Error" not in page.inner_text("#result")
+            page.click("#lora input")
+            page.get_by_role("option", name="lora.safetensors · flow matching · tiny · rank 4 · step 12").click()
+            # A prompt over the token limit is refused before the queue.
+            page.fill("#prompt textarea", "make the red circle blue " * 400)
+            page.click("#generate")
+            _toast(page, "more than the limit of 1024")
+            page.wait_for_selector("#generate:not([disabled])")
 
             # A refused Generate keeps the last result on screen (no "Error" over it).
             page.fill("#prompt textarea", " ")
@@ -272,6 +299,7 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             # "Edit this result": the next edit starts from it. Variations: seeds 0 and 1, a double click runs once.
             page.click("#edit-result")
             _given(page, "Editing the result of seed 0")
+            page.wait_for_selector("#mask-file img", state="detached")  # the restored mask file goes with its image
             _set_number(page, "variations", 2)
             page.dblclick("#generate")
             _toast(page, "this tab already has a generation queued or running")  # the second click, refused
@@ -291,8 +319,11 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             page.click("#generate")
             page.wait_for_function("() => document.querySelector('#result')?.innerText.includes('denoising')")
             page.click("#stop")
-            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Stopped')")
+            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Stopped at step')")
             page.wait_for_selector("#generate:not([disabled])")
+            assert "of variation" in page.inner_text("#status") and "/8" in page.inner_text("#status")
+            page.wait_for_timeout(500)
+            runs = _history_count(page)  # 4, plus the variations that finished before Stop (kept)
             page.wait_for_timeout(1000)  # the stopped run ends at its next step: no error toast for it
             assert page.get_by_test_id("toast-text").count() == 0, page.get_by_test_id("toast-text").all_inner_texts()
             _set_number(page, "steps", 4)
@@ -307,23 +338,54 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             # An uploaded image of another shape: the example's mask file no longer fits and is refused by name.
             page.set_input_files("#editor input[type=file]", str(source_path))
             page.wait_for_timeout(1500)  # the editor lays the image out on the canvas
+            other_mask = tmp_path / "mask64.png"
+            Image.new("L", EXAMPLE_SIZE, 255).save(other_mask)
+            page.set_input_files("#mask-file input[type=file]", str(other_mask))
+            page.wait_for_selector("#mask-file img")
             page.click("#generate")
             _toast(page, "the mask file is 64x64 but the image is 96x64")
             page.click("#mask-file button[aria-label='Remove Image']")
             page.wait_for_selector("#mask-file img", state="detached")
             # One painted stroke is the mask; "Clear paint" removes it and keeps the image.
             _paint_stroke(page)
-            status = _generate(page, 4)
+            status = _generate(page, runs)
             assert "mask covers" in status and "4 steps" in status, status
             assert _fetch_image(_shown(page)[1]).size == (W, H)
             page.click("#mask-clear")
             _given(page, "Paint cleared")
-            status = _generate(page, 5)
+            page.focus("#prompt textarea")
+            page.keyboard.press("Control+Enter")  # runs Generate
+            status = _generate(page, runs + 1, click=False)
             assert "no mask painted" in status, status
             assert _fetch_image(_shown(page)[0]).size == (W, H)
             assert "loaded in" in page.inner_text("#model-status")
             shot = tmp_path / "ui_e2e.png"
-            page.screenshot(path=str(shot), full_page=True)
+            page.screenshot(path=str(shot))
+
+            # A reload keeps the history (rebuilt from --outputs_dir); a dropped result PNG restores its settings.
+            page.reload()
+            page.wait_for_function(f"() => document.querySelectorAll('#history img').length === {runs + 2}")
+            first_png = next((tmp_path / "kept").glob("*/edit_seed0_lora.png"))
+            _set_number(page, "steps", 3)
+            page.set_input_files("#settings-png input[type=file]", str(first_png))
+            page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Settings restored')")
+            page.wait_for_function("() => document.querySelector('#steps input[type=number]')?.value === '6'")
+            assert page.input_value("#prompt textarea") == "make the red circle blue"
+
+            # A tab closed while its generation runs: the generation stops, nobody waits for it.
+            other = browser.new_page(viewport={"width": 1400, "height": 1000})
+            other.goto(url)
+            other.click("#examples [data-testid='dataset-cell-0-0']")
+            _given(other, "Example 1 loaded")
+            _set_number(other, "steps", 100)
+            _set_number(other, "variations", 8)
+            other.click("#generate")
+            other.wait_for_function("() => document.querySelector('#result')?.innerText.includes('denoising')")
+            other.close()
+            deadline = time.monotonic() + 30
+            while "a browser tab went away" not in log_path.read_text() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert "a browser tab went away" in log_path.read_text()
 
             # Phone width: nothing wider than the screen, reference previews not cropped.
             page.set_viewport_size({"width": 390, "height": 844})
@@ -333,6 +395,7 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             page.wait_for_selector("#references img")
             assert page.eval_on_selector("#references img", "e => getComputedStyle(e).objectFit") == "contain"
             page.wait_for_function("() => document.documentElement.scrollWidth <= 390")
+            page.screenshot(path=str(tmp_path / "ui_phone.png"))
         except Exception as exc:  # what the page and the server showed, for a failure seen only in CI
             seen = page.evaluate("() => ({status: document.querySelector('#status')?.innerText, toasts: "
                                  "[...document.querySelectorAll('[data-testid=toast-text]')].map(t => t.innerText)})")
@@ -342,6 +405,7 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
 
     SCREENSHOT_COPY.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(shot, SCREENSHOT_COPY)
+    shutil.copyfile(tmp_path / "ui_phone.png", SCREENSHOT_COPY.with_name("ui_e2e_phone.png"))
     log.warning("UI screenshot: %s (copy: %s); browser test took %.1f s", shot, SCREENSHOT_COPY,
                 time.monotonic() - start)
     server_log = log_path.read_text()
@@ -350,10 +414,10 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
     # mask file of another image.
     problems = [line for line in server_log.splitlines()
                 if (" ERROR diffsynth_qie" in line or " WARNING diffsynth_qie" in line)]
-    assert problems and all("refused: type a prompt" in line or "refused: the mask file is 64x64" in line
-                            for line in problems), problems
+    expected = ("refused: type a prompt", "refused: the mask file is 64x64", "not_a_module", "limit of 1024")
+    assert problems and all(any(e in line for e in expected) for line in problems), problems
     assert server_log.count("model 'tiny' loaded") == 1  # many generations, one model load
-    assert "generation stopped by the user" in server_log
+    assert server_log.count("generation stopped by the user") >= 2  # Stop, and the closed tab
     assert server_log.count("generated 2 image(s)") == 1  # the double click ran once
 
 

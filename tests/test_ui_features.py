@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -132,9 +133,17 @@ def test_result_png_carries_its_settings_and_the_command_repeats_it(tmp_path):
     args = build_parser().parse_args(shlex.split(command)[1:])
     assert (args.prompt, args.steps, args.cfg, args.seed, args.strength, args.mask_feather) == \
         ("make it 'blue'", 28, 2.5, 42, 0.7, 3.0)
-    assert args.lora == ["outs/run1/lora.safetensors", "outs/style.safetensors"] and args.lora_scale == [0.8, 0.5]
+    # absolute paths: the command runs from any folder, in a fresh shell (this environment's own `qie`)
+    outs = Path("outs").absolute()
+    assert args.lora == [str(outs / "run1/lora.safetensors"), str(outs / "style.safetensors")]
+    assert args.lora_scale == [0.8, 0.5]
     assert (args.image, args.mask, args.model, args.model_dir, args.out) == \
-        (["in.png"], "mask.png", "2511", "/m", "o.png")
+        ([str(Path("in.png").absolute())], str(Path("mask.png").absolute()), "2511", "/m", "o.png")
+    assert shlex.split(command)[0] == str(Path(sys.executable).parent / "qie")
+    # the reference images follow the edited image as further --image flags
+    with_refs = qie_edit_command(s, "in.png", None, lora_dir="outs", references=["r 1.png", "/abs/r2.png"])
+    assert build_parser().parse_args(shlex.split(with_refs)[1:]).image == \
+        [str(Path("in.png").absolute()), str(Path("r 1.png").absolute()), "/abs/r2.png"]
     lbm = qie_edit_command(EditSettings(prompt="p", model="tiny", mode=MODE_LBM, lbm_steps=2), "i.png", None,
                            lora_dir=".")
     args = build_parser().parse_args(shlex.split(lbm)[1:])
@@ -151,7 +160,8 @@ def test_history_restores_settings_newest_first():
     history = hist.add(None, entries[:2])
     history = hist.add(history, entries[2:])
     assert len(history) == hist.MAX_ENTRIES and history[0].settings.seed == 2 and history[-1].settings.seed == 49
-    assert hist.gallery(history)[0] == ("2.png", "p2 · seed 2 · a.safetensors")
+    # the caption starts with what tells entries apart (seed, sampler, LoRA), then the prompt
+    assert hist.gallery(history)[0] == ("2.png", "seed 2 · flow matching, 40 steps, CFG 4 · a.safetensors · p2")
     values = dict(zip(hist.RESTORED, hist.restore(history[0], [NO_LORA, "a.safetensors"])))
     assert (values["prompt"], values["seed"], values["lora"]) == ("p2", 2, "a.safetensors")
     assert dict(zip(hist.RESTORED, hist.restore(history[0], [NO_LORA])))["lora"] == NO_LORA  # since deleted
@@ -237,3 +247,30 @@ def test_generate_uses_the_image_the_editor_was_given(tmp_path):
     h.known_images = frozenset({str(secret)})  # an example's image outside the temp folder
     job = h.check(GenerateInputs(editor=stale, prompt="x", loaded_image=masks.loaded_record(str(secret), stale)))
     assert np.array_equal(np.asarray(job.image), np.asarray(new))
+
+
+# --- defaults and checks that follow the model (review 4, bug 13) -----------------------------------
+def test_a_21_model_gets_its_own_defaults_and_no_lbm(tmp_path):
+    from diffsynth_qie.ui.lora_picker import LoraInfo
+    from diffsynth_qie.ui.model_fit import (check_lora_size, check_sampler, default_cfg, family_label,
+                                            licence_note)
+    from diffsynth_qie.ui.startup import random_label
+
+    h = UIHandlers(UIConfig(model="tiny-2.1", lora_dir=str(tmp_path), examples=""))
+    assert MODE_LBM not in [value for _, value in h.mode_choices()]
+    assert MODE_LBM in [value for _, value in UIHandlers(UIConfig(lora_dir=str(tmp_path))).mode_choices()]
+    with pytest.raises(UIError, match="LBM sampler is built for Qwen-Image-Edit"):
+        check_sampler("tiny-2.1", MODE_LBM)
+    editor = {"background": _photo(), "layers": []}
+    with pytest.raises(UIError, match="LBM"):  # refused by the precheck, before any model load
+        UIHandlers(UIConfig(model="tiny-2.1", lora_dir=str(tmp_path), examples=""),
+                   editor_factory=lambda: pytest.fail("loaded")).check(
+            GenerateInputs(editor=editor, prompt="x", mode=MODE_LBM))
+    assert default_cfg("tiny-2.1") == 1.0 and default_cfg("2511") == 4.0
+    assert family_label("tiny-2.1") == "Qwen-Image-2.1" and family_label("tiny") == "Qwen-Image-Edit"
+    assert "non-commercial" in licence_note("2.1") and "non-commercial" in licence_note("tiny-2.1")
+    assert licence_note("2511") == ""
+    assert "random weights" in random_label("tiny-2.1", None) and random_label("2511", None) == ""
+    with pytest.raises(UIError, match="another size"):  # a tiny LoRA cannot load on a real model
+        check_lora_size("2511", LoraInfo(name="t.safetensors", preset="tiny"))
+    check_lora_size("2511", LoraInfo(name="r.safetensors", preset="2509"))  # same size: a warning only

@@ -43,6 +43,6 @@ def test_gallery_handlers_without_their_event_answer_with_a_message(evt, tmp_pat
     events = Callbacks(UIHandlers(UIConfig(lora_dir=str(tmp_path), examples="", temp_dir=str(tmp_path / "t"))))
     for handler, where in ((events.restore, "history"), (events.show_variation, "variations")):
         with pytest.raises(gr.Error, match=f"click an entry of the {where}"):
-            handler([], evt)
+            handler([], evt=evt)
         with pytest.raises(gr.Error, match=f"click an entry of the {where}"):
-            handler(None, evt)
+            handler(None, evt=evt)

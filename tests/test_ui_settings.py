@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -74,7 +75,8 @@ def ui(tmp_path):
         save_file({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 4),
                    "blocks.0.attn.to_q.lora_B.weight": torch.zeros(4, 2)}, str(loras / f"{name}.safetensors"))
     fake = FakeEditor()
-    handlers = UIHandlers(UIConfig(lora_dir=str(loras), examples="", temp_dir=str(tmp_path / "temp")),
+    handlers = UIHandlers(UIConfig(lora_dir=str(loras), examples="", temp_dir=str(tmp_path / "temp"),
+                                   outputs_dir=str(tmp_path / "outputs")),
                           editor_factory=lambda: fake)
     return handlers, fake
 
@@ -136,7 +138,7 @@ def flow_problems(demo, fake: FakeEditor, given: dict) -> list[str]:
         problems.append(f"qie edit --lora {args.lora} --lora_scale {args.lora_scale}")
 
     # the restore: each restored widget (by elem_id) gets its value back
-    restored = restore.fn(history, SimpleNamespace(index=0))
+    restored = restore.fn(history, None, None, SimpleNamespace(index=0))
     for component, value in zip(restore.outputs, restored):
         name = by_id.get(getattr(component, "elem_id", None))
         value = value.get("value", value) if isinstance(value, dict) else value
@@ -178,8 +180,9 @@ def test_cli_flags_exist_in_qie_edit_and_parse_back(mode, tmp_path):
     parser = _parser()
     given = {k: v for k, v in _distinct(mode).items() if k in table.RECORDED}
     settings = EditSettings(model="tiny", **given)
-    ctx = table.CommandContext(lora_dir="outs", has_mask=True)
-    command = qie_edit_command(settings, "in.png", "mask.png", lora_dir="outs", out="o.png")
+    outs = str(Path("outs").absolute())  # the command names files by absolute paths
+    ctx = table.CommandContext(lora_dir=outs, has_mask=True)
+    command = qie_edit_command(settings, "in.png", "mask.png", lora_dir=outs, out="o.png")
     args = parser.parse_args(shlex.split(command)[2:])
     options = parser._option_string_actions
     request = table.request_fields(settings)

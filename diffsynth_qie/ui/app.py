@@ -15,15 +15,18 @@ from .config import UIConfig
 from .events import Callbacks
 from .handlers import MODE_FLOW, UIHandlers, user_message
 from .masks import BRUSH_COLOR
+from .model_fit import default_cfg, family_label
 from .settings import RESTORED, build_widget
 from .uploads import check_upload, to_8bit_upload
 
 log = logging.getLogger(__name__)
 
-INTRO = """# Qwen-Image-Edit · mask edit
-Upload an image (or click an example), **paint the region that may change** (painted = edit region, like a
-white pixel in `qie edit --mask`; nothing painted = the whole image may change), describe the edit, press
-**Generate**. Results collect in the history below: click one to get its settings back, or edit it further."""
+def intro(family: str) -> str:
+    """The page's heading, naming the served model family."""
+    return f"""# {family} · mask edit
+Upload an image (or click an example), **paint the region that may change** (nothing painted: the whole image may
+change), describe the edit, press **Generate** (or Ctrl+Enter). Every result is kept on disk and in the history
+below: click one to get all its settings back, or drop a result PNG on "Settings from a PNG"."""
 
 # Results fill their box (a 96×64 edit is scaled up, not shown as a thumbnail); phones get one column.
 CSS = """
@@ -46,6 +49,11 @@ JS = """
     event.preventDefault();
     event.stopPropagation();
     if (note) note.textContent = `${bad.name} is not an image: drop a PNG, JPEG or WebP file.`;
+  }, true);
+  document.addEventListener('keydown', (event) => {  // Ctrl+Enter (Cmd+Enter) runs Generate, as in other UIs
+    if (event.key !== 'Enter' || !(event.ctrlKey || event.metaKey)) return;
+    const button = document.querySelector('#generate');
+    if (button && !button.disabled) { event.preventDefault(); event.stopPropagation(); button.click(); }
   }, true);
 }
 """
@@ -97,8 +105,12 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         widgets[name] = build_widget(name, **extra)
         return widgets[name]
 
-    with gr.Blocks(title="Qwen-Image-Edit mask edit", analytics_enabled=False) as demo:
-        gr.Markdown(INTRO)
+    # The prompt sits in the right column, the examples (left column) fill it: made here, placed there.
+    prompt_box = widgets["prompt"] = build_widget("prompt", render=False)
+
+    family = family_label(handlers.config.model)
+    with gr.Blocks(title=f"{family} mask edit", analytics_enabled=False) as demo:
+        gr.Markdown(intro(family))
         model_status = gr.Markdown(handlers.model_status(), elem_id="model-status")
         status_timer = gr.Timer(2.0, active=handlers.loading)  # follows a background model load
         history = gr.State([])          # this tab's results, newest first
@@ -121,55 +133,56 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                     mask_file = add("mask_file")
                 guard_uploads(editor, handlers)
                 guard_uploads(references, handlers)
-                prompt = add("prompt")
-                add("negative_prompt")
                 loaded = add("loaded_image")  # what the UI last put into the editor (Callbacks.lock_generate)
                 examples, rows = cb.examples(), None
                 if examples:
                     rows = gr.Examples([[ex.editor_value(), ex.mask, ex.prompt] for ex in examples],
-                                       [editor, mask_file, prompt], elem_id="examples", examples_per_page=4,
+                                       [editor, mask_file, prompt_box], elem_id="examples", examples_per_page=4,
                                        label="Examples (held-out rows: click one, then Generate)")
+                settings_png = gr.File(label="Settings from a PNG (drop a result of this UI)", file_types=[".png"],
+                                       type="filepath", height=90, elem_id="settings-png")
             with gr.Column(scale=2):
+                prompt_box.render()
+                with gr.Row():
+                    generate = gr.Button("Generate (Ctrl+Enter)", variant="primary", elem_id="generate")
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop")  # always clickable: harmless when idle
+                status = gr.Markdown("", elem_id="status")
+                result = gr.ImageSlider(label="Before / after (drag the handle)", type="filepath", interactive=False,
+                                        height=360, buttons=["fullscreen"], elem_id="result")
+                sub_output = gr.Image(label="LBM white-prior stream (second output)", type="filepath",
+                                      interactive=False, height=360, buttons=["download", "fullscreen"], visible=False,
+                                      elem_id="output-sub")
+                variants = gr.Gallery(label="Variations (click one to show it above)", columns=8, height=110,
+                                      fit_columns=False, object_fit="contain", allow_preview=False, visible=False,
+                                      elem_id="variations-grid")
+                with gr.Row():
+                    edit_this = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
+                    downloads = gr.File(label="Download (PNG with its settings; input; mask)",
+                                        file_count="multiple", interactive=False, elem_id="downloads")
+                command = gr.Textbox(label="Copy as a qie edit command", buttons=["copy"], interactive=False,
+                                     lines=2, elem_id="qie-command")
                 mode = add("mode", choices=handlers.mode_choices())
                 steps = add("steps")
                 lbm_steps = add("lbm_steps")
-                cfg = add("cfg")
+                cfg = add("cfg", value=default_cfg(handlers.config.model))
                 with gr.Row(equal_height=True):
                     add("seed")
                     add("variations")
                 with gr.Row(equal_height=True):
                     lora = add("lora", choices=handlers.lora_options(), value=handlers.default_lora())
                     refresh = gr.Button("Refresh", scale=1, min_width=80, elem_id="lora-refresh")
-                with gr.Row(equal_height=True):
-                    add("lora_scale")
+                add("lora_scale")
+                lora_status = gr.Markdown(handlers.lora_status(handlers.default_lora()), elem_id="lora-status")
+                with gr.Accordion("Advanced", open=False, elem_id="advanced"):
+                    negative = add("negative_prompt")
                     add("strength")
-                with gr.Accordion("Second LoRA (stacked)", open=False):
+                    add("mask_blend")
                     lora2 = add("lora2", choices=handlers.lora_options())
                     add("lora2_scale")
-                add("mask_blend")
-                lora_status = gr.Markdown(handlers.lora_status(handlers.default_lora()), elem_id="lora-status")
-                with gr.Row():
-                    generate = gr.Button("Generate", variant="primary", elem_id="generate")
-                    stop = gr.Button("Stop", variant="stop", elem_id="stop")  # always clickable: harmless when idle
-        status = gr.Markdown("", elem_id="status")
-        with gr.Row():
-            result = gr.ImageSlider(label="Before / after (drag the handle)", type="filepath", interactive=False,
-                                    height=420, buttons=["fullscreen"], elem_id="result")
-            sub_output = gr.Image(label="LBM sub-stream output", type="filepath", interactive=False, height=420,
-                                  buttons=["download", "fullscreen"], visible=False, elem_id="output-sub")
-        variants = gr.Gallery(label="Variations (click one to show it above)", columns=8, height=170,
-                              fit_columns=False, object_fit="contain", allow_preview=False, visible=False,
-                              elem_id="variations-grid")
-        with gr.Row():
-            edit_this = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
-            downloads = gr.File(label="Download (PNG with its settings; mask)", file_count="multiple",
-                                interactive=False, elem_id="downloads")
-        command = gr.Textbox(label="Copy as `qie edit …`", buttons=["copy"], interactive=False, lines=2,
-                             elem_id="qie-command")
-        gallery = gr.Gallery(label="History (click to restore its settings)", columns=8, height=170,
+        gallery = gr.Gallery(label="History (kept on disk; click to restore everything)", columns=8, height=170,
                              fit_columns=False, object_fit="contain", allow_preview=False, elem_id="history")
 
-        mode_outputs = [steps, cfg, lbm_steps, sub_output, prev_mode, saved_steps]
+        mode_outputs = [steps, cfg, lbm_steps, sub_output, prev_mode, saved_steps, negative]
         shown = [result, sub_output, downloads, command, edit_this, current]
         # Generate's inputs: every setting's widget, given to the callbacks as one dict (named by Callbacks.bind).
         gen_inputs = cb.bind(widgets)
@@ -177,6 +190,8 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
 
         demo.load(cb.refresh_loras, [lora, lora2], [lora, lora2, lora_status, mode], queue=False)
         demo.load(handlers.model_status, None, model_status, queue=False)
+        demo.load(cb.saved_history, None, [history, gallery], queue=False)
+        demo.unload(cb.disconnect)
         refresh.click(cb.refresh_loras, [lora, lora2], [lora, lora2, lora_status, mode], queue=False)
         status_timer.tick(cb.poll_model_status, None, [model_status, status_timer], queue=False)
         mode.input(cb.switch_mode, [mode, prev_mode, steps, saved_steps], mode_outputs, queue=False)
@@ -190,7 +205,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
             rows.dataset.click(**lock).then(cb.example_loaded, [rows.dataset, editor], [loaded, generate, status],
                                             queue=False, show_progress="hidden")
         clear_mask.click(**lock).then(cb.clear_mask, editor, [editor, loaded, generate, status], queue=False)
-        edit_this.click(**lock).then(cb.edit_result, [current, editor], [editor, loaded, generate, status],
+        edit_this.click(**lock).then(cb.edit_result, [current, editor], [editor, loaded, generate, status, mask_file],
                                      queue=False)
 
         # Checked in the queue (so a refusal shows its toast) but outside the one-at-a-time limit, so it answers at
@@ -203,10 +218,13 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
             concurrency_limit=1)
         running.then(cb.finished, None, [generate, model_status], queue=False)
         # Stop is cooperative, not gradio's `cancels`: the run itself ends (at its start when still queued, else at its
-        # next step) and reports "Stopped.", so one path sets the status and `finished` always runs after it.
+        # next step) and reports where it stopped, so one path sets the status and `finished` always runs after it.
         stop.click(cb.stop, None, None, queue=False)
         restored = [widgets[name] for name in RESTORED]
-        gallery.select(cb.restore, [history], [*restored, *shown, prev_mode, saved_steps, status], queue=False)
+        whole = [*restored, editor, loaded, mask_file, references, widgets["variations"], variants, batch, prev_mode,
+                 saved_steps, *shown, status]
+        gallery.select(cb.restore, [history, editor], whole, queue=False)
+        settings_png.upload(cb.load_png, [settings_png, editor], whole, queue=False)
         variants.select(cb.show_variation, [batch], shown, queue=False)
     demo.queue(default_concurrency_limit=1)
     return demo
@@ -218,4 +236,4 @@ def launch(demo: gr.Blocks, config: UIConfig, **kwargs: Any):
         log.warning("--share: the UI gets a public gradio.live URL; anyone with it can run generations")
     return demo.launch(server_name=config.host, server_port=config.port, share=config.share,
                        max_file_size=config.transport_cap_bytes, show_error=False, ssr_mode=False,
-                       footer_links=[], css=CSS, js=JS, **kwargs)
+                       footer_links=[], css=CSS, js=JS, allowed_paths=[str(config.resolved_outputs_dir)], **kwargs)

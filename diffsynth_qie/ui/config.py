@@ -39,6 +39,9 @@ class UIConfig:
     examples: str = field(default="auto", metadata={
         "help": "dataset metadata file (JSON, JSONL or CSV, as `qie cache` reads) whose rows become clickable "
                 "examples (image, mask, prompt); auto = the CPU demo's held-out rows; '' = none"})
+    outputs_dir: str = field(default="./outputs/ui-edits", metadata={
+        "help": "where every result is kept, one folder per Generate (its input, mask, reference images and the "
+                "result PNGs with their settings and command); the history is rebuilt from it on start and reload"})
     max_upload_mb: float = field(default=50.0, metadata={
         "help": "refuse (with a message) any image file larger than this many megabytes as it reaches "
                 "the server; the image editor sends its canvas as PNG, often larger than the file picked",
@@ -94,6 +97,10 @@ class UIConfig:
     def resolved_temp_dir(self) -> Path:
         """The UI's own subfolder: startup and pruning never touch anything else."""
         return Path(self.temp_dir or tempfile.gettempdir()) / f"diffsynth-qie-ui-{self.port}"
+
+    @property
+    def resolved_outputs_dir(self) -> Path:
+        return Path(self.outputs_dir).expanduser().absolute()
 
     @property
     def max_temp_bytes(self) -> int:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
 from . import history as hist
 from . import masks
+from . import restore as back
 from .examples import Example, examples_file, load_examples
 from .handlers import MODE_LBM, MODE_LIGHTNING, NO_LORA, GenerateInputs, Stopped, UIHandlers, user_message
 from .history import HistoryEntry
@@ -40,9 +42,10 @@ def steps_for_mode(new: str, prev: str, steps: float, saved: float | None) -> tu
 
 
 def shown_for_mode(mode: str) -> dict[str, bool]:
-    """Which sampler widgets ``mode`` shows: LBM has its own steps and no CFG; Lightning runs 4/8 steps at CFG 1."""
+    """Which sampler widgets ``mode`` shows: LBM has its own steps and no CFG; Lightning runs 4/8 steps at CFG 1;
+    the negative prompt only where CFG applies (it has no effect at CFG 1)."""
     lbm, few = mode == MODE_LBM, mode == MODE_LIGHTNING
-    return {"steps": not lbm, "cfg": not (lbm or few), "lbm_steps": lbm}
+    return {"steps": not lbm, "cfg": not (lbm or few), "lbm_steps": lbm, "negative_prompt": not (lbm or few)}
 
 
 def _error(exc: BaseException) -> gr.Error:
@@ -92,7 +95,8 @@ class Callbacks:
         shown = shown_for_mode(selected)
         shown_steps, saved = steps_for_mode(selected, prev, steps, saved)
         return (gr.update(visible=shown["steps"], value=shown_steps), gr.update(visible=shown["cfg"]),
-                gr.update(visible=shown["lbm_steps"]), gr.update(visible=shown["lbm_steps"]), selected, saved)
+                gr.update(visible=shown["lbm_steps"]), gr.update(visible=shown["lbm_steps"]), selected, saved,
+                gr.update(visible=shown["negative_prompt"]))
 
     def pick_lora(self, name: str, mode: str, prev: str, steps: float, saved: float | None):
         """A picked LoRA sets the sampler it was trained for (LBM or flow matching) and says if its model differs."""
@@ -185,10 +189,12 @@ class Callbacks:
                                   queued_at=self.named(values)["queued_at"],
                                   session=getattr(request, "session_hash", None))
         except Stopped as exc:  # what the user asked for: no error, everything on screen stays
-            user_message(exc)
-            return (*(gr.skip(),) * 6, "Stopped.", self.h.model_status(), *(gr.skip(),) * 4)
-        except Exception as exc:  # user_message logs tracebacks of unexpected errors
-            raise _error(exc) from None
+            return (*(gr.skip(),) * 6, f"{user_message(exc)}.", self.h.model_status(), *(gr.skip(),) * 4)
+        except Exception as exc:  # noqa: BLE001 - a toast; the last result stays, and `finished` unlocks Generate
+            message = user_message(exc)  # logs the traceback of an unexpected error
+            gr.Warning(message, duration=None, title="Generate failed")
+            return (*(gr.skip(),) * 6, f"Failed: {message} (the last result is kept; fix it and press Generate).",
+                    self.h.model_status(), *(gr.skip(),) * 4)
         history = hist.add(history, out.entries)
         many = len(out.entries) > 1
         return (*self._show(out.entries[0]), out.status, self.h.model_status(),
@@ -204,6 +210,21 @@ class Callbacks:
         self.h.forget_stop(getattr(request, "session_hash", None))
         return gr.update(interactive=True), self.h.model_status()
 
+    def disconnect(self, request: gr.Request):
+        """A tab closed or reloaded: its queued or running generation stops (others must not wait for it)."""
+        session = getattr(request, "session_hash", None)
+        with self._pending_lock:
+            pending = session in self._pending
+        if pending:
+            log.info("a browser tab went away: stopping its generation")
+            self.h.request_stop(session)
+        self.h.forget_session(session)
+
+    def saved_history(self):
+        """The history rebuilt from the outputs folder (on page load: it survives reloads and restarts)."""
+        history = hist.load_saved(self.h.config.resolved_outputs_dir)
+        return history, hist.gallery(history)
+
     def stop(self, request: gr.Request):
         """Stop this tab's generation (queued or running); it reports "Stopped." itself, then Generate unlocks."""
         session = getattr(request, "session_hash", None)
@@ -217,20 +238,47 @@ class Callbacks:
     @staticmethod
     def _show(entry: HistoryEntry):
         """The slider, sub-stream, downloads, command, "Edit this result" and current entry of ``entry``."""
-        files = [f for f in (entry.image, entry.sub_image, entry.mask) if f]
+        files = [f for f in (entry.image, entry.sub_image, entry.input, entry.mask, *entry.references) if f]
         return ((entry.before, entry.image), gr.update(value=entry.sub_image, visible=entry.sub_image is not None),
                 files, entry.command, gr.update(interactive=True), entry)
 
-    def restore(self, history: list[HistoryEntry], evt: gr.SelectData = None):
-        """A history click: the entry's settings back in the widgets, the entry in the slider."""
+    def _restore_all(self, settings, files: dict, editor: Any, request: gr.Request | None) -> tuple:
+        """The restored settings' widgets, then editor, loaded record, mask file, references, variations (1), the
+        variations grid (hidden) and the batch, then the sampler state (prev_mode, saved_steps)."""
+        image = files.get("image")
+        values = back.widget_values(settings, self.h.lora_choices())
+        values.update({name: gr.update(visible=visible, value=values.get(name))
+                       for name, visible in shown_for_mode(settings.mode).items()})
+        if image is not None:
+            given = self.h.give(getattr(request, "session_hash", None), image)
+            inputs = (hist.editor_value(image), masks.loaded_record(given, editor), files.get("mask"),
+                      files.get("references") or None)
+        else:
+            inputs = (gr.skip(),) * 4
+        return (*(values[name] for name in hist.RESTORED), *inputs, 1, gr.update(value=None, visible=False), [],
+                settings.mode, FLOW_DEFAULT_STEPS if settings.mode == MODE_LIGHTNING else settings.steps)
+
+    def restore(self, history: list[HistoryEntry], editor: Any = None, request: gr.Request = None,
+                evt: gr.SelectData = None):
+        """A history click: the entry's settings, image, mask and references back, the entry in the slider."""
         entry = _picked(history, evt, "history")
-        s = entry.settings
-        values = dict(zip(hist.RESTORED, hist.restore(entry, self.h.lora_choices())))
-        values.update({name: gr.update(visible=visible, value=values[name])
-                       for name, visible in shown_for_mode(s.mode).items()})
-        return (*(values[name] for name in hist.RESTORED), *self._show(entry), s.mode,
-                FLOW_DEFAULT_STEPS if s.mode == MODE_LIGHTNING else s.steps,
-                f"Restored from the history: {s.summary()}.")
+        files = back.files_of({"image": entry.input, "mask": entry.mask_source, "references": list(entry.references)},
+                              self.h.config.resolved_outputs_dir)
+        return (*self._restore_all(entry.settings, files, editor, request), *self._show(entry),
+                f"Restored from the history: {entry.settings.summary()}.")
+
+    def load_png(self, path: str | None, editor: Any, request: gr.Request):
+        """A PNG dropped on "Settings from a PNG": its settings (and, for a result of this UI, its image, mask and
+        references) back in the widgets."""
+        if not path:
+            return (*(gr.skip(),) * (len(hist.RESTORED) + 9), *(gr.skip(),) * 6, gr.skip())
+        try:
+            settings, files = back.from_png(path, self.h.config.resolved_outputs_dir)
+        except Exception as exc:  # noqa: BLE001
+            raise _error(exc) from None
+        extra = " with its image, mask and reference images" if files.get("image") else ""
+        return (*self._restore_all(settings, files, editor, request), *(gr.skip(),) * 6,
+                f"Settings restored from {Path(str(path)).name}{extra}: {settings.summary()}.")
 
     def show_variation(self, batch: list[HistoryEntry], evt: gr.SelectData = None):
         return self._show(_picked(batch, evt, "variations"))
@@ -240,7 +288,7 @@ class Callbacks:
             raise gr.Error("generate an image first", duration=5, print_exception=False)
         given = self.h.give(getattr(request, "session_hash", None), entry.image)
         return (hist.editor_value(entry.image), masks.loaded_record(given, editor), self._unlocked(request),
-                f"Editing the result of seed {entry.settings.seed}: paint, describe the next edit, Generate.")
+                f"Editing the result of seed {entry.settings.seed}: paint, describe the next edit, Generate.", None)
 
 
 def _picked(entries: list[HistoryEntry] | None, evt: Any, where: str) -> HistoryEntry:

@@ -30,6 +30,8 @@ from .config import UIConfig
 from .job import GenerateInputs, Job, check_job, lightning_loras  # noqa: F401
 from .lora_picker import LORA_SUFFIX, NO_LORA, LoraInfo, list_loras, lora_info, resolve_lora  # noqa: F401
 from .outputs import GenerateOutput, save_entry, save_inputs, status_line
+from .model_fit import check_lora_size, check_prompt_tokens, check_sampler, family_supports_lbm, licence_note
+from .runner import ProgressFn, Stopped, run_variations
 from .settings import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, MODES, request_fields  # noqa: F401
 from .uploads import UIError, prune_temp_files
 
@@ -37,14 +39,6 @@ if TYPE_CHECKING:  # heavy imports (torch, diffsynth) stay out of `app_gradio.py
     from ..inference.editor import Editor
 
 log = logging.getLogger(__name__)
-
-# progress(done, total, description)
-ProgressFn = Callable[[int, int, str], None]
-
-
-class Stopped(UIError):
-    """The user pressed Stop."""
-
 
 # --- errors ------------------------------------------------------------------------------
 def user_message(exc: BaseException) -> str:
@@ -105,14 +99,12 @@ class UIHandlers:
         """The Editor of ``--model``: with its CPU threads set, and for the tiny preset without ``--model_dir`` the
         pretrained tiny base (installed on first use) rather than random weights."""
         from ..inference.editor import Editor, device_map_with
-        from .startup import apply_threads, model_label, resolve_model_dir
+        from .startup import apply_threads, model_label, random_label, resolve_model_dir
 
         c = self.config
         apply_threads(c)
         self.model_dir = resolve_model_dir(c)  # an explicit --model_dir is used as it is, never written
-        self.model_label = model_label(self.model_dir) or ("random weights: edits look like noise; build the base "
-                                                          "with `qie make-tiny --pretrained`"
-                                                          if self.model_dir is None and c.model == "tiny" else "")
+        self.model_label = model_label(self.model_dir) or random_label(c.model, self.model_dir)
         return Editor.from_preset(model=c.model, model_dir=self.model_dir, device=c.device,
                                   device_map=device_map_with(None, text_encoder=c.text_encoder_device,
                                                              vae=c.vae_device, dit=c.dit_device) or None,
@@ -169,8 +161,10 @@ class UIHandlers:
     def model_status(self) -> str:
         label = f" ({self.model_label})" if self.model_label else ""
         where = f"{label} from `{self.model_dir}`" if self.model_dir else label
+        note = licence_note(self.config.model)
         if self._editor is not None:
-            return f"Model **{self.config.model}**{where}: loaded in {self.load_seconds:.1f} s."
+            return f"Model **{self.config.model}**{where}: loaded in {self.load_seconds:.1f} s." + (
+                f"\n\n{note}" if note else "")
         if self.loading:
             return (f"Model **{self.config.model}**{where}: loading in the background… "
                     "Generate waits for it.")
@@ -232,7 +226,9 @@ class UIHandlers:
 
     def mode_choices(self) -> list[tuple[str, str]]:
         """The sampler radio's choices; Lightning only when it can run."""
-        modes = [("Flow matching", MODE_FLOW), (f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM)]
+        modes = [("Flow matching", MODE_FLOW)]
+        if family_supports_lbm(self.config.model):
+            modes.append((f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM))
         if self.lightning_available():
             modes.append(("Lightning (4 / 8 steps)", MODE_LIGHTNING))
         return modes
@@ -259,7 +255,19 @@ class UIHandlers:
         ``session`` reads back only its own files (:meth:`give`); None (an in-process caller) the UI's temp folder."""
         lightning = self.lightning_lora() if inputs.mode == MODE_LIGHTNING else None
         own = None if session is None else frozenset(self._given.get(session, ()))
-        return check_job(inputs, self.config, lightning, self.known_images, own=own)
+        job = check_job(inputs, self.config, lightning, self.known_images, own=own)
+        self.check_model_fit(job)
+        return job
+
+    def check_model_fit(self, job: Job) -> None:
+        """What only the served model decides, checked before queueing: the sampler of its family, the LoRAs of its
+        size and, once it is loaded, the prompt's tokens (UIError with the fix)."""
+        model = self.config.model
+        check_sampler(model, job.settings.mode)
+        for name, _ in job.settings.loras():
+            check_lora_size(model, self.lora_info(name))
+        if self._editor is not None:
+            check_prompt_tokens(self._editor, job.settings.prompt, self.config.max_prompt_tokens)
 
     def request_stop(self, session: str | None = None) -> None:
         """Stop ``session``'s generation: the running one at its next denoising step, a queued one as it starts.
@@ -270,6 +278,10 @@ class UIHandlers:
             else:
                 self._stop_queued.add(session)
 
+    def forget_session(self, session: str | None) -> None:
+        """A tab that went away: drop what it was given (a reload starts a new session)."""
+        self._given.pop(session, None)
+
     def forget_stop(self, session: str | None) -> None:
         """Drop a Stop that found nothing left to stop (the generation had ended): it must not stop the next one."""
         with self._stop_lock:
@@ -277,7 +289,8 @@ class UIHandlers:
 
     def generate(self, inputs: GenerateInputs, progress: ProgressFn | None = None,
                  queued_at: float | None = None, session: str | None = None) -> GenerateOutput:
-        """Check, then run one edit per variation seed. Raises UIError for user mistakes, Stopped on Stop.
+        """Check, then run one edit per variation seed. Raises UIError for user mistakes, Stopped on a Stop before
+        any variation finished (a later Stop keeps the finished ones and says where it stopped).
 
         ``session`` names the browser tab asking, so its Stop stops only its own generation.
         """
@@ -287,38 +300,37 @@ class UIHandlers:
         job = self.check(inputs, session)
         s = job.settings
         lbm = s.mode == MODE_LBM
-        folder = self.config.resolved_temp_dir / "results" / f"{time.strftime('%H%M%S')}-{time.time_ns() % 10**9:09d}"
+        folder = self.config.resolved_outputs_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
 
-        def step(done: int, total: int) -> None:
-            if self._stop.is_set():
-                raise Stopped("stopped; the settings are kept: press Generate to run again")
-            report(done, total, "denoising")
+        def edit(seed: int, step) -> object:
+            return editor.edit(EditRequest(
+                images=[job.image, *job.references], mask=job.mask, scheduler=job.scheduler,
+                max_prompt_tokens=self.config.max_prompt_tokens, progress=step, **request_fields(s.with_seed(seed))))
 
         with self._lock, self._running_as(session):
-            step(0, 0)  # stopped while queued: before any work
+            if self._stop.is_set():  # stopped while queued: before any work
+                raise Stopped("Stopped before it started; the settings are kept: press Generate to run again")
             started = time.time()
             if not self.loaded:
                 report(0, 1, f"loading model {self.config.model} (first run only)")
             editor = self.editor()
+            self.check_model_fit(job)
             editor.set_loras(job.loras)
-            results, t0 = [], time.perf_counter()
-            for seed in job.seeds:
-                report(0, s.lbm_steps if lbm else s.steps, "denoising")
-                results.append((seed, editor.edit(EditRequest(
-                    images=[job.image, *job.references], mask=job.mask, scheduler=job.scheduler,
-                    max_prompt_tokens=self.config.max_prompt_tokens, progress=step,
-                    **request_fields(s.with_seed(seed))))))
+            t0 = time.perf_counter()
+            results, stopped = run_variations(job.seeds, edit, s.lbm_steps if lbm else s.steps, self._stop, report)
             seconds = time.perf_counter() - t0
-            inputs_saved = save_inputs(folder, job, results[0][1].image.size)
-            entries = [save_entry(folder, job, s.with_seed(seed), result, *inputs_saved, lora_dir=self.config.lora_dir,
+            saved = save_inputs(folder, job, results[0][1].image.size)
+            entries = [save_entry(folder, job, s.with_seed(seed), result, saved, lora_dir=self.config.lora_dir,
                                   model_dir=self.model_dir) for seed, result in results]
             prune_temp_files(self.config.resolved_temp_dir, self.config.max_temp_bytes)
         first = results[0][1]
         if lbm and first.sub_image is None:
             raise RuntimeError("the editor returned no sub-stream image in LBM mode")
-        log.info("generated %d image(s) in %.2f s (%s)", len(results), seconds, s.summary())
+        log.info("generated %d image(s) in %.2f s (%s)%s", len(results), seconds, s.summary(),
+                 f"; generation stopped by the user: {stopped}" if stopped else "")
+        status = status_line(job, first, seconds, started - (queued_at or started), len(results))
         return GenerateOutput(image=first.image, sub_image=first.sub_image if lbm else None, seed=s.seed,
-                              status=status_line(job, first, seconds, started - (queued_at or started)),
+                              status=f"{stopped} (the others were not made). {status}" if stopped else status,
                               result=first, entries=entries)
 
     @contextlib.contextmanager

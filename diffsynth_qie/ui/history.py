@@ -7,10 +7,14 @@ editing Qwen-Image-Edit is used for.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
-from .results import EditSettings
+from .results import EditSettings, read_extras, read_settings
 from .settings import RESTORED
+
+log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 48
 
@@ -23,12 +27,17 @@ class HistoryEntry:
     sub_image: str | None = None  # LBM's sub-stream result
     mask: str | None = None       # the mask the result was made with (white = edited)
     command: str = ""             # the `qie edit` command that repeats it
+    input: str | None = None      # the image edited, at its own size
+    references: tuple[str, ...] = ()  # the extra reference images
+    mask_source: str | None = None    # the paint and mask file before invert and grow (what a restore puts back)
 
     @property
     def caption(self) -> str:
+        """What tells entries apart first (seed, sampler, LoRA), then the prompt."""
         s = self.settings
+        head = f"seed {s.seed} · {s.sampler()}" + (f" · {s.lora}" if s.lora else "")
         prompt = s.prompt if len(s.prompt) <= 40 else s.prompt[:39] + "…"
-        return f"{prompt} · seed {s.seed}" + (f" · {s.lora}" if s.lora else "")
+        return f"{head} · {prompt}"
 
 
 def add(history: list[HistoryEntry] | None, entries: list[HistoryEntry]) -> list[HistoryEntry]:
@@ -56,3 +65,36 @@ def restore(entry: HistoryEntry, known_loras: list[str]) -> tuple:
 def editor_value(image: str) -> dict:
     """An image editor value holding ``image`` as the background and no paint."""
     return {"background": image, "layers": [], "composite": image}
+
+
+def load_saved(folder: str | Path, limit: int = MAX_ENTRIES) -> list[HistoryEntry]:
+    """The results saved under ``folder`` (one subfolder per Generate, as ``ui/outputs.py`` writes them), newest
+    first: the history after a restart or a page reload. Files that are not ours are skipped."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    entries: list[HistoryEntry] = []
+    for run in sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
+        pngs = sorted((p for p in run.glob("*.png") if p.stem.startswith("edit") and not p.stem.endswith("_sub")),
+                      key=lambda p: p.stat().st_mtime)
+        befores = sorted(run.glob("before-*.png"))
+        for png in pngs:
+            try:
+                settings = read_settings(png)
+                files, command = read_extras(png)
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning("history: skipped %s (%s)", png, exc)
+                continue
+            if settings is None or not befores:
+                continue
+            sub, mask, source = png.with_name(f"{png.stem}_sub.png"), run / "mask.png", run / "input.png"
+            mask_source = run / "mask-source.png"
+            entries.append(HistoryEntry(
+                image=str(png), before=str(befores[0]), settings=settings, sub_image=str(sub) if sub.is_file() else None,
+                mask=str(mask) if mask.is_file() else None, command=command,
+                input=str(source) if source.is_file() else None,
+                references=tuple(r for r in files["references"] if Path(r).is_file()),
+                mask_source=str(mask_source) if mask_source.is_file() else None))
+            if len(entries) >= limit:
+                return entries
+    return entries

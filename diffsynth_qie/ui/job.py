@@ -43,6 +43,7 @@ class Job:
     scheduler: str
     seeds: list[int]                 # one generation each (variations)
     lightning_lora: Path | None = None  # the Lightning LoRA the Lightning sampler stacked with the chosen ones
+    mask_source: Image.Image | None = None  # the paint and mask file united, before invert and grow (a restore's file)
 
 
 def lightning_loras(loras: list, lightning_lora: str | None, steps: int) -> tuple[list, int, float]:
@@ -102,17 +103,19 @@ def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | No
     limit = config.max_upload_bytes
     temp = config.resolved_temp_dir.resolve()
     def allowed(p: str) -> bool:  # ``own``: the files given to this browser session (None: the temp folder)
-        return p in known_images or (p in own if own is not None else Path(p).resolve().is_relative_to(temp))
+        return p in known_images or (p in own if own is not None else any(
+            Path(p).resolve().is_relative_to(root) for root in (temp, config.resolved_outputs_dir.resolve())))
 
     image, painted = editor_image(inputs.editor, inputs.loaded_image, limit, allowed)
     if inputs.mask_file is not None:
         check_upload(inputs.mask_file, limit, "mask file")
-    mask = grow_mask(combine(painted, to_pil(inputs.mask_file, "mask file"), image.size, settings.mask_invert),
-                     settings.mask_grow)
+    mask_file = to_pil(inputs.mask_file, "mask file")
+    mask = grow_mask(combine(painted, mask_file, image.size, settings.mask_invert), settings.mask_grow)
     refs = reference_images(inputs.references, limit)
     loras = [(resolve_lora(config.lora_dir, name), scale) for name, scale in settings.loras()]
     job = Job(settings=settings, image=image, mask=mask, references=refs, loras=loras, scheduler="default",
-              seeds=[settings.seed + i for i in range(values["variations"])])
+              seeds=[settings.seed + i for i in range(values["variations"])],
+              mask_source=combine(painted, mask_file, image.size) if mask is not None else None)
     if settings.mode == MODE_LIGHTNING:
         job.loras, steps, cfg = lightning_loras(loras, lightning_lora or config.lightning_lora, settings.steps)
         job.settings, job.scheduler = dataclasses.replace(settings, steps=steps, cfg=cfg), "lightning"

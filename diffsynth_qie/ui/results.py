@@ -14,6 +14,7 @@ import dataclasses
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from .settings import (MODE_FLOW, MODE_LBM, MODE_LIGHTNING, RECORDED, SETTING, C
                        summary_parts)
 
 PNG_KEY = "diffsynth-qie"
+FILES_KEY = "diffsynth-qie-files"  # {"image", "mask", "references"}: the input files' absolute paths (JSON)
+COMMAND_KEY = "diffsynth-qie-command"        # the `qie edit` command that repeats the result
 
 
 class _SettingsRecord:
@@ -74,39 +77,81 @@ def file_stem(settings: EditSettings) -> str:
     return "_".join(parts)
 
 
-def png_info(settings: EditSettings) -> PngInfo:
+def png_info(settings: EditSettings, files: dict | None = None, command: str = "") -> PngInfo:
+    """The text chunks: ``parameters`` (the summary), the settings (JSON), the input files and the command."""
     info = PngInfo()
-    info.add_text("parameters", settings.summary())
+    refs = (files or {}).get("references") or []
+    info.add_text("parameters", settings.summary() + (f" · references: {', '.join(Path(r).name for r in refs)}"
+                                                      if refs else ""))
     info.add_text(PNG_KEY, json.dumps(settings.to_json(), sort_keys=True))
+    if files:
+        info.add_text(FILES_KEY, json.dumps(files, sort_keys=True))
+    if command:
+        info.add_text(COMMAND_KEY, command)
     return info
 
 
-def save_png(image: Image.Image, folder: Path, settings: EditSettings, suffix: str = "") -> Path:
-    """Write ``image`` as ``<folder>/<file_stem><suffix>.png`` with the settings in its text chunks (atomically)."""
+def save_png(image: Image.Image, folder: Path, settings: EditSettings, suffix: str = "",
+             files: dict | None = None, command: str = "") -> Path:
+    """Write ``image`` as ``<folder>/<file_stem><suffix>.png`` with the settings, the input files ({"image",
+    "mask", "references"}) and the command in its text chunks (atomically)."""
     path = Path(folder) / f"{file_stem(settings)}{suffix}.png"
-    atomic_save(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=png_info(settings)))
+    atomic_save(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=png_info(settings, files, command)))
     return path
 
 
-def read_settings(path: str | Path) -> EditSettings | None:
-    """The settings a PNG written by :func:`save_png` carries (None for any other image)."""
+def _text(path: str | Path) -> dict:
     with Image.open(path) as im:
-        text = getattr(im, "text", {}) or {}
+        return dict(getattr(im, "text", {}) or {})
+
+
+def read_settings(path: str | Path) -> EditSettings | None:
+    """The settings a PNG written by :func:`save_png` (the UI or ``qie edit``) carries (None for any other image)."""
+    text = _text(path)
     return EditSettings.from_json(json.loads(text[PNG_KEY])) if PNG_KEY in text else None
 
 
+def read_extras(path: str | Path) -> tuple[dict, str]:
+    """(input files {"image", "mask", "references"}, command) of a PNG written by :func:`save_png` (empty when
+    absent or unreadable)."""
+    text = _text(path)
+    try:
+        files = json.loads(text.get(FILES_KEY, "{}"))
+    except (TypeError, ValueError):
+        files = {}
+    if not isinstance(files, dict):
+        files = {}
+    refs = files.get("references")
+    return {"image": files.get("image"), "mask": files.get("mask"),
+            "references": [str(r) for r in refs] if isinstance(refs, list) else []}, str(text.get(COMMAND_KEY, ""))
+
+
+def qie_program() -> list[str]:
+    """The command that runs ``qie`` in a fresh shell: this environment's own ``qie`` script by its absolute path
+    (no activated virtual environment needed), else ``qie`` on the PATH."""
+    script = Path(sys.executable).parent / "qie"
+    return [str(script)] if script.is_file() else ["qie"]
+
+
+def _absolute(path: str | Path) -> str:
+    return str(Path(path).expanduser().absolute())
+
+
 def qie_edit_command(settings: EditSettings, image: str | Path, mask: str | Path | None, *, lora_dir: str | Path,
-                     model_dir: str | None = None, lightning_lora: str | None = None, out: str | None = None) -> str:
-    """The ``qie edit`` command line that repeats this generation (same seed, LoRAs, sampler): the flags of
-    ``SETTINGS``, the files, and the Lightning LoRA the Lightning sampler stacked."""
-    argv = ["qie", "edit", "--model", settings.model]
+                     model_dir: str | None = None, lightning_lora: str | None = None, out: str | None = None,
+                     references: list[str | Path] | tuple = ()) -> str:
+    """The ``qie edit`` command line that repeats this generation (same seed, LoRAs, sampler, reference images):
+    the flags of ``SETTINGS``, the files as absolute quoted paths (it runs from any folder, in a fresh shell), and
+    the Lightning LoRA the Lightning sampler stacked."""
+    argv = [*qie_program(), "edit", "--model", settings.model]
     if model_dir:
-        argv += ["--model_dir", str(model_dir)]
-    argv += ["--image", str(image)]
+        argv += ["--model_dir", _absolute(model_dir)]
+    for path in (image, *references):
+        argv += ["--image", _absolute(path)]
     if mask is not None:
-        argv += ["--mask", str(mask)]
-    argv += command_flags(settings, CommandContext(lora_dir=lora_dir, has_mask=mask is not None))
+        argv += ["--mask", _absolute(mask)]
+    argv += command_flags(settings, CommandContext(lora_dir=_absolute(lora_dir), has_mask=mask is not None))
     if settings.mode == MODE_LIGHTNING and lightning_lora:
-        argv += ["--lora", str(lightning_lora), "--lora_scale", "1"]
+        argv += ["--lora", _absolute(lightning_lora), "--lora_scale", "1"]
     argv += ["--out", out or f"{file_stem(settings)}.png"]
     return shlex.join(argv)

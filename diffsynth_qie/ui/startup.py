@@ -145,6 +145,18 @@ def model_label(model_dir: str | os.PathLike | None) -> str:
     return "pretrained tiny base" if tiny_pretrained.info(Path(model_dir)).get("pretrained") else ""
 
 
+def random_label(model: str, model_dir: str | os.PathLike | None) -> str:
+    """"random weights …" for a tiny preset that is not the pretrained base (its edits are noise), else ""."""
+    from ..models.presets import get_preset
+
+    preset = get_preset(model)
+    if not preset.is_tiny or model_label(model_dir):
+        return ""
+    if preset.name == "tiny":
+        return "random weights: edits look like noise; build the base with `qie make-tiny --pretrained`"
+    return "random weights: a test model, its edits look like noise (no pretrained base is shipped for it)"
+
+
 # --- CPU threads ----------------------------------------------------------------------------
 def auto_threads() -> int:
     """``--threads 0`` on the CPU: half the cores this process may use, at least 1, at most 4.

@@ -1,0 +1,69 @@
+"""One Generate's variations on the loaded editor: progress that says which variation runs and how long is left
+(from the step times measured in this run), and a Stop that keeps the variations already finished."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .uploads import UIError
+
+# progress(done, total, description)
+ProgressFn = Callable[[int, int, str], None]
+
+
+class Stopped(UIError):
+    """The user pressed Stop (or the tab went away)."""
+
+
+@dataclass
+class Where:
+    """Where a run is: variation ``variation`` of ``total``, step ``step`` of ``steps``."""
+
+    total: int
+    variation: int = 0
+    step: int = 0
+    steps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    steps_done: int = 0   # over all variations, for the time left
+
+    def describe(self) -> str:
+        parts = [f"variation {self.variation}/{self.total}"] if self.total > 1 else []
+        parts.append("denoising")
+        if self.steps_done and self.steps:
+            per_step = (time.perf_counter() - self.started) / self.steps_done
+            left = (self.total - self.variation) * self.steps + (self.steps - self.step)
+            parts.append(f"about {per_step * left:.0f} s left")
+        return " · ".join(parts)
+
+    def stopped(self) -> str:
+        return f"Stopped at step {self.step} of variation {self.variation}/{self.total}"
+
+
+def run_variations(seeds: list[int], edit: Callable[[int, Callable[[int, int], None]], Any], steps: int,
+                   stop: threading.Event, report: ProgressFn) -> tuple[list[tuple[int, Any]], str | None]:
+    """``edit(seed, step_callback)`` for each seed: ([(seed, result)], None), or, when ``stop`` is set during a
+    variation, the finished ones and a "Stopped at step n of variation k/N" note. Raises :class:`Stopped` when
+    nothing had finished."""
+    where = Where(total=len(seeds), steps=steps)
+
+    def step(done: int, total: int) -> None:
+        if done > where.step:
+            where.steps_done += done - where.step
+        where.step, where.steps = done, total or where.steps
+        if stop.is_set():
+            raise Stopped(where.stopped())
+        report(done, where.steps, where.describe())
+
+    results: list[tuple[int, Any]] = []
+    for k, seed in enumerate(seeds, 1):
+        where.variation, where.step = k, 0
+        report(0, where.steps, where.describe())
+        try:
+            results.append((seed, edit(seed, step)))
+        except Stopped:
+            if not results:
+                raise Stopped(f"{where.stopped()}; the settings are kept: press Generate to run again") from None
+            return results, f"{where.stopped()}; kept the {len(results)} finished"
+    return results, None
