@@ -188,7 +188,8 @@ def test_the_web_ui_edits_with_the_21_model_and_keeps_the_unmasked_pixels(tiny21
     from diffsynth_qie.ui.config import UIConfig
     from diffsynth_qie.ui.handlers import GenerateInputs, UIHandlers
 
-    handlers = UIHandlers(UIConfig(model="tiny-2.1", model_dir=str(tiny21_dir), device="cpu", lora_dir=str(tmp_path)))
+    handlers = UIHandlers(UIConfig(model="tiny-2.1", model_dir=str(tiny21_dir), device="cpu", lora_dir=str(tmp_path),
+                                    outputs_dir=str(tmp_path / "ui-edits")))
     image = np.full((64, 96, 3), 230, np.uint8)
     image[16:48, 24:72, 0] = 200
     layer = np.zeros((64, 96, 4), np.uint8)

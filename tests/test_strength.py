@@ -72,7 +72,8 @@ def test_the_web_ui_passes_the_strength_slider(tiny_model_dir, tmp_path):
     from diffsynth_qie.ui.config import UIConfig
     from diffsynth_qie.ui.handlers import GenerateInputs, UIHandlers
 
-    handlers = UIHandlers(UIConfig(model="tiny", model_dir=str(tiny_model_dir), device="cpu", lora_dir=str(tmp_path)))
+    handlers = UIHandlers(UIConfig(model="tiny", model_dir=str(tiny_model_dir), device="cpu", lora_dir=str(tmp_path),
+                                    outputs_dir=str(tmp_path / "ui-edits")))
     image = np.asarray(_image())
     out = handlers.generate(GenerateInputs(editor={"background": image, "layers": [], "composite": image},
                                            prompt="make it blue", steps=2, cfg=1.0, strength=0.0))

@@ -202,7 +202,7 @@ def test_ui_applies_loras_unmerged_by_default(tiny_model_dir, tiny_pipe, tmp_pat
     path, sd = write_lora(tmp_path / "loras" / "a.safetensors", tiny_pipe.dit, seed=8)
     kwargs = {} if not lora_merge else {"lora_merge": True}
     ui = UIHandlers(UIConfig(model="tiny", model_dir=str(tiny_model_dir), lora_dir=str(path.parent), device="cpu",
-                             **kwargs))
+                             outputs_dir=str(tmp_path / "ui-edits"), **kwargs))
     photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8))
 
     def run(lora, scale=1.0):
