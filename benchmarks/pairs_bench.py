@@ -81,7 +81,7 @@ def apply_edit(src: Image.Image, e: dict, side: int) -> tuple[Image.Image, Image
     out = src.copy()
     if op == "recolour":
         lum = np.asarray(src.convert("L"), np.float64)[..., None] / 255
-        tint = Image.fromarray(np.clip(lum * np.array(RGB[e["colour"]]) * 1.4, 0, 255).astype(np.uint8))
+        tint = Image.fromarray(np.clip((0.45 + 0.9 * lum) * np.array(RGB[e["colour"]]), 0, 255).astype(np.uint8))
         out.paste(tint, (0, 0), _soft(m))
     elif op == "insert":
         donor = _photo(e["donor"], (1, 1), side).resize((x1 - x0, y1 - y0))
@@ -89,16 +89,14 @@ def apply_edit(src: Image.Image, e: dict, side: int) -> tuple[Image.Image, Image
         out.paste(framed, (x0, y0))
         m = Image.new("L", size, 0)
         m.paste(255, (x0, y0, x1, y1))
-    elif op == "remove":
-        out.paste(src.filter(ImageFilter.GaussianBlur(max(4, (x1 - x0) // 3))), (0, 0), _soft(m))
-    elif op == "move":
-        dy, dx = e["offset"]
-        patch, pm = src.crop((x0, y0, x1, y1)), m.crop((x0, y0, x1, y1))
-        out.paste(src.filter(ImageFilter.GaussianBlur(max(4, (x1 - x0) // 3))), (0, 0), _soft(m))
-        out.paste(patch, (x0 + dx, y0 + dy), pm)
-        moved = Image.new("L", size, 0)
-        moved.paste(pm, (x0 + dx, y0 + dy))
-        m = Image.fromarray(np.maximum(np.asarray(m), np.asarray(moved)))
+    elif op in ("remove", "move"):  # (the source gets an object, see build(); the target is the photo's own)
+        dy, dx = e.get("offset", (0, 0))
+        obj = _photo(e.get("donor", "astronaut.png"), (1, 1), side).resize((x1 - x0, y1 - y0))
+        if op == "move":
+            out.paste(obj, (x0 + dx, y0 + dy), m.crop((x0, y0, x1, y1)))
+            moved = Image.new("L", size, 0)
+            moved.paste(m.crop((x0, y0, x1, y1)), (x0 + dx, y0 + dy))
+            m = Image.fromarray(np.maximum(np.asarray(m), np.asarray(moved)))
     elif op == "text":
         draw = ImageDraw.Draw(out)
         font = ImageFont.load_default(size=max(12, (y1 - y0) // 2))
@@ -159,11 +157,23 @@ def build(cases: list[dict], out: Path, side: int = 256) -> tuple[Path, dict[str
             base = _photo(c["photo"], c["aspect"], side, zoom=p["factor"])
         elif kind == "wrong_source":
             base = _photo(p["photo"], c["aspect"], side)
-        target, mask = apply_edit(base, e, side)
+        if e["op"] in ("remove", "move"):  # the source holds the object the target removes or moves
+            m, (x0, y0, x1, y1) = _region(base.size, e["box"])
+            obj = _photo(e.get("donor", "astronaut.png"), (1, 1), side).resize((x1 - x0, y1 - y0))
+            with_obj = src.copy()
+            with_obj.paste(obj, (x0, y0), m.crop((x0, y0, x1, y1)))
+            target, mask = apply_edit(base, e, side)
+            src, src_name = with_obj, None
+        else:
+            target, mask = apply_edit(base, e, side)
         if kind == "reencode":
             target = _reencode(src, p["quality"])
-        elif kind == "outside":
-            target, _ = apply_edit(target, {"op": "recolour", "box": p["box"], "colour": p["colour"]}, side)
+        elif kind == "outside":  # a second recolour, away from the edit's region
+            box = p["box"]
+            ex = e["box"]
+            if box[0] < ex[0] + ex[2] and ex[0] < box[0] + box[2] and box[1] < ex[1] + ex[3] and ex[1] < box[1] + box[3]:
+                box = [0.02 if ex[0] + ex[2] / 2 > 0.5 else 0.98 - box[2], box[1], box[2], box[3]]
+            target, _ = apply_edit(target, {"op": "recolour", "box": box, "colour": p["colour"]}, side)
         if kind == "reversed":
             src, target = target, src
         rec = {"id": rid, "prompt": e["prompt"],

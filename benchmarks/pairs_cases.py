@@ -35,8 +35,10 @@ def _edit(rng: random.Random, op: str) -> dict:
         e["donor"] = rng.choice(PHOTOS)
         e["prompt"] = "add a framed picture"
     elif op == "remove":
+        e["donor"] = rng.choice(PHOTOS)
         e["prompt"] = "remove the object"
     elif op == "move":
+        e["donor"] = rng.choice(PHOTOS)
         e["offset"] = [rng.choice((-1, 1)) * rng.randint(18, 30), rng.choice((-1, 1)) * rng.randint(18, 30)]
         e["prompt"] = "move the object a little"
     elif op == "text":

@@ -49,7 +49,7 @@ def _rows(path: str, base, skipped: Optional[list] = None) -> list:
 def _as_task(row) -> dict:
     return {"row_id": row.row_id, "target": str(row.target),
             "source": str(row.edit_images[0]) if row.edit_images else None,
-            "mask": str(row.back_mask) if row.back_mask else None}
+            "mask": str(row.back_mask) if row.back_mask else None, "prompt": row.prompts[0] if row.prompts else None}
 
 
 def run(args: argparse.Namespace) -> int:

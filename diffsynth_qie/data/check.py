@@ -12,8 +12,9 @@ pool, at a working size of at most :data:`WORK_SIDE` px, measured (``check_align
 - ``shifted`` / ``scale_mismatch``: the part that did not change moved or zoomed (robust block motion);
 - ``wrong_source``: no motion explains the pair and the structures do not correlate;
 - ``mask_aspect`` / ``mask_empty`` / ``changes_outside_mask`` (errors), ``mask_full`` / ``mask_loose`` (hints);
-- ``reversed``: the edit region moves away from the colour the instruction names; rows whose instruction
-  names none are judged against the dataset's majority colour change (only when it has one, ``min_majority``);
+- ``reversed``: the edit region moves away from the colour the instruction names; ``direction_outlier`` (a
+  warning): a row whose instruction names no colour changes colour against most rows with its instruction
+  (judged only where those agree, ``min_majority``);
 - ``duplicate`` (the same source and target, re-encoded or not, and instruction as an earlier row; two edits of
   one source are not duplicates), ``duplicate_pair`` (the same images with another instruction),
   ``holdout_duplicate`` (the target of a ``--holdout`` row).
@@ -45,8 +46,8 @@ class CheckConfig:
     psnr_identical: float = field(default=40.0, metadata=cli_help("near_identical above this PSNR, dB", unbounded=True))
     psnr_no_op: float = field(default=26.0, metadata=cli_help(
         "no_op: a pair with no changed region and a PSNR above this, dB", unbounded=True))
-    no_op_change: float = field(default=0.002, metadata=cli_help(
-        "no_op when less than this fraction of the image changed", min=0, max=1))
+    no_op_change: float = field(default=0.004, metadata=cli_help(
+        "no_op when less than this share of the image's coarse cells (1/32 of its short side) changed", min=0, max=1))
     max_shift: float = field(default=2.0, metadata=cli_help("shifted from this global shift on, target pixels", min=0))
     max_scale_change: float = field(default=0.04, metadata=cli_help(
         "scale_mismatch when the target looks zoomed by more than this relative factor", min=0))
@@ -140,7 +141,7 @@ def _measure(out: RowCheck, row: dict, cfg: CheckConfig) -> None:
     m["_instruction"] = " ".join((row.get("prompt") or "").lower().split())
     if source is None:
         return
-    m["source_hash"] = dhash(source)
+    m["source_hash"], m["_source_thumb"] = dhash(source), thumb(source)
     ar_t, ar_s = target.width / target.height, source.width / source.height
     m["aspect_ratio_difference"] = round(abs(ar_t / ar_s - 1.0), 4)
     if m["aspect_ratio_difference"] > cfg.aspect_tolerance:
@@ -209,24 +210,33 @@ class _InProcess:
 
 
 def _flag_reversed(checks: list[RowCheck], cfg: CheckConfig) -> Optional[str]:
-    """The rows whose instruction names no colour, judged against the dataset's majority colour change."""
+    """The rows whose instruction names no colour, judged against the majority colour change of the rows with
+    the same instruction (one instruction, one edit: a mixed dataset has no majority to go by)."""
+    groups: dict[str, list] = {}
+    for c in checks:
+        if "direction" in c.measures and not c.flags:
+            groups.setdefault(c.measures.get("_instruction", ""), []).append((c, np.array(c.measures["direction"])))
+    notes = [_judge_group(vectors, cfg) for vectors in groups.values() if len(vectors) >= 3]
+    if not groups:
+        return None
+    if not notes:
+        return "too few rows with one instruction and a measurable change to judge their direction"
+    return next((n for n in notes if n), None)
+
+
+def _judge_group(vectors: list, cfg: CheckConfig) -> Optional[str]:
     from .check_rules import flag
 
-    vectors = [(c, np.array(c.measures["direction"])) for c in checks
-               if "direction" in c.measures and not c.flags]
-    if not vectors:
-        return None
-    if len(vectors) < 3:
-        return "too few rows with a measurable change to judge their direction"
-    majority = np.median(np.stack([v for _, v in vectors]), axis=0)
-    if np.linalg.norm(majority) < cfg.min_majority:
-        return (f"no majority edit direction (median colour change {np.linalg.norm(majority):.3f} < "
-                f"{cfg.min_majority}): the edits differ too much for the direction heuristic to decide")
-    for c, v in vectors:
-        norm = np.linalg.norm(v)
-        if norm >= cfg.min_majority and float(v @ majority) / (norm * np.linalg.norm(majority)) < -0.5:
-            cos = float(v @ majority) / (norm * np.linalg.norm(majority))
-            flag(c, "reversed", "its colour change inside the edit region opposes the dataset's majority",
-                 f"its colour change inside the edit region opposes the dataset's majority (cosine {cos:.2f})",
-                 min(1.0, -cos))
+    stack = np.stack([v for _, v in vectors])
+    majority = np.median(stack, axis=0)
+    cosines = stack @ majority / np.maximum(np.linalg.norm(stack, axis=1) * np.linalg.norm(majority), 1e-12)
+    if np.linalg.norm(majority) < cfg.min_majority or (cosines > 0.5).mean() < 0.6:
+        return (f"no majority edit direction (median colour change {np.linalg.norm(majority):.3f}, "
+                f"{(cosines > 0.5).mean():.0%} of the rows along it): the edits differ too much for the direction "
+                "heuristic to decide")
+    for (c, v), cos in zip(vectors, cosines):
+        if np.linalg.norm(v) >= cfg.min_majority and cos < -0.5:
+            flag(c, "direction_outlier", "its colour change inside the edit region opposes the majority of its instruction",
+                 f"its colour change inside the edit region opposes the majority of the rows with its instruction "
+                 f"(cosine {cos:.2f})", min(1.0, -cos))
     return None

@@ -79,14 +79,19 @@ def fit_motion(m: dict, keep: Optional[np.ndarray] = None, min_texture: float = 
                tol: float = 0.6) -> Motion:
     """The global motion the judged blocks agree on (see the module's doc). ``keep``: blocks allowed (e.g. those
     outside the mask); ``tol``: a block's residual, working px, that still counts as explained."""
-    ok = (m["texture"] > min_texture) & (m["peak"] > min_peak)
+    textured = m["texture"] > min_texture
     if keep is not None:
-        ok &= keep
-    p, d, wgt = m["centre"][ok], m["shift"][ok], m["peak"][ok]
+        textured &= keep
+    total = int(textured.sum())
+    if total < 4:  # (flat images: nothing to judge the motion on)
+        return Motion(total, 1.0, 1.0, (0.0, 0.0), 1.0, True)
+    ok = textured & (m["peak"] > min_peak)
+    p, d = m["centre"][ok], m["shift"][ok]
+    wgt = np.ones(len(p))
     n = len(p)
-    if n < 4:
-        return Motion(n, 1.0, 1.0, (0.0, 0.0), 1.0, True)
-    ident = float(wgt[np.hypot(d[:, 0], d[:, 1]) < tol].sum() / wgt.sum())
+    if n < 3:  # (textured, but no block matches: no motion explains the pair)
+        return Motion(total, 0.0, 0.0, (0.0, 0.0), 1.0, False)
+    ident = float((np.hypot(d[:, 0], d[:, 1]) < tol).sum() / total)
     i, j = np.triu_indices(n, 1)
     if len(i) > 400:
         pick = np.random.default_rng(0).choice(len(i), 400, replace=False)
@@ -108,9 +113,32 @@ def fit_motion(m: dict, keep: Optional[np.ndarray] = None, min_texture: float = 
     else:
         t_best, a_best = t[best], float(a[best])
     fit_res = np.hypot(*(d - t_best - a_best * p).T)
-    inliers = float(wgt[fit_res < tol].sum() / wgt.sum())
+    inliers = float((fit_res < tol).sum() / total)
     aligned = ident >= 0.5 or ident >= 0.8 * inliers
-    return Motion(n, ident, inliers, (float(t_best[0]), float(t_best[1])), 1.0 + a_best, aligned)
+    return Motion(total, ident, inliers, (float(t_best[0]), float(t_best[1])), 1.0 + a_best, aligned)
+
+
+def zoomed(g: np.ndarray, k: float) -> np.ndarray:
+    """``g`` (float grey) zoomed by ``k`` about its centre, same size."""
+    h, w = g.shape
+    c = (w / 2 * (1 - 1 / k), h / 2 * (1 - 1 / k))
+    im = Image.fromarray(g.astype(np.float32), "F").transform(
+        (w, h), Image.Transform.AFFINE, (1 / k, 0, c[0], 0, 1 / k, c[1]), Image.Resampling.BILINEAR)
+    return np.asarray(im)
+
+
+def search_zoom(gs: np.ndarray, gt: np.ndarray, keep_fn=None, factors=(0.8, 0.86, 0.92, 1.08, 1.15, 1.22, 1.3)
+                ) -> tuple[float, Motion]:
+    """The zoom of ``gs`` (among ``factors``, then refined by the fit) whose block motion against ``gt``
+    explains the most blocks: ``(zoom, motion)``. For pairs a zoom beyond a few per cent separates: the
+    blocks' own content is then too scaled for their phase correlation to agree."""
+    best = (1.0, Motion(0, 0.0, 0.0, (0.0, 0.0), 1.0, False))
+    for k in factors:
+        m = block_motion(zoomed(gs, k), gt)
+        mo = fit_motion(m, keep_fn(m) if keep_fn else None)
+        if mo.inliers > best[1].inliers:
+            best = (k * mo.scale, mo)
+    return best
 
 
 def block_keep(m: dict, inside: np.ndarray, limit: float = 0.25) -> np.ndarray:
@@ -165,6 +193,16 @@ def thumb(im: Image.Image) -> bytes:
     return im.convert("L").resize((16, 16), Image.Resampling.BOX).tobytes()
 
 
-def thumbs_match(a: bytes, b: bytes, max_diff: int = 24, mean_diff: float = 4.0) -> bool:
+def coarse_change(s: np.ndarray, t: np.ndarray, threshold: float = 0.1) -> float:
+    """The share of 8x8-pooled cells whose largest channel difference is over ``threshold``: re-encoding
+    noise averages out, an edit does not."""
+    f = max(1, min(s.shape[:2]) // 32)
+    d = np.abs(_pool(s[..., 0], f) - _pool(t[..., 0], f))
+    for c in (1, 2):
+        d = np.maximum(d, np.abs(_pool(s[..., c], f) - _pool(t[..., c], f)))
+    return float((d > threshold).mean())
+
+
+def thumbs_match(a: bytes, b: bytes, max_diff: int = 10, mean_diff: float = 2.5) -> bool:
     d = np.abs(np.frombuffer(a, np.uint8).astype(np.int16) - np.frombuffer(b, np.uint8))
     return bool(d.max() <= max_diff and d.mean() <= mean_diff)

@@ -133,18 +133,19 @@ def flag_pair_duplicates(checks, held, k: int, progress=None) -> None:
     from .check_rules import flag
 
     def same(a, b):
-        return (a[0] ^ b[0]).bit_count() <= k and thumbs_match(a[1], b[1])
+        return ((a[0] ^ b[0]).bit_count() <= k and thumbs_match(a[1], b[1])
+                and (a[3] is None or b[3] is None or thumbs_match(a[3], b[3])))
 
     held_index = PairIndex(k)
     for c in held:
         if "target_hash" in c.measures:
-            held_index.add(c.measures["target_hash"], c.row_id, (0, c.measures["_target_thumb"]))
+            held_index.add(c.measures["target_hash"], c.row_id, (0, c.measures["_target_thumb"], "", None))
     rows = PairIndex(2 * k, bits=2 * BITS)
     for c in checks:
         m = c.measures
         if "target_hash" in m:
             key = (m.get("source_hash", 0) << BITS) | m["target_hash"]
-            mine = (m.get("source_hash", 0), m["_target_thumb"], m["_instruction"])
+            mine = (m.get("source_hash", 0), m["_target_thumb"], m["_instruction"], m.get("_source_thumb"))
             near = rows.first_match(key, mine, lambda a, b: same(a, b) and b[2] == a[2])
             if near is not None:
                 flag(c, "duplicate", near, f"the same source, target and instruction as row {near}")
@@ -153,7 +154,7 @@ def flag_pair_duplicates(checks, held, k: int, progress=None) -> None:
                 if near is not None:
                     flag(c, "duplicate_pair", near, f"the same source and target as row {near}, another instruction")
             rows.add(key, c.row_id, mine)
-            near = held_index.first_match(m["target_hash"], (0, m["_target_thumb"]), same) if held_index.count else None
+            near = held_index.first_match(m["target_hash"], (0, m["_target_thumb"], "", None), same) if held_index.count else None
             if near is not None:
                 flag(c, "holdout_duplicate", near, f"its target is the held-out row {near}'s")
         if progress is not None:

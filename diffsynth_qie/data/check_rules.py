@@ -36,6 +36,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "reversed": ("error", "swap source and target"),
     "duplicate_pair": ("warning", "the same images as another row with another instruction: keep one if the "
                                   "instructions mean the same"),
+    "direction_outlier": ("warning", "check that source and target are not swapped"),
     "instruction_mismatch": ("warning", "check that the target does what the instruction says"),
     "mask_full": ("hint", "a mask around the change lets a masked loss focus on it"),
     "mask_loose": ("hint", "tighten the mask around the change"),
@@ -59,12 +60,13 @@ def judge_pair(out, s: np.ndarray, t: np.ndarray, mask: Optional[np.ndarray], cf
                px: float) -> Optional[np.ndarray]:
     """Flag one aligned-size pair (float HxWx3 in 0..1 at the working size; ``mask``: bool or None; ``px``:
     target px per working px). Returns the estimated changed region (for the report)."""
-    from .check_align import block_keep, block_motion, change_region, dilate, fit_motion, gray, structure
+    from .check_align import (block_keep, block_motion, change_region, coarse_change, dilate, fit_motion, gray,
+                              search_zoom, structure)
     from .check_intent import asks_no_change, colour_evidence
 
     m = out.measures
     gs, gt = gray(s), gray(t)
-    mse = float(((gs - gt) ** 2).mean())
+    mse = float(((s - t) ** 2).mean())
     value = math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
     m["psnr"] = round(value, 2) if math.isfinite(value) else None  # (strict JSON: no Infinity)
     if not math.isfinite(value):
@@ -82,16 +84,22 @@ def judge_pair(out, s: np.ndarray, t: np.ndarray, mask: Optional[np.ndarray], cf
     motion = fit_motion(blocks, keep)
     if keep is not None and motion.blocks < 4:  # (a mask over nearly everything: judge on all blocks)
         motion = fit_motion(blocks)
+    zoom = motion.scale
+    if not motion.aligned and motion.inliers < 0.8:  # (a zoom beyond a few per cent: search it)
+        keep_fn = (lambda b: block_keep(b, dilate(mask, 2))) if keep is not None else None
+        k, zmo = search_zoom(gs, gt, keep_fn)
+        if zmo.inliers > motion.inliers + 0.1:
+            motion, zoom = zmo, k
     m["blocks"], m["unmoved"], m["explained"] = motion.blocks, round(motion.identity, 3), round(motion.inliers, 3)
     m["structure"] = round(structure(gs, gt), 3)
     geometric = False
     if not motion.aligned and motion.inliers >= cfg.min_agreement:
         shift = [round(motion.shift[0] * px, 1), round(motion.shift[1] * px, 1)]
-        m["scale"], m["shift_px"] = round(motion.scale, 3), shift
+        m["scale"], m["shift_px"] = round(zoom, 3), shift
         conf = motion.inliers - motion.identity
-        if abs(motion.scale - 1.0) > cfg.max_scale_change:
+        if abs(zoom - 1.0) > cfg.max_scale_change:
             geometric = True
-            flag(out, "scale_mismatch", m["scale"], f"the unchanged part looks zoomed by {motion.scale:.3f} "
+            flag(out, "scale_mismatch", m["scale"], f"the unchanged part looks zoomed by {zoom:.3f} "
                  f"({motion.inliers:.0%} of {motion.blocks} blocks agree, {motion.identity:.0%} unmoved)", conf)
         elif math.hypot(*shift) >= cfg.max_shift:
             geometric = True
@@ -104,9 +112,11 @@ def judge_pair(out, s: np.ndarray, t: np.ndarray, mask: Optional[np.ndarray], cf
         return region
     if geometric:
         return region
-    if wants_change and m["changed"] < cfg.no_op_change and value > cfg.psnr_no_op:
-        flag(out, "no_op", m["changed"], f"no region changed ({m['changed']:.2%} of the image differs, PSNR "
-             f"{value:.1f} dB): the target is the source re-encoded", 1.0 - m["changed"] / cfg.no_op_change)
+    m["coarse_change"] = round(coarse_change(s, t), 4)
+    if wants_change and m["coarse_change"] < cfg.no_op_change and value > cfg.psnr_no_op:
+        flag(out, "no_op", m["coarse_change"], f"no region changed ({m['coarse_change']:.2%} of the image's cells "
+             f"differ, PSNR {value:.1f} dB): the target is the source re-encoded",
+             1.0 - m["coarse_change"] / cfg.no_op_change)
     if mask is not None:
         _judge_mask(out, mask, region, cfg)
     edit = mask if mask is not None and cfg.mask_empty < mask.mean() <= cfg.mask_full else region
