@@ -54,6 +54,9 @@ class CheckConfig:
     min_agreement: float = field(default=0.4, metadata=cli_help(
         "shifted / scale_mismatch only when at least this share of the unchanged blocks agree on the motion",
         min=0, max=1))
+    min_blocks: int = field(default=12, metadata=cli_help(
+        "without a mask, a local edit's pair is judged on all its textured blocks only when it has this many "
+        "(else on those outside the changed region)", min=4, max=10000))
     min_structure: float = field(default=0.25, metadata=cli_help(
         "wrong_source below this correlation of the two images' gradients (when no motion explains the pair)",
         min=-1, max=1))

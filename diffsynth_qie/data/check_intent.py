@@ -15,6 +15,8 @@ COLOURS = {
     "橙": (240, 130, 20), "粉": (235, 120, 170),
 }
 _WORD = re.compile(r"[a-z]+|[\u4e00-\u9fff]")
+_RECOLOUR = re.compile(r"\b(make|turn|change|paint|recolou?r|colou?r|dye|tint)\b|变成|改成|涂成|染成|换成")
+_REMOVE = re.compile(r"\b(remove|delete|erase|disappear|take away|get rid)\b|去掉|删除|移除")
 _NO_CHANGE = re.compile(r"\b(no change|unchanged|do nothing|keep (it|the image|everything) (the same|as (it )?is)|"
                         r"identity)\b|保持不变|不变")
 
@@ -25,8 +27,9 @@ def asks_no_change(prompt: Optional[str]) -> bool:
 
 
 def named_colour(prompt: Optional[str]) -> Optional[str]:
-    """The colour the instruction asks for: its last colour word (None: it names none)."""
-    if not prompt:
+    """The colour a recolour instruction asks for: its last colour word (None: it names none, or it does not
+    ask for a colour: "remove the blue triangle", "move the red square up")."""
+    if not prompt or not _RECOLOUR.search(prompt.lower()) or _REMOVE.search(prompt.lower()):
         return None
     words = [w for w in _WORD.findall(prompt.lower()) if w in COLOURS]
     return words[-1] if words else None
