@@ -12,6 +12,7 @@ each flag is scored against the labels: a flag raised on a row not labelled with
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import io
 import json
@@ -37,10 +38,15 @@ def photo_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "data"
 
 
+@functools.lru_cache(maxsize=None)
+def _open(name: str) -> Image.Image:
+    return Image.open(photo_dir() / name).convert("RGB")
+
+
 def _photo(name: str, aspect, side: int, shift=(0, 0), zoom: float = 1.0) -> Image.Image:
     """The largest centred crop of ``name`` with ``aspect`` (80 % of it, so a shift or a zoom out stays inside), moved by
     ``shift`` output px and zoomed by ``zoom``, at ``side`` px on its long side."""
-    im = Image.open(photo_dir() / name).convert("RGB")
+    im = _open(name)
     aw, ah = aspect
     w, h = (side, round(side * ah / aw)) if aw >= ah else (round(side * aw / ah), side)
     w, h = w // 8 * 8, h // 8 * 8

@@ -157,10 +157,19 @@ def change_region(s: np.ndarray, t: np.ndarray, threshold: float = 0.1, blur: fl
 
 
 def dilate(mask: np.ndarray, px: int) -> np.ndarray:
-    if px <= 0:
-        return mask
-    im = Image.fromarray(mask.astype(np.uint8) * 255)
-    return np.asarray(im.filter(ImageFilter.MaxFilter(2 * px + 1))) > 127
+    """``mask`` (bool) grown by ``px`` pixels on every side (a square, separable: 2·px array ors)."""
+    out = mask.copy()
+    for axis in (0, 1):
+        grown = out.copy()
+        n = out.shape[axis]
+        for r in range(1, min(px, n - 1) + 1):
+            lo = [slice(None)] * 2
+            hi = [slice(None)] * 2
+            lo[axis], hi[axis] = slice(0, n - r), slice(r, n)
+            grown[tuple(lo)] |= out[tuple(hi)]
+            grown[tuple(hi)] |= out[tuple(lo)]
+        out = grown
+    return out
 
 
 def _pool(g: np.ndarray, f: int) -> np.ndarray:
