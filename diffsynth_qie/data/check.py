@@ -140,19 +140,21 @@ def _measure(out: RowCheck, row: dict, cfg: CheckConfig) -> None:
         flag(out, "too_small", small[0], f"an image is {small[0]}, under {MIN_SIDE} px a side")
         return
     m = out.measures
-    m["target_hash"], m["_target_thumb"] = dhash(target), thumb(target)
+    t_work = _work(target)  # (hashes and thumbnails from the working size: the full one is not needed again)
+    m["target_hash"], m["_target_thumb"] = dhash(t_work), thumb(t_work)
     m["_instruction"] = " ".join((row.get("prompt") or "").lower().split())
     if source is None:
         return
-    m["source_hash"], m["_source_thumb"] = dhash(source), thumb(source)
+    s_work = _work(source)
+    m["source_hash"], m["_source_thumb"] = dhash(s_work), thumb(s_work)
     ar_t, ar_s = target.width / target.height, source.width / source.height
     m["aspect_ratio_difference"] = round(abs(ar_t / ar_s - 1.0), 4)
     if m["aspect_ratio_difference"] > cfg.aspect_tolerance:
         flag(out, "aspect", f"target {target.width}x{target.height}, source {source.width}x{source.height}",
              f"source and target aspect ratios differ by {m['aspect_ratio_difference']:.1%}")
         return
-    t_work = _work(target)
-    s_work = source.resize(t_work.size, Image.Resampling.BILINEAR, reducing_gap=2.0)
+    if s_work.size != t_work.size:
+        s_work = source.resize(t_work.size, Image.Resampling.BILINEAR, reducing_gap=2.0)
     if mask is not None and aspect_differs(mask.size, target.size):
         flag(out, "mask_aspect", f"mask {mask.width}x{mask.height}, target {target.width}x{target.height}",
              f"the mask ({mask.width}x{mask.height}) was made for another image than the target "

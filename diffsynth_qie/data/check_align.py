@@ -145,8 +145,10 @@ def block_keep(m: dict, inside: np.ndarray, limit: float = 0.25) -> np.ndarray:
     """Blocks of ``m``'s grid with at most ``limit`` of their pixels inside ``inside`` (bool, image size)."""
     b = m["block"]
     ys, xs = m["starts"]
-    cover = np.lib.stride_tricks.sliding_window_view(inside.astype(np.float32), (b, b))[ys][:, xs].mean(axis=(2, 3))
-    return cover.ravel() <= limit
+    integral = np.pad(inside.astype(np.int32).cumsum(0).cumsum(1), ((1, 0), (1, 0)))
+    y0, x0 = np.meshgrid(ys, xs, indexing="ij")
+    cover = integral[y0 + b, x0 + b] - integral[y0, x0 + b] - integral[y0 + b, x0] + integral[y0, x0]
+    return cover.ravel() <= limit * b * b
 
 
 def change_region(s: np.ndarray, t: np.ndarray, threshold: float = 0.1, blur: float = 1.5) -> np.ndarray:
