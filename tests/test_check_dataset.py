@@ -86,9 +86,15 @@ def test_exactly_the_planted_cases_are_flagged_with_their_kind(crafted, tmp_path
     assert flagged["duplicate"]["flags"]["duplicate"] == "clean0"
     assert abs(flagged["zoomed"]["flags"]["scale_mismatch"] - 96 / 76) <= 0.03
     clean = json.loads((tmp_path / "clean.json").read_text())
-    assert [Path(r["image"]).name for r in clean] == ["clean0_t.png", "clean1_t.png", "clean2_t.png"]
+    # --write_clean drops errors only: the full mask around a small change is a hint, its row stays
+    assert {rid: r["issues"]["mask_full"]["severity"] for rid, r in flagged.items() if "mask_full" in r["flags"]} == {
+        "full": "hint"}
+    assert [Path(r["image"]).name for r in clean] == ["clean0_t.png", "clean1_t.png", "clean2_t.png", "full_t.png"]
+    assert all(i["reason"] and i["severity"] == "error" for rid, r in flagged.items() if rid != "full"
+               for i in r["issues"].values())
     page = (out / "check.html").read_text()
     assert page.count('class="card"') == 12 and page.count("data:image/png;base64,") >= 27
+    assert page.index("error: ") < page.index("hint: mask_full")  # grouped by severity, the errors first
     assert "derived mask" not in page
     assert main(["check-dataset", str(crafted / "metadata.json"), "--out", str(tmp_path / "derived"), "--auto_mask",
                  "--workers", "0"]) == 0

@@ -25,9 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auto_mask", action="store_true",
                         help="show, for rows without a mask, the mask `qie cache --auto_mask diff` would derive")
     parser.add_argument("--write_clean", default=None, metavar="FILE",
-                        help="also write the metadata without the flagged rows and the rows the reader skipped: "
+                        help="also write the metadata without the rows flagged at --drop's severities and the rows "
+                             "the reader skipped: "
                              "the original records, paths made relative to FILE's folder, in FILE's format "
                              "(.jsonl, .csv, else JSON); the rows left out are listed in --out's dropped.jsonl")
+    parser.add_argument("--drop", choices=("error", "warning", "hint"), default="error",
+                        help="--write_clean leaves out rows with a flag of this severity or worse (default: errors only)")
+    parser.add_argument("--vl_check", default=None, metavar="DIR",
+                        help="also score each edit against its instruction with the Qwen2.5-VL weights in DIR (the "
+                             "model's text encoder folder; off by default, needs a GPU for any real dataset)")
     parser.add_argument("--report_rows", type=checked(int, 0, 100000), default=MAX_CARDS, metavar="N",
                         help="check.html shows the first N flagged rows (all of them are in check.jsonl)")
     add_dataclass_args(parser, CheckConfig, title="thresholds")
@@ -49,7 +55,7 @@ def _rows(path: str, base, skipped: Optional[list] = None) -> list:
 def _as_task(row) -> dict:
     return {"row_id": row.row_id, "target": str(row.target),
             "source": str(row.edit_images[0]) if row.edit_images else None,
-            "mask": str(row.back_mask) if row.back_mask else None}
+            "mask": str(row.back_mask) if row.back_mask else None, "prompt": row.prompts[0] if row.prompts else None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,12 +66,24 @@ def run(args: argparse.Namespace) -> int:
     skipped: list = []
     rows = _rows(args.metadata, args.dataset_base, skipped)
     holdout = _rows(args.holdout, None) if args.holdout else []
+    judge = None
+    if getattr(args, "vl_check", None):
+        from ..data.check_vl import VLJudge
+
+        judge = VLJudge.load(args.vl_check)  # (refuses a folder without weights before any row is measured)
     checks, note = check_rows([_as_task(r) for r in rows], dataclass_from_args(CheckConfig, args),
                               [_as_task(r) for r in holdout])
+    if judge is not None:
+        judge.flag_rows(checks)
     page = write_outputs(args.out, checks, note, str(args.metadata), derived_masks=getattr(args, "auto_mask", False),
                          max_cards=getattr(args, "report_rows", MAX_CARDS))
-    flagged = {c.row_id: list(c.flags) for c in checks if c.flags}
-    log.info("%d of %d rows flagged; report: %s (one line per flagged row in %s)", len(flagged), len(rows), page,
+    from ..data.check_report import summary_line
+    from ..data.check_rules import SEVERITIES, severity
+
+    worst = SEVERITIES[:SEVERITIES.index(getattr(args, "drop", "error")) + 1]
+    flagged = {c.row_id: [f for f in c.flags if severity(f) in worst] for c in checks}
+    flagged = {k: v for k, v in flagged.items() if v}
+    log.info("%s; report: %s (one line per flagged row in %s)", summary_line(checks), page,
              Path(args.out) / "check.jsonl")
     if skipped:
         log.info("%d row(s) the reader skipped (not checked): %s", len(skipped),

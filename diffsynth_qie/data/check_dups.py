@@ -77,3 +77,85 @@ def flag_duplicates(items: Iterable[tuple[int, str]], held: Iterable[tuple[int, 
         if progress is not None:
             progress(1)
     return out
+
+
+class PairIndex:
+    """Pairs added in order, found again by their hashes within ``k`` bits and then confirmed by ``same``
+    (e.g. thumbnails that match): :meth:`first_match` answers the earliest confirmed one. Each distinct hash
+    keeps at most ``per_hash`` entries (the earliest ones), so many pairs with one hash (flat images) stay
+    linear."""
+
+    def __init__(self, k: int, bits: int = BITS, per_hash: int = 32):
+        self.k, self.per_hash = k, per_hash
+        n = max(1, min(k + 1, bits))
+        edges = [round(i * bits / n) for i in range(n + 1)]
+        self.bands = [(lo, (1 << (hi - lo)) - 1) for lo, hi in zip(edges, edges[1:])]
+        self.tables: list[dict[int, list[int]]] = [{} for _ in self.bands]
+        self.entries: dict[int, list[tuple[int, object, object]]] = {}
+        self.count = 0
+
+    def add(self, h: int, key: object, payload: object) -> None:
+        entries = self.entries.get(h)
+        if entries is None:
+            entries = self.entries[h] = []
+            for table, (shift, mask) in zip(self.tables, self.bands):
+                table.setdefault((h >> shift) & mask, []).append(h)
+        if len(entries) < self.per_hash:
+            entries.append((self.count, key, payload))
+        self.count += 1
+
+    def first_match(self, h: int, payload: object, same) -> Optional[object]:
+        """The key of the earliest added pair within ``k`` bits of ``h`` that ``same(payload, its payload)``
+        confirms (None: none)."""
+        seen: set[int] = set()
+        best: Optional[tuple[int, object]] = None
+        for table, (shift, mask) in zip(self.tables, self.bands):
+            for other in table.get((h >> shift) & mask, ()):
+                if other in seen or (h ^ other).bit_count() > self.k:
+                    continue
+                seen.add(other)
+                for pos, key, theirs in self.entries[other]:
+                    if best is not None and pos >= best[0]:
+                        break
+                    if same(payload, theirs):
+                        best = (pos, key)
+                        break
+        return None if best is None else best[1]
+
+
+def flag_pair_duplicates(checks, held, k: int, progress=None) -> None:
+    """Flag, in place, each row (a ``RowCheck`` with ``source_hash`` / ``target_hash`` / ``_target_thumb`` /
+    ``_instruction`` measures) whose source and target are an earlier row's (within ``k`` bits of each hash and
+    the target's thumbnail matching: a re-encoded copy counts): ``duplicate`` with the same instruction,
+    ``duplicate_pair`` with another; and ``holdout_duplicate`` when its target is a held-out row's. Two edits of
+    one source differ in their targets and are not duplicates."""
+    from .check_align import thumbs_match
+    from .check_rules import flag
+
+    def same(a, b):
+        return ((a[0] ^ b[0]).bit_count() <= k and thumbs_match(a[1], b[1])
+                and (a[3] is None or b[3] is None or thumbs_match(a[3], b[3])))
+
+    held_index = PairIndex(k)
+    for c in held:
+        if "target_hash" in c.measures:
+            held_index.add(c.measures["target_hash"], c.row_id, (0, c.measures["_target_thumb"], "", None))
+    rows = PairIndex(2 * k, bits=2 * BITS)
+    for c in checks:
+        m = c.measures
+        if "target_hash" in m:
+            key = (m.get("source_hash", 0) << BITS) | m["target_hash"]
+            mine = (m.get("source_hash", 0), m["_target_thumb"], m["_instruction"], m.get("_source_thumb"))
+            near = rows.first_match(key, mine, lambda a, b: same(a, b) and b[2] == a[2])
+            if near is not None:
+                flag(c, "duplicate", near, f"the same source, target and instruction as row {near}")
+            else:
+                near = rows.first_match(key, mine, same)
+                if near is not None:
+                    flag(c, "duplicate_pair", near, f"the same source and target as row {near}, another instruction")
+            rows.add(key, c.row_id, mine)
+            near = held_index.first_match(m["target_hash"], (0, m["_target_thumb"], "", None), same) if held_index.count else None
+            if near is not None:
+                flag(c, "holdout_duplicate", near, f"its target is the held-out row {near}'s")
+        if progress is not None:
+            progress(1)
