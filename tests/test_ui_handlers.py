@@ -460,6 +460,9 @@ def test_ui_flags_defaults_and_validation():
         UIConfig(model="nope")
     with pytest.raises(ValueError, match="--port 0"):
         UIConfig(port=0)
+    for flag in ("device", "text_encoder_device", "vae_device", "dit_device"):  # checked before anything loads
+        with pytest.raises(ValueError, match=f"--{flag} tpu:7 is not a device of this machine; choose one of cpu"):
+            UIConfig(**{flag: "tpu:7"})
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(repo / "app_gradio.py"), "--model", "nope"], cwd=repo,
                           capture_output=True, text=True, timeout=60)

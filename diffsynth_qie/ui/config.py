@@ -92,6 +92,10 @@ class UIConfig:
             raise ValueError(f"--threads {self.threads} must be >= 0 (0 = auto)")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"--max_prompt_tokens {self.max_prompt_tokens} must be >= 1")
+        from ..models.load.devices import check_device_flags  # before anything loads, as qie edit does
+
+        check_device_flags({f"--{name}": getattr(self, name)
+                            for name in ("device", "text_encoder_device", "vae_device", "dit_device")})
 
     @property
     def resolved_temp_dir(self) -> Path:
