@@ -30,3 +30,14 @@ def test_too_many_references_are_a_logged_skip_naming_the_row(tmp_path, caplog, 
     (skip,) = share.skipped
     assert f"{allowed + 1} reference images, but {model} takes at most {allowed}" in skip.reason
     assert any(skip.row_id in r.getMessage() and "takes at most" in r.getMessage() for r in caplog.records)
+
+
+def test_the_editor_refuses_more_references_than_the_family_takes(tiny_pipe):
+    """The UI and `qie eval-edits` edit through ``Editor`` too: the limit is the editor's, not only `qie edit`'s."""
+    from diffsynth_qie.inference.editor import Editor, EditRequest
+
+    editor = Editor(tiny_pipe)
+    limit = editor.family.max_references
+    images = [Image.new("RGB", (32, 32), (i * 40, 0, 0)) for i in range(limit + 1)]
+    with pytest.raises(ValueError, match=f"{limit + 1} reference images: .* takes at most {limit}"):
+        editor.edit(EditRequest(images=images, prompt="edit", steps=1))

@@ -209,6 +209,9 @@ class Editor:
         """Run one edit: flow matching (``lbm_steps=None``) or LBM bridge sampling."""
         start = time.perf_counter()
         check_request(request)
+        if len(request.images) > self.family.max_references:  # (DiffSynth fails later, or truncates)
+            raise ValueError(f"{len(request.images)} reference images: {self.family.label} takes at most "
+                             f"{self.family.max_references}; pass {self.family.max_references} or fewer")
         bound_rope_cache(self.pipe.dit)
         for prompt in (request.prompt, request.negative_prompt):  # before any encoder runs
             check_prompt_length(self.pipe, prompt, request.max_prompt_tokens)
