@@ -92,8 +92,10 @@ EXPORT_TARGETS: dict[str, ExportTarget] = {t.name: t for t in (
         "diffusers", "diffusers", "transformer.<module>.lora_A/lora_B.weight with alpha folded in",
         _W + "diffusers_state_dict", prefix="transformer.", alpha="folded", options=("drop_full_weights",),
         accepted_prefixes=("transformer.", "diffusion_model.", "lora_unet_"),
+        # 2.1: diffusers' converter re-prefixes ComfyUI files' transformer.<img_mlp half> keys and reads kohya's
+        # img_mlp_gate_layer as gate.layer; those modules are not loaded
         families={EDIT: FamilyRule(as_is=("diffusers", "comfyui", "kohya")),
-                  QWEN21: FamilyRule(as_is=("diffusers", "comfyui", "kohya"))}),
+                  QWEN21: FamilyRule(as_is=("diffusers",))}),
     ExportTarget(
         "kohya", "musubi-tuner", "lora_unet_<module with _>.lora_down/lora_up.weight + .alpha (kohya / musubi-tuner)",
         _W + "kohya_state_dict", prefix="lora_unet_", underscore=True, pair=("lora_down", "lora_up"),
