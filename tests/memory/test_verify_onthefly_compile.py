@@ -89,6 +89,12 @@ def test_compile_compiles_the_blocks_and_runs_the_graphs_on_the_fake_device(monk
     assert compiled.forward_backward_peak == pytest.approx(eager.forward_backward_peak, rel=0.05)
 
 
+def test_compile_compiles_the_21_blocks_under_their_host_bookkeeping_stand_in(monkeypatch):
+    graphs = _counting(monkeypatch)
+    step(run_config(model="2.1", compile=True), model="2.1")
+    assert len(graphs) >= 1
+
+
 def test_a_device_mismatch_inside_a_compiled_block_is_caught_at_its_line(monkeypatch):
     from diffsynth.models import qwen_image_dit
 
