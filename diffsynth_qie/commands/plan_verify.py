@@ -158,17 +158,23 @@ def _run_train(args, options, family) -> FakeRun:
     shapes = batch_shapes(options.resolution, options.ref_images, options.prompt_tokens, options.batch_size,
                           mixed=args.mixed)
     r = verify_train_step(cfg, preset, shapes, num_layers=args.verify_blocks)
-    run = FakeRun(f"one training step ({args.loss}, loss {r.loss_dtype})",
-                  [("weights (DiT + LoRA, after setup)", r.weights), ("forward + backward peak", r.forward_backward_peak),
-                   ("optimizer state", r.optimizer_state), ("optimizer step peak", r.optimizer_peak),
-                   ("steady-state peak", r.peak)],
+    rows = [("weights (DiT + LoRA" + (" + encoders" if r.encoder_weights else "") + ", after setup)", r.weights)]
+    if r.encoder_weights:  # --on_the_fly: the encoders built on the fake device and one sample encoded
+        rows += [("  of which the on-the-fly encoders", r.encoder_weights),
+                 ("on-the-fly encode transient (beside the step)", r.encode_transient)]
+    rows += [("forward + backward peak", r.forward_backward_peak), ("optimizer state", r.optimizer_state),
+             ("optimizer step peak", r.optimizer_peak), ("steady-state peak", r.peak)]
+    run = FakeRun(f"one training step ({args.loss}, loss {r.loss_dtype})", rows,
                   "training step (steady state)", r.peak, r.weights, r.seconds,
                   notes=[f"optimizer {cfg.optim.optimizer}, as qie train runs --loss {args.loss}", *r.notes])
     run.uncovered = tuple(t for t in ("EMA validation copy of the LoRA (fp32)",) if options.validate_with != "raw")
-    if options.on_the_fly:
+    if options.on_the_fly and not r.encoder_weights:
         run.uncovered += ENCODER_TERMS
-        run.notes.append("--on_the_fly: the encoders are not built on the fake device here; their weights and "
-                         "encode working set are the plan's, left out of the comparison")
+        run.notes.append("--on_the_fly: the encoders are not on the training GPU here; their weights and encode "
+                         "working set are the plan's, left out of the comparison")
+    elif options.on_the_fly:
+        run.notes.append("--on_the_fly: text encoder and VAE encoder built on the fake device, one sample encoded "
+                         "through the real on-the-fly path; compared with the plan's encoder terms")
     if run.uncovered and options.validate_with != "raw":
         run.notes.append("validation is not run by the step: the EMA validation copy is the plan's")
     return run

@@ -7,8 +7,8 @@ real VAE, all built on the fake device (``memory/fake_device.py``) through the f
 steps with true CFG (one batch, or two passes when the prompts' lengths differ, as on a GPU), the edit strength's
 part-way start, the Lightning schedule, the mask's latent and pixel blends, LBM, the unmerged branches of every
 LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (``compile_blocks`` with the
-eager backend; dynamo does not trace frames while the fake device's dispatch mode is active, so the blocks' ops
-run eagerly), Qwen-Image-2.1's prefix KV cache, and the VAE decode. The host-side stand-ins
+eager backend: dynamo compiles the blocks, and the compiled graphs run on the fake device, checked and
+counted), Qwen-Image-2.1's prefix KV cache, and the VAE decode. The host-side stand-ins
 (prompt token bookkeeping, the finished image's host copy, a family's DiT bookkeeping) are in
 ``verify_standins.py``; ``qie edit``'s preflight and its memory verdict in ``verify_preflight.py``.
 """
@@ -89,6 +89,7 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
 def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
          num_layers: Optional[int]) -> EditVerifyReport:
     from ..memory.census import build_dit
+    from ..memory.standin_vl import build_encoders
     from ..models.presets import family_of
     from ..utils.logging import library_warnings_once
 
@@ -97,10 +98,7 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
     t0 = time.perf_counter()
     family, dtype = family_of(preset), load.dtype or torch.bfloat16
     with FakeCuda() as fc, family_standin(family):
-        with fc.build(dtype, DEVICE):
-            # DiffSynth's loader casts every weight to the pipeline's dtype (transformers builds some in fp32)
-            te = family.component_type("text_encoder")().to(dtype=dtype)
-            vae = family.component_type("vae")().to(dtype=dtype)
+        te, vae = build_encoders(fc, family, dtype, DEVICE)
         with fc.build(dtype, DEVICE):  # (a real load goes through the host; the steps after it are what counts)
             dit = build_dit(preset, num_layers).requires_grad_(False)
         pipe = family.pipeline_type()(device=DEVICE, torch_dtype=dtype)

@@ -43,7 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .fake_backward import backward, node_hooks_kept
 from .fake_memory import DeviceMemory, PhasePeak
 from .fake_ops import (FAKE_DEVICE_FILES, PACKAGE_DIR, FakeRunError, FusedAttention, HostRealDeviceFake,
-                       cuda_looks_available, module_moves_set_data)
+                       compiled_frame_error, cuda_looks_available, module_moves_set_data)
 from .fake_streams import modelled_cuda_calls
 
 __all__ = ["FakeCuda", "FakeRunError", "PhasePeak", "backward"]
@@ -77,6 +77,9 @@ class FakeCuda:
         stack, self._stack = self._stack, None
         stack.__exit__(exc_type, exc, tb)
         if isinstance(exc, RuntimeError) and not isinstance(exc, FakeRunError):
+            traced = compiled_frame_error(exc)
+            if traced is not None:
+                raise traced from None
             raise FakeRunError(f"a CUDA driver call at {_frame_of(tb)}: {str(exc).splitlines()[0]} (the fake "
                                f"device has no driver: it models streams, events, synchronize, "
                                f"torch.Generator('cuda') and pinned memory; other calls need a GPU, keep them "

@@ -38,6 +38,45 @@ class FakeRunError(RuntimeError):
     """Something a real GPU run would fail on (device/dtype mismatch) or stall on (a host read)."""
 
 
+class CheckingMode(TorchDispatchMode):
+    """A dispatch mode of the fake device that ``torch.compile`` compiles under (``--compile``).
+
+    Dynamo skips every frame while a dispatch mode without ``ignore_compile_internals`` is on the stack; with
+    it, the mode is off while dynamo traces a frame (dynamo's own fake tensors check its shapes, devices and
+    dtypes then, :func:`compiled_frame_error`) and on again while the compiled graph runs, so its operators
+    are checked and counted here as eager ones are."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+def compiled_frame_error(exc: BaseException) -> Optional[FakeRunError]:
+    """What dynamo's trace of a compiled frame refused (a device or dtype mismatch: its fake tensors run the
+    same checks a GPU kernel does), as a :class:`FakeRunError` naming our line in the traced code; None for
+    any other error."""
+    import re
+
+    from torch._dynamo.exc import TorchDynamoException
+
+    if not isinstance(exc, TorchDynamoException):
+        return None
+    text = str(exc)
+    found = re.search(r"Explanation: (.+)", text)
+    what = (found.group(1) if found else text.splitlines()[0]).strip()
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [(f, int(n), fn) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
+              if not f.endswith(FAKE_DEVICE_FILES) and not f.startswith(torch_dir)]
+    ours = [fr for fr in frames if fr[0].startswith(PACKAGE_DIR)] or frames
+    where = "(unknown)"
+    if ours:
+        f, n, fn = ours[-1]
+        f = os.path.relpath(f, os.path.dirname(PACKAGE_DIR)) if f.startswith(PACKAGE_DIR) else f
+        where = f"{f}:{n} ({fn})"
+    return FakeRunError(f"{text.splitlines()[0].strip().lower()} at {where} (found by torch.compile tracing the "
+                        f"compiled block): {what}")
+
+
 def our_frame() -> str:
     """``file:line (function)`` of the innermost frame in this package outside the fake device's modules,
     else the innermost frame outside torch (a caller's own code)."""
@@ -109,7 +148,7 @@ def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
                                                         scale=scale)[0]
 
 
-class HostRealDeviceFake(TorchDispatchMode):
+class HostRealDeviceFake(CheckingMode):
     """Sits on top of the ``FakeTensorMode``: host operators run for real, device ones go to the fake
     mode; device storages are counted; what a GPU would fail or stall on becomes a FakeRunError.
     ``phase`` names the verified phase running (``FakeCuda.phase``): there a device-to-host copy followed by

@@ -48,17 +48,16 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .fake_ops import FAKE_DEVICE_FILES, FakeRunError, our_frame
+from .fake_ops import FAKE_DEVICE_FILES, CheckingMode, FakeRunError, our_frame
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHADOW_MAX_NUMEL = 1 << 16  # masks and index lists; never activations
 _BOOKKEEPING_DTYPES = (torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-class HostShadows(TorchDispatchMode):
+class HostShadows(CheckingMode):  # (--compile compiles under it)
     """Enter inside :class:`~.fake_device.FakeCuda`. Every small bool/integer device tensor an operator makes
     from host tensors and shadowed device tensors only gets its values computed on the host too (seeded
     random operators excepted); an operator that writes into a shadowed storage drops its shadows."""

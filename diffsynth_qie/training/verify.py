@@ -12,9 +12,11 @@ device's modelled streams and events (a copy used before its event is waited for
 blocks' pinned host copies take no memory here (they are counted).
 
 What it leaves out, and why: the data loader and accelerate's wrappers (host-side; the DiT sees the same batch
-dict), DeepSpeed (the engine needs a process group; ZeRO-2/3 shard what this counts for one process), and the
-``--on_the_fly`` encoders (``docs/VERIFY.md``). The batch is ``verify_batch.fake_batch``; ``qie train``'s preflight
-is ``verify_preflight.py``.
+dict) and DeepSpeed (the engine needs a process group; ZeRO-2/3 shard what this counts for one process).
+With ``--on_the_fly`` the family's text encoder and VAE are built on the fake device beside the DiT and one
+sample is encoded through the real on-the-fly path before the step (``verify_onthefly.py``); its transient
+counts on top of the step's peak (the encode thread runs beside the step). The batch is
+``verify_batch.fake_batch``; ``qie train``'s preflight is ``verify_preflight.py``.
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ log = logging.getLogger(__name__)
 class StepReport:
     """Live device bytes of the fake run: after setup, and the peak of each phase."""
 
-    weights: int = 0            # DiT (+ FP8 scales) + LoRA + buffers (+ the EMA's average) after setup
+    weights: int = 0            # DiT (+ FP8 scales) + LoRA + buffers (+ the EMA's average, the encoders) after setup
+    encoder_weights: int = 0    # --on_the_fly: the text encoder and the VAE encoder on the device (in weights)
+    encode_transient: int = 0   # --on_the_fly: one sample's encode above what was live (beside the step on a GPU)
     forward_backward_peak: int = 0
     after_backward: int = 0     # weights + gradients
     optimizer_peak: int = 0
@@ -53,7 +57,8 @@ class StepReport:
     def peak(self) -> int:
         """The peak of a step in steady state: from the second step on, the optimizer's state is alive
         through the forward and backward pass too (and through validation)."""
-        return max(self.forward_backward_peak + self.optimizer_state, self.optimizer_peak, self.validation_peak)
+        step = max(self.forward_backward_peak + self.optimizer_state, self.optimizer_peak, self.validation_peak)
+        return step + self.encode_transient
 
     @property
     def activations(self) -> int:
@@ -66,11 +71,12 @@ class StepReport:
 
 
 def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Optional[int] = None,
-                      dtype: torch.dtype = torch.bfloat16) -> StepReport:
+                      dtype: torch.dtype = torch.bfloat16, encode: bool = True) -> StepReport:
     """Run one optimizer step of ``cfg`` (a resolved ``RunConfig``) on ``preset``'s DiT on the fake device.
 
     Raises :class:`~..memory.fake_device.FakeRunError` where a GPU run would fail (a device or dtype
-    mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests).
+    mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests);
+    ``encode=False`` leaves ``--on_the_fly``'s encoders out (the preflight builds them in one of its two runs).
     """
     from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
@@ -78,6 +84,7 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
     from .losses.registry import loss_spec
     from .module import QIETrainingModule
     from .optim import build_optimizer
+    from .verify_onthefly import on_the_fly
 
     t0 = time.perf_counter()
     report = StepReport()
@@ -99,6 +106,7 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
             report.swap_events = swapper.events
         optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
         ema = build_ema(cfg, module)  # (built after the optimizer, as qie train builds it)
+        encoders = on_the_fly(fc, cfg, preset, family, shapes[0], report, encode, dtype)  # (kept to the end)
         report.weights = fc.current_bytes
         dim = text_dim(module.dit)
         masks = cfg.loss.mask_loss_weights is not None  # the masked samples' path (every sample has a mask)
@@ -125,7 +133,7 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
                 with fc.phase("validation"):
                     validate_once(cfg, preset, module, optimizer, ema, entry)
                 report.validation_peak = fc.phases[-1].peak_bytes
-        del module, optimizer, dit, ema
+        del module, optimizer, dit, ema, encoders
     report.seconds = time.perf_counter() - t0
     return report
 

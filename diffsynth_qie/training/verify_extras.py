@@ -13,10 +13,11 @@
   cache gives them, inside the schedule-free ``eval()`` and the EMA swap exactly as ``validate_step`` does.
   Two sampler steps show the loop (every step runs the same code); the VAE decode and the PNG are left out
   (the decoder loads on the main process only, after the DiT's work, and is not part of the step).
-- **``--compile``**: ``compile_blocks`` runs on the DiT as ``qie train`` runs it, with the eager backend. Dynamo
-  itself then skips every frame: PyTorch does not compile under a non-infra dispatch mode, which the fake
-  device is, so the blocks run eagerly here. The compiled blocks' graphs, recompiles and numbers are checked on
-  the tiny model on the CPU (``tests/test_compile.py``).
+- **``--compile``**: ``compile_blocks`` runs on the DiT as ``qie train`` runs it, with the eager backend, and
+  dynamo really compiles the blocks: the fake device's dispatch modes ignore compile internals
+  (``memory.fake_ops.CheckingMode``), so dynamo traces each block with its own fake tensors (a device or dtype
+  mismatch there is reported at our line) and the compiled graph runs on the fake device, checked and counted.
+  The compiled blocks' numbers are checked on the tiny model on the CPU (``tests/test_compile.py``).
 """
 from __future__ import annotations
 
@@ -28,16 +29,15 @@ from typing import Iterator, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..memory.fake_ops import FAKE_DEVICE_FILES, FakeRunError
+from ..memory.fake_ops import FAKE_DEVICE_FILES, CheckingMode, FakeRunError
 from .verify_batch import SampleShape
 
 VALIDATION_STEPS = 2  # sampler steps of the check's validation render (each step runs the same code)
 
 
-class LibraryHostReads(TorchDispatchMode):
+class LibraryHostReads(CheckingMode):
     """Host reads of fake device tensors asked from ``packages``' own frames get a stand-in value (1)."""
 
     def __init__(self, packages: Sequence[str]):
@@ -148,8 +148,8 @@ def compiled(cfg, module) -> Iterator[None]:
         return
     from ..models.load.compile import compile_blocks
 
-    compile_blocks(module.dit, backend="eager")  # (dynamo skips its frames under the fake device's modes)
+    compile_blocks(module.dit, backend="eager")
     try:
         yield
     finally:
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # (the compiled graphs hold fake tensors)

@@ -6,7 +6,8 @@ reads it) at full width on a DiT of a few blocks, twice: at two depths. A device
 read of a device tensor, raises ``ValueError`` naming the operator and our line. Every block runs the same code
 and holds the same, so the difference of the two peaks is one block's share (its weights, LoRA, optimizer state
 and saved activations); :func:`scaled_verdict` scales it to the whole DiT (the blocks ``--blocks_to_swap``
-keeps in host memory excepted) and judges the result against ``--gpu_memory_gb`` (default: the visible GPU),
+keeps in host memory excepted; with ``--on_the_fly`` the encoders and one encode run in the deeper run only,
+and are added once) and judges the result against ``--gpu_memory_gb`` (default: the visible GPU),
 ``memory/verdict.py``: one line, exit code 2, when it does not fit.
 """
 from __future__ import annotations
@@ -45,8 +46,10 @@ def scaled_verdict(shallow: StepReport, deep: StepReport, depths: tuple[int, int
     runs at ``depths`` (with block swapping each run keeps its last block in host memory)."""
     from ..memory.verdict import MemoryVerdict
 
-    per_block = max(0, (deep.peak - shallow.peak) // (depths[1] - depths[0]))
-    block_weights = max(0, (deep.weights - shallow.weights) // (depths[1] - depths[0]))
+    encoders = deep.encoder_weights + deep.encode_transient - shallow.encoder_weights - shallow.encode_transient
+    per_block = max(0, (deep.peak - shallow.peak - encoders) // (depths[1] - depths[0]))
+    block_weights = max(0, (deep.weights - shallow.weights - deep.encoder_weights + shallow.encoder_weights)
+                        // (depths[1] - depths[0]))
     swapped_run = 1 if blocks_to_swap else 0
     resident_run, resident = depths[1] - swapped_run, blocks - blocks_to_swap
     # training holds up to two swapped blocks at once (the kept last one and the prefetched one); the run one
@@ -54,8 +57,12 @@ def scaled_verdict(shallow: StepReport, deep: StepReport, depths: tuple[int, int
     peak = deep.peak + (resident - resident_run) * per_block + in_flight
     holders = sorted([(f"{resident} resident blocks (weights, LoRA, optimizer state, saved activations)",
                        resident * per_block),
-                      ("embeddings, the last block's working set, the loss", deep.peak - resident_run * per_block)],
+                      ("embeddings, the last block's working set, the loss",
+                       deep.peak - resident_run * per_block - deep.encoder_weights - deep.encode_transient),
+                      ("--on_the_fly: text encoder and VAE encoder, one encode's working set",
+                       deep.encoder_weights + deep.encode_transient)],
                      key=lambda h: -h[1])
+    holders = [h for h in holders if h[1] > 0]
     swap = f", {blocks_to_swap} in host memory" if blocks_to_swap else ""
     return MemoryVerdict(phase="training step (steady state)", peak_bytes=int(peak), gpu_bytes=gpu_bytes,
                          holders=tuple(holders),
@@ -83,7 +90,9 @@ def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=1))
     where = f"one training step on a fake CUDA device, before loading {preset.name}"
     try:
-        shallow, deep = (verify_train_step(run_cfg, preset, shapes, num_layers=n) for n in depths)
+        # --on_the_fly: the encoders and their encode run once, in the deeper run (the same in both)
+        shallow, deep = (verify_train_step(run_cfg, preset, shapes, num_layers=n, encode=n == depths[1])
+                         for n in depths)
     except FakeRunError as e:
         raise ValueError(f"preflight ({where}): {e}; pass --no_preflight to skip the check") from None
     blocks = full_depth(preset)
