@@ -63,8 +63,9 @@ def plant_all(monkeypatch):
     # every LoRA after the first computed with its down-projection on the host
     plant(monkeypatch, branch, "_branch_hook", 'a = getattr(module, f"{adapter.key}_A").to(x.device)',
           'a = getattr(module, f"{adapter.key}_A").to(x.device if adapter is _adapters(module)[0] else "cpu")')
+    # (a device weight copied to the host mid-step: the host copy itself is the first thing a GPU run pays for)
     planted["second LoRA"] = ({}, dict(lora_ranks=(32, 16), lora_scales=(1.0, 0.5)),
-                              line_of(branch._branch_hook, "h = torch.nn.functional.linear("))
+                              line_of(branch._branch_hook, 'a = getattr(module, f"{adapter.key}_A")'))
     return planted
 
 
