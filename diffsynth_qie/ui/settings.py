@@ -38,6 +38,7 @@ MODE_LIGHTNING = "lightning"
 MODES: tuple[str, ...] = (MODE_FLOW, MODE_LBM, MODE_LIGHTNING)
 LBM_MAX_STEPS = 4
 MAX_VARIATIONS = 8
+MAX_STEPS = 1000
 MAX_GROW = 64
 REQUIRED: Any = dataclasses.MISSING  # a setting Generate cannot run without (no default)
 
@@ -154,8 +155,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mode", MODE_FLOW, "Radio", dict(label="Sampler"), check=_mode, record=True,
             flag="--scheduler", flag_when=lambda s, ctx: s.mode == MODE_LIGHTNING,
             flag_value=lambda s, ctx: "lightning", summary=lambda s: s.sampler(), restore=True),
-    Setting("steps", 40, _SLIDER, dict(minimum=1, maximum=100, step=1, label="Steps"),
-            check=whole("steps", 1, 1000), record=True, request=True, flag="--steps", flag_when=_not_lbm,
+    # A number box, not a slider: a slider clips a typed 200 to its maximum when it loses focus (the check takes
+    # 1..MAX_STEPS; past it, the check's message names the range).
+    Setting("steps", 40, "Number", dict(precision=0, step=1, label=f"Steps (1–{MAX_STEPS})"),
+            check=whole("steps", 1, MAX_STEPS), record=True, request=True, flag="--steps", flag_when=_not_lbm,
             restore=True),
     Setting("lbm_steps", 1, _SLIDER, dict(minimum=1, maximum=LBM_MAX_STEPS, step=1, label="LBM steps", visible=False),
             check=_lbm_steps, record=True, request=lambda s: s.lbm_steps if s.mode == MODE_LBM else None,
