@@ -300,6 +300,13 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             assert _shown(page)[1].endswith("edit_seed0_lora.png")
             first_result = _fetch_image(_shown(page)[1])
 
+            # While the editor is given an image (its progress overlay shows), Generate and the canvas take no clicks.
+            tracker = "#editor > [data-testid=status-tracker]"
+            page.eval_on_selector(tracker, "e => e.classList.remove('hide')")
+            assert page.eval_on_selector("#generate", "e => getComputedStyle(e).pointerEvents") == "none"
+            page.eval_on_selector(tracker, "e => e.classList.add('hide')")
+            assert page.eval_on_selector("#generate", "e => getComputedStyle(e).pointerEvents") != "none"
+
             # "Edit this result": the next edit starts from it. Variations: seeds 0 and 1, a double click runs once.
             page.click("#edit-result")
             _given(page, "Editing the result of seed 0")

@@ -145,3 +145,25 @@ def test_qie_edit_png_carries_settings_the_ui_restores(tmp_path, tiny_model_dir)
         [str(image), str(ref)], str(mask), 2, 2.5, 7)
     restored, _ = restore.from_png(out, tmp_path / "outputs")
     assert restored == settings
+
+
+def test_width_and_height_round_to_the_model_and_say_so(tmp_path):
+    """W×H: 0 is automatic, others round to multiples of 16; one without the other is refused; "Keep the input's
+    size" fills both from the editor's image and says when it rounded; the status says why a size changed."""
+    pytest.importorskip("gradio")
+    from diffsynth_qie.ui import settings as table
+    from diffsynth_qie.ui.mask_events import MaskTools
+    from diffsynth_qie.ui.outputs import size_notice
+
+    assert [table.output_side(v) for v in (0, None, 1000, 700, 8, 992)] == [0, 0, 992, 704, 16, 992]
+    both = SimpleNamespace(width=1000)
+    assert table.SETTING["height"].check(700, both) == 704
+    with pytest.raises(UIError, match="give both width and height"):
+        table.SETTING["height"].check(0, both)
+    path = tmp_path / "in.png"
+    _image((1000, 700)).save(path)
+    tools = MaskTools(UIHandlers(UIConfig(lora_dir=str(tmp_path), examples="", temp_dir=str(tmp_path / "t"))))
+    w, h, line = tools.input_size({"background": str(path), "layers": [], "composite": str(path)}, None)
+    assert (w, h) == (992, 704) and "rounded from 1000×700" in line
+    assert "1000×700" in size_notice((1000, 700), (992, 688), 0) and "automatic" in size_notice((1000, 700),
+                                                                                               (992, 688), 0)

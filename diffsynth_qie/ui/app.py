@@ -160,6 +160,10 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                     add("mask_blend")
                     lora2 = add("lora2", choices=handlers.lora_options())
                     add("lora2_scale")
+                    with gr.Row(equal_height=True):
+                        add("width")
+                        add("height")
+                        input_size = gr.Button("Keep the input's size", size="sm", elem_id="input-size")
         gallery = gr.Gallery(label="History (kept on disk; click to restore everything)", columns=8, height=170,
                              fit_columns=False, object_fit="contain", allow_preview=False, elem_id="history")
 
@@ -185,6 +189,8 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         for source in (editor, loaded, *mask_inputs[2:]):
             source.change(tools.preview, mask_inputs, [preview, preview_text], queue=False, show_progress="hidden",
                           trigger_mode="always_last")
+        input_size.click(tools.input_size, [editor, loaded], [widgets["width"], widgets["height"], status],
+                         queue=False)
         box_drag.change(tools.box, [box_drag, editor, loaded, mask_file], [mask_file, preview_text], queue=False)
 
         # An image given to the editor: Generate waits for the record of it (see Callbacks.lock_generate).

@@ -8,6 +8,7 @@ import gradio as gr
 from . import mask_preview
 from .handlers import UIHandlers, user_message
 from .job import allowed_files, editor_image
+from .settings import SIZE_STEP, output_side
 from .uploads import UIError
 
 EMPTY = "Load an image (or an example) to see the mask Generate will use."
@@ -40,6 +41,18 @@ class MaskTools:
             return mask_preview.preview(image, painted, mask_file, invert, grow, feather)
         except Exception as exc:  # noqa: BLE001
             return None, f"No preview: {user_message(exc)}"
+
+    def input_size(self, editor: Any, loaded: Any, request: gr.Request = None):
+        """"Keep the input's size": width and height of the editor's image, rounded to what the model takes (said
+        in the status when rounded)."""
+        try:
+            image, _ = self._image(editor, loaded, request)
+        except Exception as exc:  # noqa: BLE001
+            raise gr.Error(user_message(exc), duration=6, print_exception=False) from None
+        w, h = (output_side(v) for v in image.size)
+        rounded = "" if (w, h) == image.size else f", rounded from {image.width}×{image.height} (sides are multiples " \
+                                                  f"of {SIZE_STEP})"
+        return w, h, f"Output size {w}×{h}{rounded}."
 
     def box(self, drag: str, editor: Any, loaded: Any, mask_file: Any, request: gr.Request = None):
         """A box dragged on the preview (the page writes its corners into a hidden box): added to the mask file."""

@@ -5,6 +5,8 @@
   without a word), and a later good image clears that message.
 - Keys, as in other editors: Ctrl+Enter runs Generate; outside a text field, Ctrl+Z / Ctrl+Y (or Ctrl+Shift+Z)
   undo and redo the paint, and ``[`` / ``]`` make the brush smaller or larger.
+- While the editor loads an image the UI gave it, Generate and the canvas take no clicks (a stroke made then
+  would be dropped, and Generate would edit the whole image).
 - Layout: results fill their box; on a phone, Generate and Stop stay at the bottom of the screen and the
   examples table fits the screen's width.
 """
@@ -21,7 +23,9 @@ CSS = """
 #mask-preview-text p { margin: 0; }
 .page-input { display: none !important; }
 #mask-preview img { cursor: crosshair; touch-action: none; }
-body:has(#editor .pending) #generate, body:has(#editor .generating) #generate { pointer-events: none; opacity: 0.5; }
+/* While the editor is being given an image (its progress overlay shows), paint would be dropped: no Generate. */
+body:has(#editor > [data-testid=status-tracker]:not(.hide)) #generate { pointer-events: none; opacity: 0.5; }
+#editor:has(> [data-testid=status-tracker]:not(.hide)) canvas { pointer-events: none; }
 @media (max-width: 640px) {
   #actions { position: fixed; left: 0; right: 0; bottom: 0; z-index: 1000; padding: 6px 8px; margin: 0;
              background: var(--background-fill-primary); box-shadow: 0 -2px 8px rgba(0, 0, 0, 0.25); }
