@@ -303,9 +303,11 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             # While the editor is given an image (its progress overlay shows), Generate and the canvas take no clicks.
             tracker = "#editor > [data-testid=status-tracker]"
             page.eval_on_selector(tracker, "e => e.classList.remove('hide')")
-            assert page.eval_on_selector("#generate", "e => getComputedStyle(e).pointerEvents") == "none"
+            page.wait_for_function("() => getComputedStyle(document.querySelector('#generate')).pointerEvents "
+                                   "=== 'none'")
             page.eval_on_selector(tracker, "e => e.classList.add('hide')")
-            assert page.eval_on_selector("#generate", "e => getComputedStyle(e).pointerEvents") != "none"
+            page.wait_for_function("() => getComputedStyle(document.querySelector('#generate')).pointerEvents "
+                                   "!== 'none'")
 
             # "Edit this result": the next edit starts from it. Variations: seeds 0 and 1, a double click runs once.
             page.click("#edit-result")

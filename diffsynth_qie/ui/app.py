@@ -107,7 +107,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 with gr.Row(equal_height=True):
                     references = add("references")
                     mask_file = add("mask_file")
-                    preview = gr.Image(label="Mask Generate will use (drag a box on it to add one)", type="pil",
+                    preview = gr.Image(label="Mask Generate uses (drag: box)", type="pil",
                                        interactive=False, height=160, scale=1, elem_id="mask-preview", format="png",
                                        buttons=["fullscreen"])
                 preview_text = gr.Markdown(EMPTY, elem_id="mask-preview-text")

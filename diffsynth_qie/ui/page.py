@@ -23,13 +23,11 @@ CSS = """
 #mask-preview-text p { margin: 0; }
 .page-input { display: none !important; }
 #mask-preview img { cursor: crosshair; touch-action: none; }
-/* While the editor is being given an image (its progress overlay shows), paint would be dropped: no Generate. */
-body:has(#editor > [data-testid=status-tracker]:not(.hide)) #generate { pointer-events: none; opacity: 0.5; }
-#editor:has(> [data-testid=status-tracker]:not(.hide)) canvas { pointer-events: none; }
+.editor-busy { pointer-events: none !important; opacity: 0.5; }
 @media (max-width: 640px) {
   #actions { position: fixed; left: 0; right: 0; bottom: 0; z-index: 1000; padding: 6px 8px; margin: 0;
              background: var(--background-fill-primary); box-shadow: 0 -2px 8px rgba(0, 0, 0, 0.25); }
-  body { padding-bottom: 64px; }
+  .gradio-container { padding-bottom: 64px; }
   #editor > label[data-testid=block-label] { display: none; }  /* under the toolbar at this width */
   #examples td:first-child, #examples th:first-child { width: 28%; }
 }
@@ -101,6 +99,12 @@ JS = """
     box.value = [...start, ...end, Date.now()].join(',');
     box.dispatchEvent(new Event('input', {bubbles: true}));
   }, true);
+  // While the editor is given an image (its progress overlay shows), a stroke would be dropped and Generate would
+  // edit the whole image: Generate and the canvas take no clicks until it is in.
+  setInterval(() => {
+    const busy = !!document.querySelector('#editor > [data-testid=status-tracker]:not(.hide)');
+    document.querySelectorAll('#generate, #editor canvas').forEach((e) => e.classList.toggle('editor-busy', busy));
+  }, 150);
   document.addEventListener('keydown', (event) => {
     const ctrl = event.ctrlKey || event.metaKey;
     let done = true;
