@@ -56,17 +56,16 @@ def test_box_tool_adds_rectangles_to_the_mask_file(tmp_path):
 
 
 def test_stop_says_at_once_whether_it_stops_a_run_or_a_queued_job(tmp_path):
-    gr = pytest.importorskip("gradio")
+    pytest.importorskip("gradio")
     from diffsynth_qie.ui.events import Callbacks
 
     cb = Callbacks(UIHandlers(UIConfig(lora_dir=str(tmp_path), examples="")))
     tab = SimpleNamespace(session_hash="tab-1")
-    assert cb.stop(tab) is not None and not isinstance(cb.stop(tab), str)  # nothing queued: status unchanged
+    assert not isinstance(cb.stop(tab), str)  # nothing of this tab queued or running: the status stays
     cb._pending.add("tab-1")
-    assert "queue" in cb.stop(tab) and "will not run" in cb.stop(tab)     # queued behind another tab
+    assert "will not run" in cb.stop(tab)     # queued behind another tab's generation
     cb.h._running = "tab-1"
     assert cb.stop(tab).startswith("Stopping at the next step")
-    assert isinstance(gr.skip(), dict)
 
 
 def test_examples_label_follows_the_family():
