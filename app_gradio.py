@@ -72,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     claim_temp_dir(temp_dir)  # emptied unless another live UI owns it
     from diffsynth_qie.ui.app import build_ui, launch
     from diffsynth_qie.ui.handlers import UIHandlers
+    from diffsynth_qie.ui.startup import quiet_client_disconnects
 
     handlers = UIHandlers(config)
     if config.preload:
         handlers.start_background_load()  # ready by the time a mask is painted
     demo = build_ui(handlers)
+    quiet_client_disconnects()
     log.info("serving on http://%s:%d (model %s, LoRAs from %s)", config.host, config.port, config.model,
              config.lora_dir)
     launch(demo, config)

@@ -218,10 +218,14 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             assert "6 steps" in status and "LoRA lora.safetensors × 1" in status.replace("`", ""), status
             assert "mask covers" in status, f"the example's mask did not reach the server: {status}"
             # The result, the status and Stop are in sight at 1400x1000 where the user pressed Generate.
-            for elem in ("#result", "#status", "#stop"):
-                rect = page.eval_on_selector(elem, "e => { const r = e.getBoundingClientRect(); "
-                                                   "return [r.top, r.bottom]; }")
-                assert rect[1] > 20 and rect[0] < 1000 - 80, (elem, rect)
+            # So are they at 1920x1080.
+            for width, height in ((1400, 1000), (1920, 1080)):
+                page.set_viewport_size({"width": width, "height": height})
+                for elem in ("#result", "#status", "#stop"):
+                    rect = page.eval_on_selector(elem, "e => { const r = e.getBoundingClientRect(); "
+                                                       "return [r.top, r.bottom]; }")
+                    assert rect[1] > 20 and rect[0] < height - 80, (width, elem, rect)
+            page.set_viewport_size({"width": 1400, "height": 1000})
 
             # Before/after at the same size, the after PNG carrying its settings; dragging the slider reveals more.
             before_src, after_src = _shown(page)
@@ -296,6 +300,15 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             assert _shown(page)[1].endswith("edit_seed0_lora.png")
             first_result = _fetch_image(_shown(page)[1])
 
+            # While the editor is given an image (its progress overlay shows), Generate and the canvas take no clicks.
+            tracker = "#editor > [data-testid=status-tracker]"
+            page.eval_on_selector(tracker, "e => e.classList.remove('hide')")
+            page.wait_for_function("() => getComputedStyle(document.querySelector('#generate')).pointerEvents "
+                                   "=== 'none'")
+            page.eval_on_selector(tracker, "e => e.classList.add('hide')")
+            page.wait_for_function("() => getComputedStyle(document.querySelector('#generate')).pointerEvents "
+                                   "!== 'none'")
+
             # "Edit this result": the next edit starts from it. Variations: seeds 0 and 1, a double click runs once.
             page.click("#edit-result")
             _given(page, "Editing the result of seed 0")
@@ -313,11 +326,13 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             np.testing.assert_array_equal(np.asarray(Image.open(image_arg).convert("RGB")),
                                           np.asarray(first_result.convert("RGB")))
 
-            # Stop: a long run ends at its next step; Generate works again.
-            _set_number(page, "steps", 100)
+            # Stop: a long run ends at its next step; Generate works again. Steps above 100 are kept (up to 1000).
+            _set_number(page, "steps", 200)
             _set_number(page, "variations", 8)
+            page.click("#prompt textarea")  # the steps box loses focus: 200 stays 200
+            assert page.input_value("#steps input[type=number]") == "200"
             page.click("#generate")
-            page.wait_for_function("() => document.querySelector('#result')?.innerText.includes('denoising')")
+            page.wait_for_function("() => document.querySelector('#result')?.innerText.includes('/200')")
             page.click("#stop")
             page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Stopped at step')")
             page.wait_for_selector("#generate:not([disabled])")
@@ -334,9 +349,20 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
                 dt.items.add(new File(['hello'], 'notes.txt', {type: 'text/plain'})); return dt; }""")
             page.dispatch_event("#editor", "drop", {"dataTransfer": transfer})
             assert "notes.txt is not an image" in page.inner_text("#drop-message")
+            # So are a non-image and a damaged PNG picked with the upload button; a good image clears the message.
+            notes, broken = tmp_path / "notes.txt", tmp_path / "broken.png"
+            notes.write_text("hello")
+            broken.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
+            page.evaluate("() => { document.querySelector('#drop-message').textContent = ''; }")
+            page.set_input_files("#editor input[type=file]", str(notes))
+            page.wait_for_function("() => document.querySelector('#drop-message').innerText.includes('notes.txt')")
+            page.set_input_files("#editor input[type=file]", str(broken))
+            page.wait_for_function("() => document.querySelector('#drop-message').innerText.includes("
+                                   "'broken.png is not a readable image')")
 
             # An uploaded image of another shape: the example's mask file no longer fits and is refused by name.
             page.set_input_files("#editor input[type=file]", str(source_path))
+            page.wait_for_function("() => document.querySelector('#drop-message').textContent === ''")
             page.wait_for_timeout(1500)  # the editor lays the image out on the canvas
             other_mask = tmp_path / "mask64.png"
             Image.new("L", EXAMPLE_SIZE, 255).save(other_mask)
@@ -359,13 +385,53 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             assert "no mask painted" in status, status
             assert _fetch_image(_shown(page)[0]).size == (W, H)
             assert "loaded in" in page.inner_text("#model-status")
+
+            # A second example: the brush fits the image (about 4 px on 64 px, not 25 or 50), shown in the mask
+            # preview before Generate; [ and ] resize it; Ctrl+Z / Ctrl+Y undo and redo the paint.
+            page.click("#examples [data-testid='dataset-cell-1-0']")
+            _given(page, "Example 2 loaded")
+            page.wait_for_selector("#mask-file img")
+            page.click("#mask-file button[aria-label='Remove Image']")
+            page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText.includes("
+                                   "'whole image')")
+            page.wait_for_function("() => document.querySelector('#brush-size input[type=number]')?.value === '4'")
+            page.get_by_label("Invert mask (edit all but the painted part)").check()  # nothing painted: refused
+            page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText.includes("
+                                   "'needs a painted region')")
+            assert "“Invert mask”" in page.inner_text("#mask-preview-text")
+            page.get_by_label("Invert mask (edit all but the painted part)").uncheck()
+            _paint_stroke(page)
+            page.wait_for_function("() => /may change \\d/.test(document.querySelector('#mask-preview-text')"
+                                   "?.innerText)")
+            share = float(page.inner_text("#mask-preview-text").split("change ")[1].split(" %")[0])
+            assert 0 < share < 10, f"a short stroke covers {share} % of a 64-px example: the brush is too big"
+            page.click("h1")  # keys act outside text fields
+            page.keyboard.press("]")
+            page.wait_for_function("() => document.querySelector('#brush-size input[type=number]')?.value === '5'")
+            page.keyboard.press("[")
+            page.wait_for_function("() => document.querySelector('#brush-size input[type=number]')?.value === '4'")
+            page.keyboard.press("Control+z")
+            page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText.includes("
+                                   "'whole image')")
+            page.keyboard.press("Control+y")
+            page.wait_for_function(f"() => document.querySelector('#mask-preview-text')?.innerText.includes("
+                                   f"'{share:.1f} %')")
+            # The box tool: a box dragged on the preview is added to the mask file.
+            box = page.locator("#mask-preview img").bounding_box()
+            page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + box["height"] * 0.1)
+            page.mouse.down()
+            page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] * 0.6)
+            page.mouse.up()
+            page.wait_for_selector("#mask-file img")
+            page.wait_for_function(f"() => {{ const m = /may change ([\\d.]+) %/.exec(document.querySelector("
+                                   f"'#mask-preview-text')?.innerText); return m && +m[1] > {share + 10}; }}")
             shot = tmp_path / "ui_e2e.png"
             page.screenshot(path=str(shot))
 
             # A reload keeps the history (rebuilt from --outputs_dir); a dropped result PNG restores its settings.
             page.reload()
             page.wait_for_function(f"() => document.querySelectorAll('#history img').length === {runs + 2}")
-            first_png = next((tmp_path / "kept").glob("*/edit_seed0_lora.png"))
+            first_png = sorted((tmp_path / "kept").glob("*/edit_seed0_lora.png"))[0]  # the oldest: 6 steps
             _set_number(page, "steps", 3)
             page.set_input_files("#settings-png input[type=file]", str(first_png))
             page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Settings restored')")
@@ -395,6 +461,14 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             page.wait_for_selector("#references img")
             assert page.eval_on_selector("#references img", "e => getComputedStyle(e).objectFit") == "contain"
             page.wait_for_function("() => document.documentElement.scrollWidth <= 390")
+            # The examples table shows every column within the screen; Generate is on screen without scrolling.
+            page.evaluate("() => window.scrollTo(0, 0)")
+            cells = page.eval_on_selector_all("#examples tbody tr:first-child td", "tds => tds.map(td => { "
+                                              "const r = td.getBoundingClientRect(); return [r.left, r.right]; })")
+            assert len(cells) == 3 and all(0 <= left and right <= 391 for left, right in cells), cells
+            rect = page.eval_on_selector("#generate", "e => { const r = e.getBoundingClientRect(); "
+                                                      "return [r.top, r.bottom]; }")
+            assert 0 <= rect[0] and rect[1] <= 844, f"Generate is off screen at 390 px: {rect}"
             page.screenshot(path=str(tmp_path / "ui_phone.png"))
         except Exception as exc:  # what the page and the server showed, for a failure seen only in CI
             seen = page.evaluate("() => ({status: document.querySelector('#status')?.innerText, toasts: "
@@ -414,7 +488,8 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
     # mask file of another image.
     problems = [line for line in server_log.splitlines()
                 if (" ERROR diffsynth_qie" in line or " WARNING diffsynth_qie" in line)]
-    expected = ("refused: type a prompt", "refused: the mask file is 64x64", "not_a_module", "limit of 1024")
+    expected = ("refused: type a prompt", "refused: the mask file is 64x64", "not_a_module", "limit of 1024",
+                "Nothing to invert", "not a readable image")
     assert problems and all(any(e in line for e in expected) for line in problems), problems
     assert server_log.count("model 'tiny' loaded") == 1  # many generations, one model load
     assert server_log.count("generation stopped by the user") >= 2  # Stop, and the closed tab

@@ -260,9 +260,12 @@ def run(args: argparse.Namespace) -> int:
         change = ((result.latents - base.latents).norm() / base.latents.norm()).item()
         log.info("the LoRA changes the output latents by %.3g (relative L2)", change)
         outputs.append((Path(args.before_after), side_by_side([images[0].resize(result.image.size), base.image, result.image])))
+    from ..ui.results import cli_png_info
+
+    out_png = Path(args.out) if Path(args.out).suffix.lower() == ".png" else None
     for path, image in outputs:
-        with atomic_path(path) as tmp:
-            image.save(tmp)
+        with atomic_path(path) as tmp:  # the result PNG carries its settings, as the web UI's do (it reads them back)
+            image.save(tmp, **({"pnginfo": cli_png_info(args, loras)} if path == out_png else {}))
         log.info("wrote %s (%dx%d)", path, *image.size)
     return 0
 

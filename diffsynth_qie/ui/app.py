@@ -12,10 +12,13 @@ from typing import Any
 import gradio as gr
 
 from .config import UIConfig
-from .events import Callbacks
+from .events import Callbacks, brush
 from .handlers import MODE_FLOW, UIHandlers, user_message
-from .masks import BRUSH_COLOR
+from .examples import examples_label
+from .mask_events import EMPTY, MaskTools
+from .masks import DEFAULT_BRUSH, MAX_BRUSH
 from .model_fit import default_cfg, family_label
+from .page import CSS, JS
 from .settings import RESTORED, build_widget
 from .uploads import check_upload, to_8bit_upload
 
@@ -25,39 +28,9 @@ def intro(family: str) -> str:
     """The page's heading, naming the served model family."""
     return f"""# {family} · mask edit
 Upload an image (or click an example), **paint the region that may change** (nothing painted: the whole image may
-change), describe the edit, press **Generate** (or Ctrl+Enter). Every result is kept on disk and in the history
-below: click one to get all its settings back, or drop a result PNG on "Settings from a PNG"."""
-
-# Results fill their box (a 96×64 edit is scaled up, not shown as a thumbnail); phones get one column.
-CSS = """
-#result img, #output-sub img { object-fit: contain; width: 100%; height: 100%; }
-#drop-message:empty { display: none; }
-#drop-message { color: var(--error-text-color); font-weight: 600; }
-"""
-
-# A file that is not an image, dropped on the editor or the reference gallery, is refused with a message
-# (the editor would otherwise ignore it without a word).
-JS = """
-() => {
-  document.addEventListener('drop', (event) => {
-    const target = event.target instanceof Element && event.target.closest('#editor, #references');
-    if (!target) return;
-    const files = Array.from((event.dataTransfer && event.dataTransfer.files) || []);
-    const bad = files.find((f) => !(f.type || '').startsWith('image/'));
-    const note = document.querySelector('#drop-message');
-    if (!bad) { if (note) note.textContent = ''; return; }
-    event.preventDefault();
-    event.stopPropagation();
-    if (note) note.textContent = `${bad.name} is not an image: drop a PNG, JPEG or WebP file.`;
-  }, true);
-  document.addEventListener('keydown', (event) => {  // Ctrl+Enter (Cmd+Enter) runs Generate, as in other UIs
-    if (event.key !== 'Enter' || !(event.ctrlKey || event.metaKey)) return;
-    const button = document.querySelector('#generate');
-    if (button && !button.disabled) { event.preventDefault(); event.stopPropagation(); button.click(); }
-  }, true);
-}
-"""
-
+change; Ctrl+Z / Ctrl+Y undo and redo, the preview beside the mask file shows the mask Generate will use), describe
+the edit, press **Generate** (or Ctrl+Enter). Every result is kept on disk and in the history below: click one to
+get all its settings back, or drop a result PNG on "Settings from a PNG"."""
 
 def _upload_paths(payload: Any) -> list[tuple[str, str]]:
     """(what, path) of each uploaded file in an ImageEditor payload (background, layers)."""
@@ -97,7 +70,7 @@ def guard_uploads(component: gr.components.Component, handlers: UIHandlers) -> N
 
 def build_ui(handlers: UIHandlers) -> gr.Blocks:
     """The whole UI; queued so that one generation runs at a time."""
-    cb = Callbacks(handlers)
+    cb, tools = Callbacks(handlers), MaskTools(handlers)
     widgets: dict[str, gr.components.Component] = {}  # setting name -> its widget
 
     def add(name: str, **extra: Any) -> gr.components.Component:
@@ -121,16 +94,24 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         batch = gr.State([])            # the entries of the last Generate (its variations)
         with gr.Row():
             with gr.Column(scale=3):
-                editor = add("editor", brush=gr.Brush(colors=[BRUSH_COLOR], color_mode="fixed"))
+                editor = add("editor", brush=brush(DEFAULT_BRUSH))
                 gr.HTML("<div id='drop-message' role='alert'></div>")
                 with gr.Row(equal_height=True):
-                    clear_mask = gr.Button("Clear paint", size="sm", min_width=90, elem_id="mask-clear")
+                    clear_mask = gr.Button("Clear paint", size="sm", min_width=90, scale=0, elem_id="mask-clear")
+                    brush_size = gr.Slider(1, MAX_BRUSH, value=DEFAULT_BRUSH, step=1, elem_id="brush-size",
+                                           label="Brush size (px; keys [ and ])")
                     add("mask_invert")
+                with gr.Row(equal_height=True):
                     add("mask_grow")
                     add("mask_feather")
                 with gr.Row(equal_height=True):
                     references = add("references")
                     mask_file = add("mask_file")
+                    preview = gr.Image(label="Mask Generate uses (drag: box)", type="pil",
+                                       interactive=False, height=160, scale=1, elem_id="mask-preview", format="png",
+                                       buttons=["fullscreen"])
+                preview_text = gr.Markdown(EMPTY, elem_id="mask-preview-text")
+                box_drag = gr.Textbox(elem_id="box-drag", elem_classes=["page-input"], container=False)  # page.JS
                 guard_uploads(editor, handlers)
                 guard_uploads(references, handlers)
                 loaded = add("loaded_image")  # what the UI last put into the editor (Callbacks.lock_generate)
@@ -138,12 +119,12 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 if examples:
                     rows = gr.Examples([[ex.editor_value(), ex.mask, ex.prompt] for ex in examples],
                                        [editor, mask_file, prompt_box], elem_id="examples", examples_per_page=4,
-                                       label="Examples (held-out rows: click one, then Generate)")
+                                       label=examples_label(handlers.config.model))
                 settings_png = gr.File(label="Settings from a PNG (drop a result of this UI)", file_types=[".png"],
                                        type="filepath", height=90, elem_id="settings-png")
             with gr.Column(scale=2):
                 prompt_box.render()
-                with gr.Row():
+                with gr.Row(elem_id="actions"):
                     generate = gr.Button("Generate (Ctrl+Enter)", variant="primary", elem_id="generate")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")  # always clickable: harmless when idle
                 status = gr.Markdown("", elem_id="status")
@@ -179,6 +160,10 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                     add("mask_blend")
                     lora2 = add("lora2", choices=handlers.lora_options())
                     add("lora2_scale")
+                    with gr.Row(equal_height=True):
+                        add("width")
+                        add("height")
+                        input_size = gr.Button("Keep the input's size", size="sm", elem_id="input-size")
         gallery = gr.Gallery(label="History (kept on disk; click to restore everything)", columns=8, height=170,
                              fit_columns=False, object_fit="contain", allow_preview=False, elem_id="history")
 
@@ -197,15 +182,25 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         mode.input(cb.switch_mode, [mode, prev_mode, steps, saved_steps], mode_outputs, queue=False)
         lora.input(cb.pick_lora, [lora, mode, prev_mode, steps, saved_steps], [mode, lora_status, *mode_outputs],
                    queue=False)
-        editor.upload(cb.new_image, editor, editor, queue=False, show_progress="hidden")
+        editor.upload(cb.new_image, editor, [editor, brush_size], queue=False, show_progress="hidden")
+        brush_size.change(cb.set_brush, brush_size, editor, queue=False, show_progress="hidden")
+        # The mask preview follows the paint, the mask file and the mask tools; a click on it is the box tool.
+        mask_inputs = [editor, loaded, mask_file, widgets["mask_invert"], widgets["mask_grow"], widgets["mask_feather"]]
+        for source in (editor, loaded, *mask_inputs[2:]):
+            source.change(tools.preview, mask_inputs, [preview, preview_text], queue=False, show_progress="hidden",
+                          trigger_mode="always_last")
+        input_size.click(tools.input_size, [editor, loaded], [widgets["width"], widgets["height"], status],
+                         queue=False)
+        box_drag.change(tools.box, [box_drag, editor, loaded, mask_file], [mask_file, preview_text], queue=False)
 
         # An image given to the editor: Generate waits for the record of it (see Callbacks.lock_generate).
         lock = dict(fn=cb.lock_generate, inputs=None, outputs=generate, queue=False, show_progress="hidden")
         if rows is not None:
-            rows.dataset.click(**lock).then(cb.example_loaded, [rows.dataset, editor], [loaded, generate, status],
-                                            queue=False, show_progress="hidden")
+            rows.dataset.click(**lock).then(cb.example_loaded, [rows.dataset, editor],
+                                            [loaded, generate, status, editor, brush_size], queue=False,
+                                            show_progress="hidden")
         clear_mask.click(**lock).then(cb.clear_mask, editor, [editor, loaded, generate, status], queue=False)
-        edit_this.click(**lock).then(cb.edit_result, [current, editor], [editor, loaded, generate, status, mask_file],
+        edit_this.click(**lock).then(cb.edit_result, [current, editor], [editor, loaded, generate, status, mask_file, brush_size],
                                      queue=False)
 
         # Checked in the queue (so a refusal shows its toast) but outside the one-at-a-time limit, so it answers at
@@ -219,10 +214,10 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         running.then(cb.finished, None, [generate, model_status], queue=False)
         # Stop is cooperative, not gradio's `cancels`: the run itself ends (at its start when still queued, else at its
         # next step) and reports where it stopped, so one path sets the status and `finished` always runs after it.
-        stop.click(cb.stop, None, None, queue=False)
+        stop.click(cb.stop, None, status, queue=False)
         restored = [widgets[name] for name in RESTORED]
         whole = [*restored, editor, loaded, mask_file, references, widgets["variations"], variants, batch, prev_mode,
-                 saved_steps, *shown, status]
+                 saved_steps, brush_size, *shown, status]
         gallery.select(cb.restore, [history, editor], whole, queue=False)
         settings_png.upload(cb.load_png, [settings_png, editor], whole, queue=False)
         variants.select(cb.show_variation, [batch], shown, queue=False)

@@ -115,10 +115,11 @@ class Callbacks:
         """The clicked example's image (the dataset gives ``(index, values)``) as ``loaded``; Generate unlocked."""
         index = clicked[0] if isinstance(clicked, (list, tuple)) and clicked else None
         if not (isinstance(index, int) and 0 <= index < len(self._examples)):
-            return gr.update(), self._unlocked(request), gr.update()
+            return gr.update(), self._unlocked(request), gr.update(), gr.update(), gr.update()
         example = self._examples[index]
+        size = image_brush(example.image)
         return (masks.loaded_record(example.image, editor), self._unlocked(request),
-                f"Example {index + 1} loaded: press Generate.")
+                f"Example {index + 1} loaded: press Generate.", gr.update(brush=brush(size)), size)
 
     def _unlocked(self, request: gr.Request | None):
         """Generate clickable again, unless this tab has a generation queued or running."""
@@ -127,13 +128,18 @@ class Callbacks:
         return gr.update() if busy else gr.update(interactive=True)
 
     def new_image(self, value: Any):
-        """An image in the editor: a brush about 6 % of its longer side (25 px is a blob on a small image)."""
+        """An uploaded image: a brush about 6 % of its longer side (25 px is a blob on a small image); the editor's
+        brush and the brush-size slider."""
         try:
-            size = masks.image_from_editor(value).size
+            size = masks.brush_size(masks.image_from_editor(value).size)
         except Exception:  # noqa: BLE001 - no image yet: keep the brush
-            return gr.update()
-        return gr.update(brush=gr.Brush(colors=[masks.BRUSH_COLOR], color_mode="fixed",
-                                        default_size=masks.brush_size(size)))
+            return gr.update(), gr.update()
+        return gr.update(brush=brush(size)), size
+
+    @staticmethod
+    def set_brush(size: float):
+        """The brush-size slider (or ``[`` / ``]``) moved: the editor's brush follows."""
+        return gr.update(brush=brush(int(size)))
 
     def clear_mask(self, value: Any, request: gr.Request):
         try:
@@ -226,13 +232,18 @@ class Callbacks:
         return history, hist.gallery(history)
 
     def stop(self, request: gr.Request):
-        """Stop this tab's generation (queued or running); it reports "Stopped." itself, then Generate unlocks."""
+        """Stop this tab's generation (queued or running), saying so at once in the status; the run then reports
+        where it stopped, and Generate unlocks."""
         session = getattr(request, "session_hash", None)
         with self._pending_lock:
             pending = session in self._pending
         log.info("Stop pressed (%s)", "stopping this tab's generation" if pending else "nothing of this tab to stop")
-        if pending:
-            self.h.request_stop(session)
+        if not pending:
+            return gr.skip()
+        if self.h.request_stop(session):
+            return "Stopping at the next step (the finished variations are kept)…"
+        return ("Stopped while waiting in the queue: it will not run. Generate unlocks when another tab's "
+                "generation ahead of it ends.")
 
     # results and history --------------------------------------------------------------------
     @staticmethod
@@ -244,19 +255,20 @@ class Callbacks:
 
     def _restore_all(self, settings, files: dict, editor: Any, request: gr.Request | None) -> tuple:
         """The restored settings' widgets, then editor, loaded record, mask file, references, variations (1), the
-        variations grid (hidden) and the batch, then the sampler state (prev_mode, saved_steps)."""
+        variations grid (hidden) and the batch, then the sampler state (prev_mode, saved_steps), then the brush size."""
         image = files.get("image")
         values = back.widget_values(settings, self.h.lora_choices())
         values.update({name: gr.update(visible=visible, value=values.get(name))
                        for name, visible in shown_for_mode(settings.mode).items()})
+        size = gr.skip()
         if image is not None:
-            given = self.h.give(getattr(request, "session_hash", None), image)
-            inputs = (hist.editor_value(image), masks.loaded_record(given, editor), files.get("mask"),
-                      files.get("references") or None)
+            given, size = self.h.give(getattr(request, "session_hash", None), image), image_brush(image)
+            inputs = (gr.update(value=hist.editor_value(image), brush=brush(size)), masks.loaded_record(given, editor),
+                      files.get("mask"), files.get("references") or None)
         else:
             inputs = (gr.skip(),) * 4
         return (*(values[name] for name in hist.RESTORED), *inputs, 1, gr.update(value=None, visible=False), [],
-                settings.mode, FLOW_DEFAULT_STEPS if settings.mode == MODE_LIGHTNING else settings.steps)
+                settings.mode, FLOW_DEFAULT_STEPS if settings.mode == MODE_LIGHTNING else settings.steps, size)
 
     def restore(self, history: list[HistoryEntry], editor: Any = None, request: gr.Request = None,
                 evt: gr.SelectData = None):
@@ -271,7 +283,7 @@ class Callbacks:
         """A PNG dropped on "Settings from a PNG": its settings (and, for a result of this UI, its image, mask and
         references) back in the widgets."""
         if not path:
-            return (*(gr.skip(),) * (len(hist.RESTORED) + 9), *(gr.skip(),) * 6, gr.skip())
+            return (*(gr.skip(),) * (len(hist.RESTORED) + 10), *(gr.skip(),) * 6, gr.skip())
         try:
             settings, files = back.from_png(path, self.h.config.resolved_outputs_dir)
         except Exception as exc:  # noqa: BLE001
@@ -287,8 +299,27 @@ class Callbacks:
         if entry is None:
             raise gr.Error("generate an image first", duration=5, print_exception=False)
         given = self.h.give(getattr(request, "session_hash", None), entry.image)
-        return (hist.editor_value(entry.image), masks.loaded_record(given, editor), self._unlocked(request),
-                f"Editing the result of seed {entry.settings.seed}: paint, describe the next edit, Generate.", None)
+        size = image_brush(entry.image)
+        return (gr.update(value=hist.editor_value(entry.image), brush=brush(size)), masks.loaded_record(given, editor),
+                self._unlocked(request),
+                f"Editing the result of seed {entry.settings.seed}: paint, describe the next edit, Generate.", None,
+                size)
+
+
+def brush(size: int) -> gr.Brush:
+    """The editor's one brush (magenta at 60 %: the image stays visible under the paint), ``size`` px across."""
+    return gr.Brush(colors=[masks.BRUSH_COLOR], color_mode="fixed", default_size=int(size))
+
+
+def image_brush(path: str) -> int:
+    """The brush size for the image file ``path`` (read from its header), whatever loaded it."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return masks.brush_size(im.size)
+    except (OSError, ValueError):
+        return masks.DEFAULT_BRUSH
 
 
 def _picked(entries: list[HistoryEntry] | None, evt: Any, where: str) -> HistoryEntry:

@@ -68,3 +68,18 @@ def load_examples(metadata: Path, limit: int = MAX_EXAMPLES) -> list[Example]:
                    prompt=row.prompts[0]) for row in rows if row.edit_images][:limit]
     log.info("%d example(s) from %s", len(out), metadata)
     return out
+
+
+DEMO_FAMILY = "qwen-image-edit"  # the model family the demo's rows were made and trained for
+
+
+def examples_label(model: str) -> str:
+    """The examples table's label: what the rows are, and, on another family than the demo's, that they are only
+    images to start from (a Qwen-Image-2.1 model was not trained on the Edit demo)."""
+    from ..models.presets import family_of
+
+    family = family_of(model)
+    if family.name == DEMO_FAMILY:
+        return "Examples (held-out rows: click one, then Generate)"
+    return (f"Example images (the Qwen-Image-Edit demo's rows: {family.label} was not trained on them, so they are "
+            "only images to start from; write your own prompt)")

@@ -13,9 +13,8 @@ can go wrong is decided in this module and the ones it uses:
   folder for download and for the session history (``ui/outputs.py``, ``ui/results.py``, ``ui/history.py``).
 - **Settings** (each widget's value, its ``EditRequest`` field, ``qie edit`` flag, summary
   text and history restore) are declared once, in ``ui/settings.py``.
-- **Stop** ends a running generation at its next denoising step.
-- **Errors** become one-line messages for the user (:func:`user_message`); unexpected
-  ones log their traceback on the server, never in the browser.
+- **Stop** ends a running generation at its next denoising step. **Errors** become one-line messages
+  (:func:`user_message`); unexpected ones log their traceback on the server, never in the browser.
 """
 from __future__ import annotations
 
@@ -250,12 +249,15 @@ class UIHandlers:
             self._given.setdefault(session, set()).add(str(path))
         return str(path)
 
+    def given(self, session: str | None) -> frozenset[str] | None:
+        """The files given to ``session``'s editor (None for an in-process caller: the UI's folders)."""
+        return None if session is None else frozenset(self._given.get(session, ()))
+
     def check(self, inputs: GenerateInputs, session: str | None = None) -> Job:
         """Validate everything Generate needs without loading the model (UIError says what to fix). A browser
         ``session`` reads back only its own files (:meth:`give`); None (an in-process caller) the UI's temp folder."""
         lightning = self.lightning_lora() if inputs.mode == MODE_LIGHTNING else None
-        own = None if session is None else frozenset(self._given.get(session, ()))
-        job = check_job(inputs, self.config, lightning, self.known_images, own=own)
+        job = check_job(inputs, self.config, lightning, self.known_images, own=self.given(session))
         self.check_model_fit(job)
         return job
 
@@ -269,14 +271,15 @@ class UIHandlers:
         if self._editor is not None:
             check_prompt_tokens(self._editor, job.settings.prompt, self.config.max_prompt_tokens)
 
-    def request_stop(self, session: str | None = None) -> None:
-        """Stop ``session``'s generation: the running one at its next denoising step, a queued one as it starts.
-        Another tab's generation is left alone; None stops whichever runs (API callers, tests)."""
+    def request_stop(self, session: str | None = None) -> bool:
+        """Stop ``session``'s generation: the running one at its next denoising step (True), a queued one as it
+        starts (False). Another tab's generation is left alone; None stops whichever runs (API callers, tests)."""
         with self._stop_lock:
             if session is None or session == self._running:
                 self._stop.set()
-            else:
-                self._stop_queued.add(session)
+                return True
+            self._stop_queued.add(session)
+            return False
 
     def forget_session(self, session: str | None) -> None:
         """A tab that went away: drop what it was given (a reload starts a new session)."""

@@ -89,6 +89,18 @@ def editor_image(editor: Any, loaded: str | None, limit: int,
     return image, painted
 
 
+def allowed_files(config: UIConfig, known_images: frozenset[str] | set[str],
+                  own: frozenset[str] | None) -> Callable[[str], bool]:
+    """Which editor images a request may read back: the examples' (``known_images``) and ``own`` (the files given
+    to this browser session; None: anything under the UI's temp and outputs folders)."""
+    roots = (config.resolved_temp_dir.resolve(), config.resolved_outputs_dir.resolve())
+
+    def allowed(p: str) -> bool:
+        return p in known_images or (p in own if own is not None else
+                                     any(Path(p).resolve().is_relative_to(root) for root in roots))
+    return allowed
+
+
 def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | None = None,
               known_images: frozenset[str] | set[str] = frozenset(), own: frozenset[str] | None = None) -> Job:
     """Everything Generate needs, checked; UIError (with the fix) on the first problem. Loads no model.
@@ -101,12 +113,7 @@ def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | No
     settings = EditSettings(model=config.model, **{name: values[name] for name in RECORDED})
 
     limit = config.max_upload_bytes
-    temp = config.resolved_temp_dir.resolve()
-    def allowed(p: str) -> bool:  # ``own``: the files given to this browser session (None: the temp folder)
-        return p in known_images or (p in own if own is not None else any(
-            Path(p).resolve().is_relative_to(root) for root in (temp, config.resolved_outputs_dir.resolve())))
-
-    image, painted = editor_image(inputs.editor, inputs.loaded_image, limit, allowed)
+    image, painted = editor_image(inputs.editor, inputs.loaded_image, limit, allowed_files(config, known_images, own))
     if inputs.mask_file is not None:
         check_upload(inputs.mask_file, limit, "mask file")
     mask_file = to_pil(inputs.mask_file, "mask file")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import uuid
 from pathlib import Path
@@ -17,15 +18,18 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from ..data.images import aspect_differs
+
+log = logging.getLogger(__name__)
 from .uploads import UIError, editor_parts, image_from_editor, mask_from_editor
 
 BRUSH_FRACTION = 0.06             # default brush diameter: 6 % of the image's longer side
 BRUSH_COLOR = "rgba(255, 0, 255, 0.6)"  # magenta at 60 %: the image stays visible under the paint
+DEFAULT_BRUSH, MAX_BRUSH = 25, 100  # the editor's own default and largest brush
 
 
 def brush_size(size: tuple[int, int]) -> int:
     """The default brush diameter for an image of ``size`` (W, H): about 6 % of its longer side, at least 2 px."""
-    return max(2, round(BRUSH_FRACTION * max(size)))
+    return min(MAX_BRUSH, max(2, round(BRUSH_FRACTION * max(size))))
 
 
 def editor_digest(value: Any) -> str | None:
@@ -48,8 +52,14 @@ def content_digest(image: Image.Image | None, painted: Image.Image | None) -> st
 
 
 def loaded_record(image: str, replaced: Any) -> str:
-    """What the UI just put into the editor: ``image``, and the digest of the editor value it replaced."""
-    return json.dumps({"image": str(image), "replaced": editor_digest(replaced)})
+    """What the UI just put into the editor: ``image``, and the digest of the editor value it replaced (None when
+    that value cannot be read, e.g. an upload cut short: it can then never be mistaken for the loaded image)."""
+    try:
+        digest = editor_digest(replaced)
+    except Exception as exc:  # noqa: BLE001 - the new image must load (and Generate unlock) whatever was there
+        log.info("the editor's previous image could not be read (%s); loading the new one", exc)
+        digest = None
+    return json.dumps({"image": str(image), "replaced": digest})
 
 
 def grow_mask(mask: Image.Image | None, pixels: int) -> Image.Image | None:
@@ -75,8 +85,8 @@ def combine(painted: Image.Image | None, mask_file: Image.Image | None, size: tu
             on |= np.asarray(mask.convert("L").resize(size, Image.Resampling.NEAREST)) >= 128
     if invert:
         if not on.any():
-            raise UIError("'Invert mask' needs a painted region (or a mask file): inverting nothing leaves nothing "
-                          "to edit; paint the part to keep, or untick 'Invert mask'")
+            raise UIError("Nothing to invert: “Invert mask” needs a painted region (or a mask file), as inverting "
+                          "nothing leaves nothing to edit. Paint the part to keep, or untick “Invert mask”.")
         on = ~on
     return Image.fromarray(on.astype(np.uint8) * 255, "L") if on.any() else None
 

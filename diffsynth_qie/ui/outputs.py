@@ -76,14 +76,21 @@ def save_entry(folder: Path, job: Job, settings: EditSettings, result: "EditResu
                         mask_source=str(saved.mask_source) if saved.mask_source else None)
 
 
+def size_notice(given: tuple[int, int], made: tuple[int, int], asked: int) -> str:
+    """Why the output's size is not the input's: a W×H the user asked for, or the automatic size."""
+    why = "the width and height asked for" if asked else "automatic: fitted to about 1 MP, sides multiples of 16"
+    return f" (the input is {given[0]}×{given[1]}; {why})"
+
+
 def status_line(job: Job, result: "EditResult", seconds: float, waited: float, made: int | None = None) -> str:
     """The status under Generate: time, seeds, sampler, size, LoRAs, references, strength and the mask's share of
     the image (``made``: the variations made, when a Stop ended the run early)."""
     s = job.settings
     n = made or len(job.seeds)
     seeds = f"seed {s.seed}" if n == 1 else f"seeds {s.seed}–{s.seed + n - 1}"
+    size = result.image.size
     parts = [f"Done in {seconds:.1f} s (queue wait {max(waited, 0.0):.1f} s)", seeds, s.sampler(),
-             f"{result.image.width}×{result.image.height}"]
+             f"{size[0]}×{size[1]}" + ("" if size == job.image.size else size_notice(job.image.size, size, s.width))]
     parts += [f"LoRA `{name}` × {scale:g}" for name, scale in s.loras()] or ["no LoRA"]
     if job.references:
         parts.append(f"{len(job.references)} reference image{'s' if len(job.references) > 1 else ''}")

@@ -155,3 +155,24 @@ def qie_edit_command(settings: EditSettings, image: str | Path, mask: str | Path
         argv += ["--lora", _absolute(lightning_lora), "--lora_scale", "1"]
     argv += ["--out", out or f"{file_stem(settings)}.png"]
     return shlex.join(argv)
+
+
+def cli_png_info(args: Any, loras: list[tuple[Any, float]]) -> PngInfo:
+    """The text chunks ``qie edit`` writes into a PNG output: the same record as the UI's results (settings,
+    input files, the command), so a ``qie edit`` PNG dropped on the UI brings its settings back. ``args`` are
+    ``qie edit``'s parsed flags after its schedule plan; ``loras`` its (path, scale) pairs (the first two are
+    recorded, by absolute path)."""
+    mode = MODE_LBM if args.lbm_steps else MODE_LIGHTNING if args.scheduler == "lightning" else MODE_FLOW
+    named = [(_absolute(p), float(s)) for p, s in loras] + [(None, 1.0)] * 2
+    (lora, lora_scale), (lora2, lora2_scale) = named[:2]
+    settings = EditSettings(
+        model=args.model, prompt=args.prompt or "", negative_prompt=args.negative_prompt or "", mode=mode,
+        steps=int(args.steps), lbm_steps=int(args.lbm_steps or 1), cfg=float(args.cfg), seed=int(args.seed),
+        lora=lora, lora_scale=lora_scale, lora2=lora2, lora2_scale=lora2_scale, strength=float(args.strength),
+        mask_blend=float(args.mask_blend), mask_feather=float(args.mask_feather))
+    images = [_absolute(p) for p in args.image]
+    mask = _absolute(args.mask) if args.mask else None
+    files = {"image": images[0] if images else None, "mask": mask, "references": images[1:]}
+    command = qie_edit_command(settings, images[0], mask, lora_dir="/", references=images[1:],
+                               out=_absolute(args.out)) if images else ""
+    return png_info(settings, files, command)

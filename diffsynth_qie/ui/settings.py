@@ -38,6 +38,8 @@ MODE_LIGHTNING = "lightning"
 MODES: tuple[str, ...] = (MODE_FLOW, MODE_LBM, MODE_LIGHTNING)
 LBM_MAX_STEPS = 4
 MAX_VARIATIONS = 8
+MAX_STEPS = 1000
+SIZE_STEP, MAX_SIDE = 16, 8192  # output sides: multiples of 16 (0 = automatic: the input fitted to 1 MP)
 MAX_GROW = 64
 REQUIRED: Any = dataclasses.MISSING  # a setting Generate cannot run without (no default)
 
@@ -129,6 +131,19 @@ def _lbm_steps(value: Any, inputs: Any) -> int:
     return whole("LBM steps", 1, LBM_MAX_STEPS)(value) if inputs.mode == MODE_LBM else 1
 
 
+def output_side(value: Any, label: str = "size") -> int:
+    """An output side as the model takes it: 0 (automatic) or a multiple of :data:`SIZE_STEP` (the nearest)."""
+    side = whole(label, 0, MAX_SIDE)(0 if value in (None, "") else value)
+    return 0 if side == 0 else max(SIZE_STEP, round(side / SIZE_STEP) * SIZE_STEP)
+
+
+def _height(value: Any, inputs: Any) -> int:
+    height, width = output_side(value, "height"), output_side(inputs.width, "width")
+    if bool(height) != bool(width):
+        raise UIError(f"give both width and height (got {width}×{height}), or 0 for both: the automatic size")
+    return height
+
+
 def _loras(s: Any) -> str:
     return " · ".join(f"LoRA {n} × {v:g}" for n, v in s.loras()) or "no LoRA"
 
@@ -154,8 +169,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mode", MODE_FLOW, "Radio", dict(label="Sampler"), check=_mode, record=True,
             flag="--scheduler", flag_when=lambda s, ctx: s.mode == MODE_LIGHTNING,
             flag_value=lambda s, ctx: "lightning", summary=lambda s: s.sampler(), restore=True),
-    Setting("steps", 40, _SLIDER, dict(minimum=1, maximum=100, step=1, label="Steps"),
-            check=whole("steps", 1, 1000), record=True, request=True, flag="--steps", flag_when=_not_lbm,
+    # A number box, not a slider: a slider clips a typed 200 to its maximum when it loses focus (the check takes
+    # 1..MAX_STEPS; past it, the check's message names the range).
+    Setting("steps", 40, "Number", dict(precision=0, step=1, label=f"Steps (1–{MAX_STEPS})"),
+            check=whole("steps", 1, MAX_STEPS), record=True, request=True, flag="--steps", flag_when=_not_lbm,
             restore=True),
     Setting("lbm_steps", 1, _SLIDER, dict(minimum=1, maximum=LBM_MAX_STEPS, step=1, label="LBM steps", visible=False),
             check=_lbm_steps, record=True, request=lambda s: s.lbm_steps if s.mode == MODE_LBM else None,
@@ -193,6 +210,12 @@ SETTINGS: tuple[Setting, ...] = (
             flag_when=lambda s, ctx: ctx.has_mask and bool(s.mask_feather), restore=True),
     Setting("mask_invert", False, "Checkbox", dict(label="Invert mask (edit all but the painted part)"),
             check=lambda v, _: bool(v), record=True, restore=True),  # already in the mask file
+    Setting("width", 0, "Number", dict(precision=0, label="Width (0 = automatic)"),
+            check=lambda v, _: output_side(v, "width"), record=True, request=lambda s: s.width or None,
+            flag="--width", flag_when=lambda s, ctx: bool(s.width), restore=True),
+    Setting("height", 0, "Number", dict(precision=0, label="Height (0 = automatic)"), check=_height, record=True,
+            request=lambda s: s.height or None, flag="--height", flag_when=lambda s, ctx: bool(s.height),
+            summary=lambda s: f"{s.width}×{s.height}" if s.width else None, restore=True),
     # Images, read by ui/job.py (which checks them): no record, no flag of their own.
     Setting("editor", REQUIRED, "ImageEditor", dict(
         label="Image and mask (paint the region to edit)", type="filepath", image_mode="RGBA",

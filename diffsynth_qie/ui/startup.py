@@ -30,6 +30,24 @@ MAX_AUTO_THREADS = 4  # --threads 0 on the CPU: at most this many (see auto_thre
 
 
 # --- port ---------------------------------------------------------------------------------
+class QuietClientDisconnect(logging.Filter):
+    """Drop the server's traceback for a browser that went away in the middle of an upload (starlette's
+    ``ClientDisconnect``): nothing is wrong, and a full traceback reads like a crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and type(exc).__name__ == "ClientDisconnect":
+            log.info("a browser disconnected during an upload")
+            return False
+        return True
+
+
+def quiet_client_disconnects() -> None:
+    """Install :class:`QuietClientDisconnect` on the loggers that report errors in ASGI requests."""
+    for name in ("uvicorn.error", "uvicorn", "gradio"):
+        logging.getLogger(name).addFilter(QuietClientDisconnect())
+
+
 def check_port_free(host: str, port: int) -> bool:
     """True if a server could listen on ``host:port`` now; False if something already does.
 

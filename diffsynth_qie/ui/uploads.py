@@ -134,7 +134,24 @@ def prune_temp_files(root: str | os.PathLike, max_bytes: int, keep_seconds: floa
         removed.append(path)
     if removed:
         log.info("removed %d temporary file(s) from %s (over %.3g MB)", len(removed), root, max_bytes / 2**20)
+    remove_empty_dirs(root, keep_seconds)
     return removed
+
+
+def remove_empty_dirs(root: str | os.PathLike, keep_seconds: float = 60.0) -> int:
+    """Remove the empty folders under ``root`` (deepest first; ``root`` stays), except those changed in the last
+    ``keep_seconds`` (a request in flight may be about to write there). Returns how many were removed."""
+    now, emptied, count = time.time(), set(), 0  # folders emptied by this pass count as old
+    for path in sorted((p for p in Path(root).rglob("*") if p.is_dir() and not p.is_symlink()),
+                       key=lambda p: len(p.parts), reverse=True):
+        try:
+            if (path in emptied or now - path.stat().st_mtime >= keep_seconds) and not any(path.iterdir()):
+                path.rmdir()
+                emptied.add(path.parent)
+                count += 1
+        except OSError:
+            continue
+    return count
 
 
 def to_pil(item: Any, what: str = "image") -> Image.Image | None:
