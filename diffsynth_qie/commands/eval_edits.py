@@ -1,8 +1,11 @@
-"""`qie eval-edits`: mean PSNR to the target on held-out rows, without and with LoRA(s).
+"""`qie eval-edits`: the edit scorecard on held-out rows, without and with LoRA(s).
 
-Logs one line with the mean PSNR without and with the LoRA(s) and optionally writes a grid
-(source | base | LoRA [| LoRA sub-stream] | target per row). The CPU demo's launch
-scripts call it on the demo's ``heldout.json``.
+Logs the mean PSNR without and with the LoRA(s), then the scorecard side by side
+(``inference/scorecard_table.py``: preservation, edit fidelity, drift, and the LoRA's win
+rate over the base), and with ``--few_steps N`` the same LoRA at N steps and one line
+saying how much that loses. ``--scorecard FILE`` writes it all as JSON (per row too);
+``--grid`` a grid (source | base | LoRA [| LoRA sub-stream] | target per row). The CPU
+demo's launch scripts call it on the demo's ``heldout.json``. See docs/SCORECARD.md.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from ..utils.cli_checks import INT64_MAX, checked
 
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
-OUTPUTS = {"grid": "file"}
+OUTPUTS = {"grid": "file", "scorecard": "file"}
 INPUTS = ("lora", "dataset_metadata", "model_dir")
 
 
@@ -35,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cfg", type=checked(float, 0, 100), default=1.0, help="true CFG scale (1 = off)")
     parser.add_argument("--lbm_steps", type=checked(int, 1, 4), default=None, help="LBM bridge sampling with N steps")
     parser.add_argument("--seed", type=checked(int, 0, INT64_MAX), default=0)
+    parser.add_argument("--few_steps", type=checked(int, 1, 10000), action="append", default=[], metavar="N",
+                        help="also score the LoRA at N steps (LBM: N bridge steps, 1-4), e.g. a Lightning LoRA's 4 "
+                             "or 8 (repeatable); one line says how much each loses against --steps")
+    parser.add_argument("--scorecard", default=None, metavar="JSON", help="write the scorecard (per row too) here")
     parser.add_argument("--grid", default=None, metavar="PNG", help="write the comparison grid here")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")
@@ -49,8 +56,13 @@ def run(args: argparse.Namespace) -> int:
     from ..models.load.devices import check_device_name
 
     check_device_name(args.device)  # before anything loads
-    if args.grid:
-        check_output_file(args.grid, "--grid")
+    for flag in ("grid", "scorecard"):
+        if getattr(args, flag):
+            check_output_file(getattr(args, flag), f"--{flag}")
+    if args.few_steps and not args.lora:
+        raise ValueError("--few_steps scores a LoRA at fewer steps; pass --lora FILE too")
+    if args.lbm_steps and any(n > 4 for n in args.few_steps):
+        raise ValueError(f"--few_steps {max(args.few_steps)} with --lbm_steps: LBM samples with 1-4 bridge steps")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit {args.limit}: evaluate at least one row (or leave --limit out for all)")
     cases = load_cases(args.dataset_metadata, args.dataset_base, args.limit)
@@ -59,20 +71,46 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"LoRA file not found: {path} (--lora takes a .safetensors file)")
     editor = Editor.from_preset(args.model, model_dir=args.model_dir, device=args.device, torch_dtype=args.dtype,
                                 zero_cond_t=args.zero_cond_t)
+    from ..metrics.lpips import load_lpips
+
     kwargs = dict(use_mask=not args.no_mask, steps=args.steps, cfg=args.cfg, seed=args.seed,
-                  lbm_steps=args.lbm_steps)
+                  lbm_steps=args.lbm_steps, lpips_model=load_lpips())
     base = evaluate(editor, cases, **kwargs)
     columns = [base.outputs]
+    scores = {"base": base.scores}
     line = f"held-out PSNR to target ({len(cases)} rows): base {base.mean_psnr:.2f} dB"
     if args.lora:
         editor.set_loras(lora_pairs(args.lora, []))
         tuned = evaluate(editor, cases, **kwargs)
         columns += [tuned.outputs, tuned.sub_outputs]
+        scores["lora"] = tuned.scores
         line += f", with LoRA {tuned.mean_psnr:.2f} dB ({tuned.mean_psnr - base.mean_psnr:+.2f} dB)"
+        for n in args.few_steps:
+            few = {"lbm_steps": n} if args.lbm_steps else {"steps": n}
+            scores[f"lora@{n}"] = evaluate(editor, cases, **{**kwargs, **few}).scores
     log.info("%s", line)
+    _log_scorecard(scores, args)
     if args.grid:
         with atomic_path(args.grid) as tmp:
             compare_grid(cases, columns).save(tmp, format="PNG")
         log.info("wrote %s (source | base | LoRA%s | target per row)", args.grid,
                  " | sub-stream" if args.lbm_steps else "")
     return 0
+
+
+def _log_scorecard(scores: dict, args: argparse.Namespace) -> None:
+    import json
+
+    from ..inference.scorecard_table import compare, format_table, gap_line, win_line
+    from ..utils.atomic import atomic_write_text
+
+    summary = compare(scores)
+    log.info("%s", format_table(summary))
+    if "lora" in scores:
+        log.info("win rate: %s", win_line(summary))
+    few = [k for k in scores if k.startswith("lora@")]
+    if few:
+        log.info("%s (lora at %d steps)", gap_line(summary, "lora", few), args.lbm_steps or args.steps)
+    if args.scorecard:
+        atomic_write_text(args.scorecard, json.dumps({**summary, "per_row": scores}, indent=1) + "\n")
+        log.info("wrote %s", args.scorecard)

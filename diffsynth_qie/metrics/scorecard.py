@@ -16,7 +16,8 @@ name                 what                                                       
 ``edit_psnr``        PSNR output vs target inside the region                      higher
 ``edit_ssim``        SSIM output vs target, averaged inside the region            higher
 ``shift_px``         length of the global shift (phase correlation, sub-pixel)    lower
-``scale_drift``      ``|zoom − 1|`` (radial Fourier profile)                      lower
+                     of the output with the region pasted from the source
+``scale_drift``      ``|zoom − 1|`` (radial Fourier profile), the same way        lower
 ``colour_cast``      length of the mean RGB change outside the region             lower
 ===================  ==========================================================  ========
 
@@ -79,11 +80,11 @@ def score_batch(source: Tensor, output: Tensor, target: Optional[Tensor] = None,
             if not m:
                 reg[i] = estimate[i]
     keep = 1 - reg
-    columns: dict[str, Tensor] = {}
-    shift = phase_shift(source, output)
-    columns["shift_px"] = shift.norm(dim=1)
+    # drift is measured on what should have stayed: the edit region is pasted from the source first
+    steady = torch.where(known[:, None, None, None], output * keep + source * reg, output)
+    columns: dict[str, Tensor] = {"shift_px": phase_shift(source, steady).norm(dim=1)}
     if min(source.shape[-2:]) >= 16:
-        columns["scale_drift"] = (scale_factor(source, output) - 1).abs()
+        columns["scale_drift"] = (scale_factor(source, steady) - 1).abs()
     region_columns = {"preserve_psnr": masked_psnr(output, source, keep),
                       "preserve_ssim": masked_ssim(output, source, keep),
                       "colour_cast": colour_cast(source, output, keep)[1]}
