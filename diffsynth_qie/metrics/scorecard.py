@@ -17,7 +17,8 @@ name                 what                                                       
 ``edit_ssim``        SSIM output vs target, averaged inside the region            higher
 ``shift_px``         length of the global shift (phase correlation, sub-pixel)    lower
                      of the output with the region pasted from the source
-``scale_drift``      ``|zoom − 1|`` (radial Fourier profile), the same way        lower
+``scale_drift``      ``|zoom − 1|`` (radial Fourier profile), the same way;       lower
+                     images of at least 64 px per side
 ``colour_cast``      length of the mean RGB change outside the region             lower
 ===================  ==========================================================  ========
 
@@ -46,6 +47,7 @@ HIGHER_IS_BETTER = {"preserve_psnr": True, "preserve_ssim": True, "preserve_lpip
 TIE = {"shift_px": 0.05, "scale_drift": 0.005}
 REGION_THRESHOLD = 0.1   # |target − source| (largest channel) above this is part of the changed region
 REGION_DILATE = 2        # pixels the estimated region grows by
+SCALE_MIN_SIDE = 64      # below this the radial spectrum has too few radii for a zoom estimate: not reported
 
 
 def changed_region(source: Tensor, target: Tensor, threshold: float = REGION_THRESHOLD,
@@ -83,7 +85,7 @@ def score_batch(source: Tensor, output: Tensor, target: Optional[Tensor] = None,
     # drift is measured on what should have stayed: the edit region is pasted from the source first
     steady = torch.where(known[:, None, None, None], output * keep + source * reg, output)
     columns: dict[str, Tensor] = {"shift_px": phase_shift(source, steady).norm(dim=1)}
-    if min(source.shape[-2:]) >= 16:
+    if min(source.shape[-2:]) >= SCALE_MIN_SIDE:
         columns["scale_drift"] = (scale_factor(source, steady) - 1).abs()
     region_columns = {"preserve_psnr": masked_psnr(output, source, keep),
                       "preserve_ssim": masked_ssim(output, source, keep),
