@@ -87,3 +87,12 @@ def gap_line(summary: dict, full: str, few: Sequence[str]) -> str:
                 extra = f", preserve_psnr {pres[name] - pres[full]:+.2f} dB"
             parts.append(f"{name}: {metric} {diff:+.2f} dB{extra}")
     return f"few-step gap vs {full}: " + "; ".join(parts)
+
+
+def summary_text(path: str) -> str:
+    """The table and the win-rate line of a ``qie eval-edits --scorecard`` file (the launch scripts' summary)."""
+    import json
+    from pathlib import Path
+
+    summary = json.loads(Path(path).read_text(encoding="utf-8"))
+    return f"{format_table(summary)}\n{win_line(summary)}\n"

@@ -38,6 +38,7 @@ from .validation import VALIDATION_DIR
 log = logging.getLogger(__name__)
 
 REPORT_NAME = "report.html"
+SCORECARD_NAME = "scorecard.json"  # what `qie eval-edits --scorecard` wrote into the run's directory, if anything
 NOT_PLOTTED = {"step", "loss", "lr", "epoch"}
 STRIP_MAX_WIDTH = 1536  # wider validation strips are scaled down in the page (the PNG files are untouched)
 
@@ -179,6 +180,30 @@ def _selection(out: Path, records: Sequence[dict], key: str, worst: int) -> list
     return parts
 
 
+def _scorecard(path: Path) -> list[str]:
+    """The held-out scorecard (base vs LoRA, win rates) of ``qie eval-edits --scorecard``, when it is there."""
+    import json
+
+    try:
+        card = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        names, metrics, wins = card["columns"], card["metrics"], card["wins"]
+    except (ValueError, KeyError, TypeError):
+        log.warning("%s is not a scorecard of `qie eval-edits --scorecard`; left out of the report", path)
+        return []
+    if card is None:
+        return []
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in names) + "".join(
+        f"<th>win {html.escape(n)}</th>" for n in names[1:])
+    rows = []
+    for k, values in metrics.items():
+        cells = "".join(f"<td>{_fmt(values.get(n))}</td>" for n in names)
+        cells += "".join(f"<td>{wins[n][k]['rate'] * 100:.0f}%</td>" if k in wins.get(n, {}) else "<td>–</td>"
+                         for n in names[1:])
+        rows.append(f"<tr><td>{html.escape(k)}{' ↓' if lower_is_better('val_' + k) else ' ↑'}</td>{cells}</tr>")
+    return [f"<h2>Held-out scorecard ({card.get('rows', '?')} rows; win = share of rows better than "
+            f"{html.escape(names[0])})</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table>"]
+
+
 def build_report(output_dir: str | Path, smoothing: float = 0.9, select_by: Optional[str] = None,
                  worst: int = 3) -> str:
     """The report page's HTML for a run's ``output_dir``."""
@@ -221,6 +246,7 @@ def build_report(output_dir: str | Path, smoothing: float = 0.9, select_by: Opti
     parts.append("</table>")
     if select_by:
         parts += _selection(out, records, select_by, worst)
+    parts += _scorecard(out / SCORECARD_NAME)
     parts.append("<h2>Curves</h2>")
     for title, fig in plots:
         parts.append(f"<figure><img alt='{html.escape(title)}' src='{_png_data(fig)}'></figure>")
