@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--few_steps", type=checked(int, 1, 10000), action="append", default=[], metavar="N",
                         help="also score the LoRA at N steps (LBM: N bridge steps, 1-4), e.g. a Lightning LoRA's 4 "
                              "or 8 (repeatable); one line says how much each loses against --steps")
+    parser.add_argument("--export", nargs=2, default=None, metavar=("LAYOUT", "DIR"),
+                        help="also write the generations in a benchmark's layout (gedit or imgedit; docs/SCORECARD.md): "
+                             "DIR/base and DIR/lora, for that benchmark's own scorer")
     parser.add_argument("--scorecard", default=None, metavar="JSON", help="write the scorecard (per row too) here")
     parser.add_argument("--grid", default=None, metavar="PNG", help="write the comparison grid here")
     parser.add_argument("--device", default=None)
@@ -56,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
     from ..models.load.devices import check_device_name
 
     check_device_name(args.device)  # before anything loads
+    if args.export:
+        from ..inference.bench_layout import LAYOUTS
+
+        if args.export[0] not in LAYOUTS:
+            raise ValueError(f"--export {args.export[0]!r}: choose one of {', '.join(LAYOUTS)}")
     for flag in ("grid", "scorecard"):
         if getattr(args, flag):
             check_output_file(getattr(args, flag), f"--{flag}")
@@ -90,6 +98,14 @@ def run(args: argparse.Namespace) -> int:
             scores[f"lora@{n}"] = evaluate(editor, cases, **{**kwargs, **few}).scores
     log.info("%s", line)
     _log_scorecard(scores, args)
+    if args.export:
+        from ..inference.bench_layout import export
+
+        for name, report in (("base", base), ("lora", tuned if args.lora else None)):
+            if report is not None:
+                folder = Path(args.export[1]) / name
+                export(args.export[0], folder, [c.images[0] for c in cases], [c.prompt for c in cases], report.outputs)
+                log.info("wrote %d %s edit(s) in the %s layout to %s", len(cases), name, args.export[0], folder)
     if args.grid:
         with atomic_path(args.grid) as tmp:
             compare_grid(cases, columns).save(tmp, format="PNG")
