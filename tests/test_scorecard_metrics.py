@@ -112,3 +112,10 @@ def test_win_rate_counts_rows_the_lora_made_better_in_each_metric_direction():
     assert S.aggregate(base)["shift_px"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="one score per row"):
         S.win_rate(base, tuned[:2], "edit_psnr")
+
+
+def test_scale_is_absent_where_no_zoom_explains_the_output():
+    x, noise = smooth_image(7, size=64), torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    assert math.isnan(drift.scale_factor(x, noise).item())
+    [row] = S.score_batch(x, noise)
+    assert "scale_drift" not in row and "shift_px" in row

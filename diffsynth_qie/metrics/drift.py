@@ -78,7 +78,8 @@ def _radial_profile(a: Tensor) -> Tensor:
 
 
 def scale_factor(source: Tensor, output: Tensor) -> Tensor:
-    """``[B]``: the zoom ``k`` for which the source's radial spectrum at ``k·r`` best matches the output's at ``r``."""
+    """``[B]``: the zoom ``k`` for which the source's radial spectrum at ``k·r`` best matches the output's at ``r``;
+    NaN where the best fit is at the edge of the search range (no zoom explains the output)."""
     if min(source.shape[-2:]) < 16:
         raise ValueError(f"scale_factor needs images of at least 16 px per side, got {tuple(source.shape[-2:])}")
     pa, pb = _radial_profile(_gray(source)), _radial_profile(_gray(output))
@@ -93,7 +94,10 @@ def scale_factor(source: Tensor, output: Tensor) -> Tensor:
     v = pa[:, lo] * (1 - frac) + pa[:, hi] * frac                             # [B, K, R]
     v = v - v.mean(-1, keepdim=True)
     err = (target[:, None, :] - v).pow(2).mean(-1)
-    return ks[err.argmin(1)].float()
+    best = err.argmin(1)
+    # a best fit at the edge of the search is no estimate (the spectra do not match at any zoom): NaN
+    edge = (best == 0) | (best == len(ks) - 1)
+    return torch.where(edge, torch.full_like(ks[best], math.nan), ks[best]).float()
 
 
 def colour_cast(source: Tensor, output: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:

@@ -101,7 +101,7 @@ def score_batch(source: Tensor, output: Tensor, target: Optional[Tensor] = None,
         region_columns["edit_ssim"] = masked_ssim(output, target, reg)
     rows = []
     for i in range(n):
-        row = {k: float(v[i]) for k, v in columns.items()}
+        row = {k: float(v[i]) for k, v in columns.items() if math.isfinite(float(v[i]))}
         if known[i]:
             row.update({k: float(v[i]) for k, v in region_columns.items() if math.isfinite(float(v[i]))})
         rows.append(row)
