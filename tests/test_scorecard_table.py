@@ -34,3 +34,21 @@ def test_summary_text_reads_the_written_file(tmp_path):
     assert text == format_table(s) + "\n" + win_line(s) + "\n"
     with pytest.raises(ValueError, match="at least one column"):
         compare({})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--few_steps", "4"], "--few_steps scores a LoRA at fewer steps; pass --lora FILE too"),
+    (["--lora", "{d}/l.safetensors", "--lbm_steps", "1", "--few_steps", "8"], "--few_steps 8 with --lbm_steps"),
+    (["--export", "geditv2", "{d}/out"], "--export 'geditv2': choose one of gedit, imgedit"),
+    (["--scorecard", "{d}"], "--scorecard .* is a directory"),
+])
+def test_eval_edits_refuses_bad_scorecard_flags_before_any_work(tmp_path, argv, message, capsys):
+    import re
+
+    from diffsynth_qie.cli import main
+
+    (tmp_path / "m.json").write_text("[]")
+    (tmp_path / "l.safetensors").write_bytes(b"x")
+    assert main(["eval-edits", "--dataset_metadata", f"{tmp_path}/m.json"] + [a.format(d=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err
