@@ -18,7 +18,7 @@ from ..utils.cli_checks import INT64_MAX, checked
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"grid": "file", "scorecard": "file"}
-INPUTS = ("lora", "dataset_metadata", "model_dir")
+INPUTS = ("lora", "dataset_metadata", "model_dir", "clip")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", nargs=2, default=None, metavar=("LAYOUT", "DIR"),
                         help="also write the generations in a benchmark's layout (gedit or imgedit; docs/SCORECARD.md): "
                              "DIR/base and DIR/lora, for that benchmark's own scorer")
+    parser.add_argument("--clip", default=None, metavar="DIR",
+                        help="a local CLIP model directory (transformers layout; nothing is downloaded): adds "
+                             "clip_direction, the image change against the instruction's text change")
     parser.add_argument("--scorecard", default=None, metavar="JSON", help="write the scorecard (per row too) here")
     parser.add_argument("--grid", default=None, metavar="PNG", help="write the comparison grid here")
     parser.add_argument("--device", default=None)
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from ..metrics.lpips import load_lpips
 
     kwargs = dict(use_mask=not args.no_mask, steps=args.steps, cfg=args.cfg, seed=args.seed,
-                  lbm_steps=args.lbm_steps, lpips_model=load_lpips())
+                  lbm_steps=args.lbm_steps, lpips_model=load_lpips(), clip=_clip(args.clip))
     base = evaluate(editor, cases, **kwargs)
     columns = [base.outputs]
     scores = {"base": base.scores}
@@ -112,6 +115,14 @@ def run(args: argparse.Namespace) -> int:
         log.info("wrote %s (source | base | LoRA%s | target per row)", args.grid,
                  " | sub-stream" if args.lbm_steps else "")
     return 0
+
+
+def _clip(path):
+    if path is None:
+        return None
+    from ..metrics.clip_direction import load_clip
+
+    return load_clip(path)  # None (and one logged line) when the directory holds no CLIP model
 
 
 def _log_scorecard(scores: dict, args: argparse.Namespace) -> None:

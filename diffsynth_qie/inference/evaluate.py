@@ -91,7 +91,7 @@ def score_case(case: EvalCase, output: Image.Image, lpips_model=None) -> dict[st
     return score_batch(src, out, tgt, region=region, lpips_model=lpips_model)[0]
 
 
-def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True, lpips_model=None,
+def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True, lpips_model=None, clip=None,
              **request_kwargs) -> EvalReport:
     """Edit every case with ``editor`` as it is (its LoRAs) and measure PSNR to the target.
 
@@ -108,6 +108,10 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
         outputs.append(result.image)
         subs.append(result.sub_image)
         cards.append(score_case(case, result.image, lpips_model))
+        if clip is not None:  # prompt adherence (metrics/clip_direction.py), only with a local CLIP model
+            from ..metrics.clip_direction import clip_direction
+
+            cards[-1]["clip_direction"] = float(clip_direction(clip, [case.images[0]], [result.image], [case.prompt])[0])
     return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards)
 
 
