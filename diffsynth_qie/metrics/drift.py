@@ -59,7 +59,8 @@ def phase_shift(source: Tensor, output: Tensor) -> Tensor:
     dx = px.double() + _refine(corr[rows, py, (px - 1) % w], mid, corr[rows, py, (px + 1) % w])
     dy = torch.where(dy > h / 2, dy - h, dy)
     dx = torch.where(dx > w / 2, dx - w, dx)
-    return torch.stack([dy, dx], 1).float()
+    shift = torch.stack([dy, dx], 1)
+    return torch.where(shift.abs() < 1e-9, torch.zeros_like(shift), shift).float()  # rounding noise is no shift
 
 
 def _radial_profile(a: Tensor) -> Tensor:
