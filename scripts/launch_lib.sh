@@ -167,7 +167,7 @@ after_training() {
   fi
   if [ -n "$DEMO_DATA" ] && [ "$NODE_RANK" = 0 ]; then   # CPU demo: held-out PSNR, base vs LoRA
     "$PY" -m diffsynth_qie.cli eval-edits "${MODEL_ARGS[@]}" --dataset_metadata "$DEMO_DATA/heldout.json" \
-      --lora "$lora" --grid "$out/heldout_grid.png" "$@"
+      --lora "$lora" --grid "$out/heldout_grid.png" --scorecard "$out/scorecard.json" "$@"
   fi
   local report="not written (see the error above)"   # a failed report does not fail the finished run
   if [ "$NODE_RANK" = 0 ] && "$PY" -m diffsynth_qie.cli report "$out"; then report="$out/report.html"; fi
@@ -177,6 +177,11 @@ after_training() {
   echo "loss log:      $out/loss.jsonl"
   echo "before/after:  $out/before_after.png"
   [ -z "$DEMO_DATA" ] || echo "held-out grid: $out/heldout_grid.png (source | base | LoRA [| sub-stream] | target)"
+  if [ -n "$DEMO_DATA" ] && [ -f "$out/scorecard.json" ]; then
+    echo "scorecard:     $out/scorecard.json (also in the report)"   # base vs LoRA, with the win rate
+    "$PY" -c "import sys; from diffsynth_qie.inference.scorecard_table import summary_text; \
+sys.stdout.write(summary_text(sys.argv[1]))" "$out/scorecard.json"
+  fi
   echo "try it:        python app_gradio.py ${MODEL_ARGS[*]} --lora_dir $out --examples $rows"
   local exported=""   # qie train --export: lora_<format>.safetensors (vllm-omni: a PEFT folder) beside the LoRA
   for f in "$out"/lora_*; do

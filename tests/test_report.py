@@ -129,3 +129,24 @@ def test_report_help_names_its_arguments(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "OUTPUT_DIR" in text and "--smoothing" in text and "--out" in text
+
+
+def test_report_selects_the_best_step_and_shows_the_worst_rows(run_dir):
+    from diffsynth_qie.training.report import best_step, build_report
+    from diffsynth_qie.training.tracking import read_loss_log
+    from diffsynth_qie.training.validation_metrics import write_scores
+
+    out, _, strips = run_dir
+    records = read_loss_log(out / "loss.jsonl")
+    assert best_step(records, "val_psnr") == (6, 26.0)
+    assert best_step(records, "val_lpips") == (6, pytest.approx(0.34))       # lower is better
+    (out / "checkpoint-6").mkdir()
+    write_scores(out / "validation" / "step-6" / "scores.jsonl",
+                 {"0-entry_0": {"psnr": 30.0}, "1-entry_1": {"psnr": 12.0}})
+    page = build_report(out, select_by="val_psnr", worst=1)
+    assert "Best by val_psnr" in page and "checkpoint-6" in page
+    worst = [img for alt, img in images_in(page) if alt == "1-entry_1"]
+    assert len(worst) == 3 and "1-entry_1: psnr 12<" in page  # the worst row: in the selection, then steps 3 and 6
+    assert np.array_equal(np.asarray(worst[0]), np.asarray(strips[(6, "1-entry_1")]))
+    with pytest.raises(ValueError, match="--select_by val_nope: not in .*val_psnr"):
+        build_report(out, select_by="val_nope")

@@ -175,7 +175,12 @@ def test_validation_writes_strips_and_leaves_training_state_alone(store, tiny_pi
 
     folder = tmp_path / "validation" / "step-7"
     stems = [output_name(k, store.meta(i).entry_id) for k, i in enumerate([0, 2])]
-    assert {p.name for p in folder.iterdir()} == {f"{s}.png" for s in stems}  # no temp files left
+    # the strips and every output's scorecard, no temp files left
+    assert {p.name for p in folder.iterdir()} == {f"{s}.png" for s in stems} | {"scores.jsonl"}
+    from diffsynth_qie.training.validation_metrics import read_scores
+
+    rows = read_scores(folder / "scores.jsonl")
+    assert set(rows) == set(stems) and all({"psnr", "edit_psnr", "shift_px"} <= set(r) for r in rows.values())
     assert list(images) == stems
     renders = v.render(module, torch.device("cpu"), torch.float32)  # deterministic: same latents again
     for k, (i, r) in enumerate(zip([0, 2], renders)):
@@ -233,7 +238,7 @@ def test_lbm_validation_starts_at_the_priors_and_skips_main_without_source(store
 
     images = v.run(3, module, torch.device("cpu"), torch.float32)
     folder = tmp_path / "validation" / "step-3"
-    assert {p.name for p in folder.iterdir()} == {f"{s0}_main.png", f"{s0}_sub.png", f"{s1}_sub.png"}
+    assert {p.name for p in folder.iterdir()} == {f"{s0}_main.png", f"{s0}_sub.png", f"{s1}_sub.png", "scores.jsonl"}
     assert list(images) == [f"{s0}_main", f"{s0}_sub", f"{s1}_sub"]
 
 
@@ -267,7 +272,7 @@ def test_train_lbm_renders_lbm_validation(cache_dir, store, tiny_model_dir, tmp_
                     lora=LoRAConfig(lora_rank=4), loss=LossConfig(loss="lbm"), lbm=LBMConfig())
     with fresh_accelerate():
         train(cfg)
-    files = [p.name for p in (tmp_path / "run" / "validation" / "step-2").iterdir()]
+    files = [p.name for p in (tmp_path / "run" / "validation" / "step-2").glob("*.png")]
     streams: dict[str, set] = {}
     for name in files:
         stem, stream = name[:-len(".png")].rsplit("_", 1)

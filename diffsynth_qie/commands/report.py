@@ -22,10 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the page (default: OUTPUT_DIR/report.html; written atomically)")
     parser.add_argument("--smoothing", type=checked(float, 0, 1), default=0.9,
                         help="exponential moving average weight of the smoothed loss curve, in [0, 1)")
+    parser.add_argument("--select_by", default=None, metavar="METRIC",
+                        help="mark the best step (and its checkpoint) by this logged metric, e.g. val_edit_psnr, and "
+                             "show the worst rows of the last validation by it")
+    parser.add_argument("--worst", type=checked(int, 1, 100), default=3, help="worst rows shown with --select_by")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..training.report import write_report
 
-    write_report(args.output_dir, args.out, args.smoothing)  # logs "report: <path>"
+    write_report(args.output_dir, args.out, args.smoothing, args.select_by, args.worst)  # logs "report: <path>"
     return 0

@@ -1,10 +1,13 @@
-"""Held-out evaluation: PSNR to the target of edits with and without LoRAs.
+"""Held-out evaluation: PSNR to the target and the edit scorecard of edits with and without LoRAs.
 
 Used by ``qie eval-edits`` (the launch scripts print its numbers after the CPU
 demo) and by the test that the system learns an edit. The rows are ordinary dataset
 rows (``data.formats.read_rows``): source image(s), prompt, target, optional mask.
 With ``use_mask`` the row's mask is passed to the editor, so pixels outside it are
-the source's by construction and the PSNR measures the edit region's quality.
+the source's by construction and the PSNR measures the edit region's quality. Each
+output is also scored by ``metrics/scorecard.py`` against its source (and target):
+preservation outside the edit region, fidelity inside it, global drift
+(``EvalReport.scores``, one dict per row).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+import torch
 from PIL import Image
 
 from ..data.images import load_mask, load_rgb
@@ -46,6 +50,7 @@ class EvalReport:
     psnr: list[float]
     outputs: list[Image.Image] = field(repr=False)
     sub_outputs: list[Image.Image | None] = field(default_factory=list, repr=False)
+    scores: list[dict[str, float]] = field(default_factory=list)  # the scorecard of each row
 
     @property
     def mean_psnr(self) -> float:
@@ -69,13 +74,31 @@ def load_cases(metadata: str, base_dir: str | None = None, limit: int | None = N
     return cases
 
 
-def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True, **request_kwargs) -> EvalReport:
+def score_case(case: EvalCase, output: Image.Image, lpips_model=None) -> dict[str, float]:
+    """The scorecard of one output against its case's source (resized to the output) and target."""
+    from ..metrics.image import to_pixels
+    from ..metrics.scorecard import score_batch
+
+    size = output.size
+    source = case.images[0].convert("RGB").resize(size, Image.Resampling.LANCZOS)
+    target = case.target.convert("RGB").resize(size, Image.Resampling.LANCZOS) if case.target is not None else None
+    src, out = to_pixels([source]), to_pixels([output])
+    tgt = to_pixels([target]) if target is not None else None
+    region = None
+    if case.mask is not None:
+        m = np.asarray(case.mask.convert("L").resize(size, Image.Resampling.NEAREST), dtype=np.float32) / 255.0
+        region = torch.from_numpy((m > 0.5).astype(np.float32))[None, None]
+    return score_batch(src, out, tgt, region=region, lpips_model=lpips_model)[0]
+
+
+def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True, lpips_model=None, clip=None,
+             **request_kwargs) -> EvalReport:
     """Edit every case with ``editor`` as it is (its LoRAs) and measure PSNR to the target.
 
     ``request_kwargs`` go to :class:`EditRequest` (steps, cfg, seed, lbm_steps, ...); the
     output has the target's size.
     """
-    scores, outputs, subs = [], [], []
+    scores, outputs, subs, cards = [], [], [], []
     for case in cases:
         w, h = case.target.size
         request = EditRequest(images=case.images, prompt=case.prompt, mask=case.mask if use_mask else None,
@@ -84,7 +107,12 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
         scores.append(psnr(result.image, case.target))
         outputs.append(result.image)
         subs.append(result.sub_image)
-    return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs)
+        cards.append(score_case(case, result.image, lpips_model))
+        if clip is not None:  # prompt adherence (metrics/clip_direction.py), only with a local CLIP model
+            from ..metrics.clip_direction import clip_direction
+
+            cards[-1]["clip_direction"] = float(clip_direction(clip, [case.images[0]], [result.image], [case.prompt])[0])
+    return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards)
 
 
 def compare_grid(cases: Sequence[EvalCase], columns: Sequence[Sequence[Image.Image | None]]) -> Image.Image:

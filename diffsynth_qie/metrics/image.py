@@ -69,11 +69,27 @@ def _gaussian_window(channels: int, dtype, device) -> Tensor:
     x = torch.arange(size, dtype=dtype, device=device) - (size - 1) / 2
     g = torch.exp(-(x ** 2) / (2 * SSIM_SIGMA ** 2))
     g = g / g.sum()
-    return (g[:, None] * g[None, :]).expand(channels, 1, size, size).contiguous()
+    return g.expand(channels, 1, 1, size).contiguous()  # 1-D: the 2-D Gaussian is separable
 
 
 def ssim(a: Tensor, b: Tensor) -> Tensor:
     """Per-sample SSIM for data range 1 (Gaussian window 11, σ 1.5; reflect padding, mean over all pixels)."""
+    return ssim_map(a, b).flatten(1).mean(1).float()
+
+
+def masked_ssim(a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
+    """Per-sample SSIM averaged over the pixels ``weight`` ``[B, 1, H, W]`` selects; NaN where it selects none."""
+    if weight.shape != (a.shape[0], 1, *a.shape[-2:]):
+        raise ValueError(f"weight must be [B, 1, H, W] = {(a.shape[0], 1, *a.shape[-2:])}, got {tuple(weight.shape)}")
+    w = weight.double().clamp(0, 1)
+    index = ssim_map(a, b).mean(1, keepdim=True)
+    total = w.flatten(1).sum(1)
+    value = (index * w).flatten(1).sum(1) / total.clamp_min(1e-20)
+    return torch.where(total > 0, value, torch.full_like(value, float("nan"))).float()
+
+
+def ssim_map(a: Tensor, b: Tensor) -> Tensor:
+    """The per-pixel SSIM index ``[B, C, H, W]`` (float64) behind :func:`ssim`."""
     _check(a, b)
     x, y = a.double(), b.double()
     c = x.shape[1]
@@ -84,15 +100,14 @@ def ssim(a: Tensor, b: Tensor) -> Tensor:
     x, y = (F.pad(t, (pad, pad, pad, pad), mode="reflect") for t in (x, y))
 
     def blur(t: Tensor) -> Tensor:
-        return F.conv2d(t, window, groups=c)
+        return F.conv2d(F.conv2d(t, window, groups=c), window.transpose(-1, -2), groups=c)  # rows, then columns
 
     mu_x, mu_y = blur(x), blur(y)
     var_x = (blur(x * x) - mu_x ** 2).clamp_min(0)
     var_y = (blur(y * y) - mu_y ** 2).clamp_min(0)
     cov = blur(x * y) - mu_x * mu_y
     c1, c2 = SSIM_K1 ** 2, SSIM_K2 ** 2
-    index = ((2 * mu_x * mu_y + c1) * (2 * cov + c2)) / ((mu_x ** 2 + mu_y ** 2 + c1) * (var_x + var_y + c2))
-    return index.flatten(1).mean(1).float()
+    return ((2 * mu_x * mu_y + c1) * (2 * cov + c2)) / ((mu_x ** 2 + mu_y ** 2 + c1) * (var_x + var_y + c2))
 
 
 def mask_to_pixels(back_mask: Tensor, size: tuple[int, int]) -> Tensor:

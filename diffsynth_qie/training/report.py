@@ -10,7 +10,10 @@ and on a copy of the directory. The page holds, with every image inlined as base
 - the learning rate;
 - each validation metric (``val_*``: PSNR, SSIM, LPIPS, PSNR outside the mask, ...)
   and each other logged number (``grad_norm``, ``mse_main``, ...) over steps;
-- the validation strips [reference | target | output] of every validation step.
+- the validation strips [reference | target | output] of every validation step;
+- with ``select_by`` (``qie report --select_by val_edit_psnr``): the best step by that
+  metric (in its direction: PSNR/SSIM up, LPIPS/drift down) and the checkpoint saved there,
+  and the worst rows of the last validation step by it (``scores.jsonl``), with their strips.
 
 Plots are matplotlib PNGs (the ``[train]`` extra installs matplotlib).
 """
@@ -35,6 +38,7 @@ from .validation import VALIDATION_DIR
 log = logging.getLogger(__name__)
 
 REPORT_NAME = "report.html"
+SCORECARD_NAME = "scorecard.json"  # what `qie eval-edits --scorecard` wrote into the run's directory, if anything
 NOT_PLOTTED = {"step", "loss", "lr", "epoch"}
 STRIP_MAX_WIDTH = 1536  # wider validation strips are scaled down in the page (the PNG files are untouched)
 
@@ -124,14 +128,84 @@ def _fmt(v: Optional[float]) -> str:
 
 
 def _best(key: str, values: list[float]) -> Optional[float]:
-    """The best value of a quality measure (loss, mse*, lpips: lowest; val_psnr*, val_ssim: highest); None for
-    numbers that are not one (lr, grad_norm, sigma_mean, ...)."""
-    if key == "loss" or key.startswith("mse") or "lpips" in key:
+    """The best value of a quality measure (loss, mse*, lpips, drift: lowest; val_psnr*, val_ssim: highest); None
+    for numbers that are not one (lr, grad_norm, sigma_mean, ...)."""
+    if lower_is_better(key):
         return min(values)
     return max(values) if key.startswith("val_") else None
 
 
-def build_report(output_dir: str | Path, smoothing: float = 0.9) -> str:
+def lower_is_better(key: str) -> bool:
+    """Direction of a logged number: loss, mse*, lpips and the scorecard's drift metrics are better low."""
+    from ..metrics.scorecard import HIGHER_IS_BETTER
+
+    name = key[len("val_"):] if key.startswith("val_") else key
+    return key == "loss" or key.startswith("mse") or "lpips" in key or HIGHER_IS_BETTER.get(name) is False
+
+
+def best_step(records: Sequence[dict], key: str) -> Optional[tuple[int, float]]:
+    """(step, value) where ``key`` was best; None when it was never logged."""
+    steps, values = series(records, key)
+    if not steps:
+        return None
+    pick = min if lower_is_better(key) else max
+    value = pick(values)
+    return steps[values.index(value)], value
+
+
+def _selection(out: Path, records: Sequence[dict], key: str, worst: int) -> list[str]:
+    from .validation_metrics import SCORES_FILE, read_scores
+
+    best = best_step(records, key)
+    if best is None:
+        known = ", ".join(k for k in metric_keys(records) if k.startswith("val_")) or "none (train with --validate_every)"
+        raise ValueError(f"--select_by {key}: not in {out / LOSS_LOG}; logged validation metrics: {known}")
+    ckpt = out / f"checkpoint-{best[0]}"
+    parts = [f"<h2>Best by {html.escape(key)}</h2><p>step {best[0]} ({_fmt(best[1])}, "
+             f"{'lower' if lower_is_better(key) else 'higher'} is better): "
+             + (f"<code>{html.escape(str(ckpt))}</code>" if ckpt.is_dir() else "no checkpoint saved at that step")
+             + "</p>"]
+    strips = validation_strips(out)
+    metric = key[len("val_"):] if key.startswith("val_") else key
+    if strips:
+        last = strips[-1]
+        rows = read_scores(out / VALIDATION_DIR / f"step-{last.step}" / SCORES_FILE)
+        have = [n for n, r in rows.items() if metric in r]
+        have.sort(key=lambda n: rows[n][metric], reverse=lower_is_better(key))
+        files = dict(last.images)
+        parts.append(f"<h3>Worst {min(worst, len(have))} row(s) by {html.escape(metric)} at step {last.step}</h3>")
+        parts += [f"<figure class='strip'><img alt='{html.escape(n)}' src='{_strip_data(files[n])}'><figcaption>"
+                  f"{html.escape(n)}: {html.escape(metric)} {_fmt(rows[n][metric])}</figcaption></figure>"
+                  for n in have[:worst] if n in files]
+    return parts
+
+
+def _scorecard(path: Path) -> list[str]:
+    """The held-out scorecard (base vs LoRA, win rates) of ``qie eval-edits --scorecard``, when it is there."""
+    import json
+
+    try:
+        card = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        names, metrics, wins = card["columns"], card["metrics"], card["wins"]
+    except (ValueError, KeyError, TypeError):
+        log.warning("%s is not a scorecard of `qie eval-edits --scorecard`; left out of the report", path)
+        return []
+    if card is None:
+        return []
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in names) + "".join(
+        f"<th>win {html.escape(n)}</th>" for n in names[1:])
+    rows = []
+    for k, values in metrics.items():
+        cells = "".join(f"<td>{_fmt(values.get(n))}</td>" for n in names)
+        cells += "".join(f"<td>{wins[n][k]['rate'] * 100:.0f}%</td>" if k in wins.get(n, {}) else "<td>–</td>"
+                         for n in names[1:])
+        rows.append(f"<tr><td>{html.escape(k)}{' ↓' if lower_is_better('val_' + k) else ' ↑'}</td>{cells}</tr>")
+    return [f"<h2>Held-out scorecard ({card.get('rows', '?')} rows; win = share of rows better than "
+            f"{html.escape(names[0])})</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table>"]
+
+
+def build_report(output_dir: str | Path, smoothing: float = 0.9, select_by: Optional[str] = None,
+                 worst: int = 3) -> str:
     """The report page's HTML for a run's ``output_dir``."""
     out = Path(output_dir)
     loss_log = out / LOSS_LOG
@@ -169,7 +243,11 @@ def build_report(output_dir: str | Path, smoothing: float = 0.9) -> str:
              "<table><tr><th>value</th><th>last</th><th>best</th><th>smoothed</th></tr>"]
     parts += [f"<tr><td>{html.escape(k)}</td><td>{_fmt(last)}</td><td>{_fmt(best)}</td><td>{sm}</td></tr>"
               for k, last, best, sm in rows]
-    parts.append("</table><h2>Curves</h2>")
+    parts.append("</table>")
+    if select_by:
+        parts += _selection(out, records, select_by, worst)
+    parts += _scorecard(out / SCORECARD_NAME)
+    parts.append("<h2>Curves</h2>")
     for title, fig in plots:
         parts.append(f"<figure><img alt='{html.escape(title)}' src='{_png_data(fig)}'></figure>")
     strips = validation_strips(out)
@@ -189,9 +267,10 @@ def build_report(output_dir: str | Path, smoothing: float = 0.9) -> str:
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
 
 
-def write_report(output_dir: str | Path, out_path: Optional[str | Path] = None, smoothing: float = 0.9) -> Path:
+def write_report(output_dir: str | Path, out_path: Optional[str | Path] = None, smoothing: float = 0.9,
+                 select_by: Optional[str] = None, worst: int = 3) -> Path:
     """Write the report (default ``<output_dir>/report.html``) atomically; returns its path."""
     path = Path(out_path) if out_path else Path(output_dir) / REPORT_NAME
-    atomic_write_text(path, build_report(output_dir, smoothing))
+    atomic_write_text(path, build_report(output_dir, smoothing, select_by, worst))
     log.info("report: %s", path)
     return path

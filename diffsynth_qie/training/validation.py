@@ -30,17 +30,17 @@ back); the validator itself changes no weight, no training mode and no global RN
 Each image is a strip [reference | target | output] (``side_by_side``), written
 atomically to ``<output_dir>/validation/step-<n>/<k>-<entry>.png`` (LBM:
 ``<k>-<entry>_main.png`` and ``<k>-<entry>_sub.png``) and logged to WandB when it is
-on. Each output is also scored against its target (``validation_metrics``: PSNR,
-SSIM, LPIPS when its weights are available offline, PSNR outside the edit mask);
-the means are in :attr:`Validator.metrics` after :meth:`Validator.run`, which the
-trainer logs to ``loss.jsonl`` and WandB. The VAE is loaded alone (``components=("vae",)``), lazily, only when validation
-runs; reference and target panels are decoded once and reused.
+on. Each output is scored (``validation_metrics``: against its target, and the edit scorecard against its
+source); the means are in :attr:`Validator.metrics` (the trainer logs them to ``loss.jsonl`` and WandB), each
+output's in ``scores.jsonl`` beside the strips; the time taken is logged. The VAE loads alone, lazily, only
+when validation runs; reference and target panels are decoded once and reused.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -51,7 +51,7 @@ from PIL import Image
 from ..cache.store import CacheEntry, CacheStore
 from ..data.images import side_by_side
 from ..utils.atomic import atomic_save
-from .validation_metrics import output_metrics, summarize
+from .validation_metrics import SCORES_FILE, output_metrics, summarize, write_scores
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,7 @@ def output_name(k: int, entry_id: str) -> str:
 
 
 def entry_seed(k: int) -> int:
-    """Seed of the k-th held-out entry's flow-matching noise (and LBM bridge noise)."""
-    return NOISE_SEED + k
+    return NOISE_SEED + k  # the k-th held-out entry's flow-matching noise (and LBM bridge noise)
 
 
 @dataclass
@@ -202,7 +201,7 @@ class Validator:
         self._vae_pipe = None
         self._panels: dict[tuple[int, str], Image.Image] = {}  # (entry, "reference"|"target"|"ref_gt"), decoded once
         self._lpips = None  # loaded on the first validation; False when it cannot be
-        self.metrics: dict[str, float] = {}  # of the last run, on the main process
+        self.metrics, self.row_scores = {}, {}  # of the last run (main process): means, and per output name
 
     def _zero3(self) -> bool:
         from transformers.integrations import is_deepspeed_zero3_enabled
@@ -268,31 +267,38 @@ class Validator:
     @torch.no_grad()
     def run(self, step: int, wrapped_module, device, dtype, tag: str = "") -> dict:
         """Render, decode and save; all ranks call this. Returns {name: strip image} on the main process."""
+        started = time.perf_counter()
         entries = [self.store.load(i) for i in self.indices]
         renders = self.render(wrapped_module, device, dtype, entries)
         images = {}
         zero3 = self._zero3()
         if self.accelerator.is_main_process or zero3:
             pipe = self._pipe()
-            scores = []
+            scores, self.row_scores = [], {}
             with _gathered(pipe.vae) if zero3 else contextlib.nullcontext():
                 for r in renders:
                     entry = entries[r.entry]
                     which = "target" if r.target is entry.target_latents else "ref_gt"
                     panels = [self._panel(pipe, (r.entry, which), r.target), self._decode(pipe, r.latents)]
+                    # every reference of the row, in order (a text-to-image row has none)
+                    refs = [self._panel(pipe, (r.entry, f"reference{k}"), z) for k, z in enumerate(entry.edit_latents)]
                     if self.accelerator.is_main_process:
                         mask = entry.back_mask if which == "target" else None
-                        scores.append((r.stream, output_metrics(panels[1], panels[0], mask, self._lpips_model())))
-                    # every reference of the row, in order (a text-to-image row has none)
-                    panels[:0] = [self._panel(pipe, (r.entry, f"reference{k}"), z) for k, z in enumerate(entry.edit_latents)]
-                    images[r.name] = side_by_side(panels)
+                        source = refs[0] if refs and which == "target" else None
+                        values = output_metrics(panels[1], panels[0], mask, self._lpips_model(), source)
+                        scores.append((r.stream, values))
+                        self.row_scores[r.name] = values
+                    images[r.name] = side_by_side(refs + panels)
             self.metrics = summarize(scores)
         if self.accelerator.is_main_process:
-            log.info("validation metrics at step %d: %s", step,
+            seconds = time.perf_counter() - started
+            log.info("validation at step %d took %.1f s (%d output(s), %.2f s each); metrics: %s", step, seconds,
+                     len(renders), seconds / max(1, len(renders)),
                      ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
             folder = self.output_dir / f"step-{step}{tag}"
             for name, img in images.items():
                 atomic_save(folder / f"{name}.png", lambda p, img=img: img.save(p))
+            write_scores(folder / SCORES_FILE, self.row_scores)
             log.info("validation: %d image(s) [references | target | output] in %s", len(images), folder)
             return images
         return {}
@@ -306,7 +312,6 @@ class Validator:
 
     def _decode(self, pipe, latents: Tensor) -> Image.Image:
         from ..models.family_ops import ops_for
-
         from ..models.presets import family_of
 
         return ops_for(family_of(self.preset)).decode(pipe, latents)
