@@ -140,7 +140,6 @@ def test_21_training_resumes_exactly(cache21, tiny21_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ({"loss": {"loss": "lbm"}}, "--loss lbm is built for Qwen-Image-Edit"),
     ({"zero_cond_t": True}, "--zero_cond_t is a Qwen-Image-Edit-2511 flag"),
 ])
 def test_what_21_training_cannot_do_is_refused_by_name(cache21, tiny21_dir, tmp_path, flags, message):

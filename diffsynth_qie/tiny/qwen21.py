@@ -223,6 +223,9 @@ def tiny21_model_configs() -> tuple[dict, ...]:
 
 
 def register_tiny21_model_configs() -> None:
+    from .vae21 import register_tiny_vae21_config
+
+    register_tiny_vae21_config()  # the pretrained base's conv VAE (tiny/vae21.py)
     register_model_configs(tiny21_model_configs(), {
         _TEXT_ENCODER_CLASS: "diffsynth.models.qwen_image_21_text_encoder.QwenImage21TextEncoder"})
 

@@ -230,9 +230,18 @@ class UIHandlers:
         """Whether the Lightning sampler can run: ``--lightning_lora`` is set or a listed LoRA is a Lightning one."""
         return self.lightning_lora() is not None
 
+    def lbm_available(self) -> bool:
+        """Whether the served model's family has an LBM sampler (``FamilyOps.supports_lbm``)."""
+        from ..models.family_ops import ops_for
+        from ..models.presets import family_of
+
+        return ops_for(family_of(self.config.model)).supports_lbm
+
     def mode_choices(self) -> list[tuple[str, str]]:
-        """The sampler radio's choices; Lightning only when it can run."""
-        modes = [("Flow matching", MODE_FLOW), (f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM)]
+        """The sampler radio's choices; LBM where the family has it, Lightning only when it can run."""
+        modes = [("Flow matching", MODE_FLOW)]
+        if self.lbm_available():
+            modes.append((f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM))
         if self.lightning_available():
             modes.append(("Lightning (4 / 8 steps)", MODE_LIGHTNING))
         return modes
