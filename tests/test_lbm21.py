@@ -158,3 +158,29 @@ def test_a_family_without_a_bridge_refuses_lbm_by_name(cache21, tiny21_dir, tmp_
     monkeypatch.setattr(type(ops_for(QWEN21)), "supports_lbm", False)
     with pytest.raises(ValueError, match="--loss lbm .* which has no bridge"):
         cfg.resolved(get_preset("tiny-2.1"))
+
+
+def test_the_repeated_conditioning_shares_its_prefix_caches_exactly(tiny21_dir):
+    """The LBM sampler's two streams read one prefix cache per prompt: the velocities equal uncached ones."""
+    from PIL import Image
+
+    from diffsynth_qie.models.family import QWEN21
+    from diffsynth_qie.models.family_ops import ops_for
+    from diffsynth_qie.models.load.loading import load_pipeline
+
+    pipe = load_pipeline("tiny-2.1", model_dir=tiny21_dir, device="cpu", torch_dtype=torch.float32)
+    ops = ops_for(QWEN21)
+    image = Image.new("RGB", (64, 64), (30, 90, 200))
+    z = ops.encode_image(pipe, image)
+    prompt = ops.encode_prompt(pipe, "make it red", [image], [z], True, None)
+    cond = ops.conditioning([prompt], None, [[z]], False, lambda t: t).repeat(2)
+    x = torch.randn(2, 64, 4, 4, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([1000.0, 1000.0])
+    velocity = ops.velocity(pipe.dit, cond, 1.0)
+    first, second = velocity(x, t), velocity(x, t)  # fills the shared cache, then reads it
+    assert len(cond._caches) == 1
+    plain = ops.conditioning([prompt] * 2, None, [[z]] * 2, False, lambda t: t)
+    plain.kv_cache = False
+    reference = ops.velocity(pipe.dit, plain, 1.0)(x, t)
+    torch.testing.assert_close(first, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, reference, rtol=1e-5, atol=1e-5)

@@ -4,7 +4,8 @@ the prefix KV cache (``qwen21.py``).
 LBM (Latent Bridge Matching) needs nothing of its own here: the bridge's noisy target is the DiT's image
 stream at σ while the references stay in the prefix at t=0 (as in every 2.1 call), so the loss and the
 sampler go through :meth:`Qwen21Ops.forward` / :meth:`Qwen21Ops.velocity` as flow matching does. The bridge
-sampler runs the main and the sub-stream as one batch of the same conditioning (:meth:`Cond21Batch.repeat`).
+sampler runs the main and the sub-stream as one batch of the same conditioning (:meth:`Cond21Batch.repeat`:
+one prefix cache per prompt for both streams).
 """
 from __future__ import annotations
 
@@ -21,12 +22,22 @@ from ..samplers.schedules import ScheduleSpec
 
 @dataclass
 class Cond21Batch(qwen21.Cond21):
-    """:class:`~.qwen21.Cond21` that can repeat itself (the LBM sampler's main and sub-stream, one batch)."""
+    """:class:`~.qwen21.Cond21` that can repeat itself (the LBM sampler's main and sub-stream, one batch).
+
+    A repeat shares the prefix caches: sample ``b`` uses sample ``b % period``'s (the same prompt and
+    references, so the same keys and values), so each prefix is computed and held once."""
+
+    period: int = 0  # 0: every sample its own caches
+
+    def cache(self, dit, key):
+        b, positive = key
+        return super().cache(dit, (b % self.period if self.period else b, positive))
 
     def repeat(self, n: int) -> "Cond21Batch":
-        """The same conditioning for ``n`` times as many samples (each repeat fills its own prefix caches)."""
+        """The same conditioning for ``n`` times as many samples, sharing this one's prefix caches."""
         return Cond21Batch(prompts=self.prompts * n, ref_latents=self.ref_latents * n,
-                           negatives=None if self.negatives is None else self.negatives * n, kv_cache=self.kv_cache)
+                           negatives=None if self.negatives is None else self.negatives * n, kv_cache=self.kv_cache,
+                           _caches=self._caches, period=self.period or len(self))
 
 
 class Qwen21Ops(FamilyOps):
