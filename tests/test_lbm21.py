@@ -184,3 +184,20 @@ def test_the_repeated_conditioning_shares_its_prefix_caches_exactly(tiny21_dir):
     reference = ops.velocity(pipe.dit, plain, 1.0)(x, t)
     torch.testing.assert_close(first, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_pixel_loss_decodes_21_latents_at_16x(cache21, tiny21_dir, tmp_path, fake_lpips_home):
+    """``--lbm_pixel_loss lpips`` on 2.1: crops measured at the family's 16 px per latent, RGB of the RGBA decode."""
+    from diffsynth_qie.training.loop import train
+    from diffsynth_qie.training.losses.lbm import LBMConfig
+    from diffsynth_qie.training.losses.lbm_pixel import build_pixel_critic
+    from diffsynth_qie.training.tracking import read_loss_log
+
+    lbm = LBMConfig(lbm_pixel_loss="lpips", lbm_pixel_crop=64)
+    critic = build_pixel_critic(lbm, "tiny-2.1", str(tiny21_dir), "cpu", torch.float32)
+    assert critic.scale == 16 and critic.crop_box((64, 8, 8), torch.Generator().manual_seed(0))[2:] == (4, 4)
+    assert critic._decode(torch.zeros(64, 4, 4)).shape == (1, 3, 64, 64)
+    cfg = _config(cache21, tmp_path / "run", tiny21_dir, lbm_pixel_loss="lpips", lbm_pixel_crop=64)
+    train(cfg)
+    records = read_loss_log(tmp_path / "run" / "loss.jsonl")
+    assert records and all(r["lpips"] > 0 for r in records)
