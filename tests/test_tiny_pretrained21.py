@@ -59,7 +59,7 @@ def test_fingerprint_follows_the_recipe_and_not_the_process(monkeypatch):
     assert pretrain_tiny.recipe_fingerprint(model=MODEL) == before
     changed = copy.deepcopy(pretrain_tiny.RECIPE21)
     changed["dit_steps"] += 1
-    monkeypatch.setitem(pretrain_tiny.RECIPES, MODEL, changed)
+    monkeypatch.setattr(pretrain_tiny, "RECIPE21", changed)
     assert pretrain_tiny.recipe_fingerprint(model=MODEL) != before
 
 

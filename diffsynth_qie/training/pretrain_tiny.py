@@ -18,7 +18,7 @@ visibly teach, in a few minutes of one CPU thread:
    learns later is asked for in words).
 
 The tiny Qwen-Image-2.1 (``tiny/qwen21.py``: DiffSynth's real 2.1 DiT and text encoder at small sizes) takes
-the same recipe through its family's ops (:data:`RECIPES` ``["tiny-2.1"]``): its VAE becomes
+the same recipe through its family's ops (:data:`RECIPE21`): its VAE becomes
 :class:`~diffsynth_qie.tiny.vae21.TinyConvQwenImage21VAE` (RGBA, 16x, 64 channels; the alpha it learns is
 opaque), and its DiT learns to reproduce the reference it reads in its t=0 prefix (it has no ``zero_cond_t``).
 
@@ -53,12 +53,13 @@ RECIPE = dict(
 )
 #: The tiny 2.1's recipe: the same skills, budgeted for its per-sample DiT calls.
 RECIPE21 = dict(RECIPE, version=1, family="qwen-image-2.1", vae_steps=800, vae_lr=3e-4, dit_steps=1200)
-RECIPES = {"tiny": RECIPE, "tiny-2.1": RECIPE21}
+#: The recipe of each tiny preset with a pretrained base, by the name of its module constant.
+RECIPES = {"tiny": "RECIPE", "tiny-2.1": "RECIPE21"}
 
 
 def _recipe(model: str) -> dict:
     tiny_pretrained.base_for(model)  # a ValueError naming the presets with a base
-    return RECIPES[model]
+    return globals()[RECIPES[model]]
 
 
 def recipe_fingerprint(seed: int = 0, model: str = "tiny") -> str:
