@@ -201,3 +201,17 @@ def test_the_pixel_loss_decodes_21_latents_at_16x(cache21, tiny21_dir, tmp_path,
     train(cfg)
     records = read_loss_log(tmp_path / "run" / "loss.jsonl")
     assert records and all(r["lpips"] > 0 for r in records)
+
+
+def test_an_editor_of_a_family_without_a_bridge_refuses_lbm_steps(tiny21_dir, monkeypatch):
+    from PIL import Image
+
+    from diffsynth_qie.inference import EditRequest, Editor
+    from diffsynth_qie.models.family import QWEN21
+    from diffsynth_qie.models.family_ops import ops_for
+    from diffsynth_qie.models.load.loading import load_pipeline
+
+    monkeypatch.setattr(type(ops_for(QWEN21)), "supports_lbm", False)
+    editor = Editor(load_pipeline("tiny-2.1", model_dir=tiny21_dir, device="cpu", torch_dtype=torch.float32))
+    with pytest.raises(ValueError, match="has no LBM LoRAs"):
+        editor.edit(EditRequest(images=[Image.new("RGB", (64, 64))], prompt="x", lbm_steps=1))
