@@ -144,3 +144,20 @@ def test_rebuild_reproduces_the_shipped_weights(tmp_path):
         assert built.keys() == shipped.keys()
         for k in built:
             torch.testing.assert_close(built[k], shipped[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_every_shipped_base_is_package_data():
+    """An installed package (not only a checkout) carries every base's shipped weights."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from diffsynth_qie.tiny import pretrained as tiny_pretrained
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = globs["diffsynth_qie.tiny"]
+    package = root / "diffsynth_qie" / "tiny"
+    for base in tiny_pretrained.BASES.values():
+        files = [p.relative_to(package).as_posix() for p in base.shipped_dir.iterdir()]
+        assert files and all(any(fnmatch.fnmatch(f, g) for g in patterns) for f in files), (base.preset, files)
