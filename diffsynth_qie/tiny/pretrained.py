@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 from . import build as edit_tiny, qwen21 as tiny21
+from .vae import TinyConvQwenImageVAE
+from .vae21 import CHANNELS as VAE21_CHANNELS, TinyConvQwenImage21VAE
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class TinyBase:
     complete: Callable             # complete(dir): a finished build of that model
     sizes: Callable[[], dict]      # the model sizes the recipe trains (part of the fingerprint)
     register: Callable[[], None]   # its weight files' MODEL_CONFIGS entries
+    conv_vae: Callable             # the plain-conv VAE class the recipe trains in the random VAE's place
+    vae_channels: int              # the image channels that VAE takes (3: RGB, 4: RGBA)
 
 
 def _edit_sizes() -> dict:
@@ -69,12 +73,14 @@ EDIT_BASE = TinyBase(
     preset="tiny", dir_name="Qwen-Image-Edit-tiny-pretrained", shipped_dir=ASSETS / "tiny_pretrained",
     files={"dit": (edit_tiny.DIT_FILE, "transformer.safetensors"), "vae": (edit_tiny.VAE_FILE, "vae.safetensors")},
     text_encoder_file=edit_tiny.TEXT_ENCODER_FILE, info_file=edit_tiny.INFO_FILE, build=edit_tiny.build_tiny,
-    complete=edit_tiny.is_complete, sizes=_edit_sizes, register=edit_tiny.register_tiny_model_configs)
+    complete=edit_tiny.is_complete, sizes=_edit_sizes, register=edit_tiny.register_tiny_model_configs,
+    conv_vae=TinyConvQwenImageVAE, vae_channels=3)
 QWEN21_BASE = TinyBase(
     preset="tiny-2.1", dir_name="Qwen-Image-2.1-tiny-pretrained", shipped_dir=ASSETS / "tiny_pretrained21",
     files={"dit": (tiny21.DIT_FILE, "transformer.safetensors"), "vae": (tiny21.VAE_FILE, "vae.safetensors")},
     text_encoder_file=tiny21.TEXT_ENCODER_FILE, info_file=tiny21.INFO_FILE, build=tiny21.build_tiny21,
-    complete=tiny21.is_complete21, sizes=_qwen21_sizes, register=tiny21.register_tiny21_model_configs)
+    complete=tiny21.is_complete21, sizes=_qwen21_sizes, register=tiny21.register_tiny21_model_configs,
+    conv_vae=TinyConvQwenImage21VAE, vae_channels=VAE21_CHANNELS)
 BASES = {b.preset: b for b in (EDIT_BASE, QWEN21_BASE)}
 SHIPPED_DIR = EDIT_BASE.shipped_dir
 

@@ -155,16 +155,6 @@ def train_dit(pipe, seed: int, log_every: int = 100, model: str = "tiny") -> flo
     return sum(tail) / len(tail)
 
 
-def _conv_vae(model: str):
-    if model == "tiny-2.1":
-        from ..tiny.vae21 import CHANNELS, TinyConvQwenImage21VAE
-
-        return TinyConvQwenImage21VAE(), CHANNELS
-    from ..tiny.vae import TinyConvQwenImageVAE
-
-    return TinyConvQwenImageVAE(), 3
-
-
 def pretrain_tiny(out_dir: str | Path, seed: int = 0, model: str = "tiny") -> Path:
     """Build the random tiny model in ``out_dir``, then train its VAE and DiT in place (minutes)."""
     from safetensors.torch import save_file
@@ -179,8 +169,8 @@ def pretrain_tiny(out_dir: str | Path, seed: int = 0, model: str = "tiny") -> Pa
     pipe = load_pipeline(model, model_dir=out_dir, device="cpu", torch_dtype=torch.float32)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae, channels = _conv_vae(model)
-        vae_psnr = train_vae(vae, seed, recipe=recipe, channels=channels)
+        vae = base.conv_vae()
+        vae_psnr = train_vae(vae, seed, recipe=recipe, channels=base.vae_channels)
         t_vae = time.perf_counter() - t0
         pipe.vae = vae
         dit_loss = train_dit(pipe, seed, model=model)
