@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Shared by Qwen-Image-Edit-2511.sh, Qwen-Image-Edit-2509.sh and Qwen-Image-Edit-LBM.sh:
+# Shared by Qwen-Image-Edit-2511.sh, Qwen-Image-Edit-2509.sh, Qwen-Image-Edit-LBM.sh, Qwen-Image-2.1.sh and
+# Qwen-Image-2.1-LBM.sh:
 # environment defaults and the `accelerate launch` wrapper. All logic lives in Python
 # (`qie cache`, `qie train`, `qie edit`); this file only picks defaults.
 #
@@ -93,16 +94,16 @@ launch_defaults() {
       echo "$run_name: set DATASET_METADATA (and DATASET_BASE) to train $MODEL; see README 'Your own data'." >&2
       exit 2
     fi
-    # CPU demo: a tiny model learns one edit, "make the red circle blue": the pretrained tiny base (built once,
-    # in $QIE_HOME) for Qwen-Image-Edit; the random tiny 2.1 (no pretrained 2.1 base is shipped) for 2.1.
+    # CPU demo: a tiny model learns one edit, "make the red circle blue", on its pretrained tiny base (installed
+    # once in $QIE_HOME from the weights shipped with the package): Qwen-Image-Edit's, or Qwen-Image-2.1's.
     DEMO_DATA="$ROOT/outputs/demo-red-circle-blue"
     DATASET_METADATA="$DEMO_DATA/metadata.json"
     [ -f "$DATASET_METADATA" ] || "$PY" -m diffsynth_qie.cli make-demo-data --task red_circle_blue --out "$DEMO_DATA"
-    if [ "$MODEL" = tiny ]; then
-      local base="${QIE_HOME:-$HOME/.cache/diffsynth-qie}/models/Qwen-Image-Edit-tiny-pretrained"
-      "$PY" -m diffsynth_qie.cli --log_level WARNING make-tiny --pretrained --out "$base"
-      MODEL_ARGS=(--model tiny --model_dir "$base")
-    fi
+    local base_name=Qwen-Image-Edit-tiny-pretrained
+    [ "$MODEL" != tiny-2.1 ] || base_name=Qwen-Image-2.1-tiny-pretrained
+    local base="${QIE_HOME:-$HOME/.cache/diffsynth-qie}/models/$base_name"
+    "$PY" -m diffsynth_qie.cli --log_level WARNING make-tiny --model "$MODEL" --pretrained --out "$base"
+    MODEL_ARGS=(--model "$MODEL" --model_dir "$base")
   fi
   DATASET_ARGS=(--dataset_metadata "$DATASET_METADATA")
   [ -z "${DATASET_BASE:-}" ] || DATASET_ARGS+=(--dataset_base "$DATASET_BASE")

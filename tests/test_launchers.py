@@ -108,3 +108,32 @@ def test_launchers_use_zero_only_with_several_gpu_processes(tmp_path):
     lbm = launch_plan(tmp_path, 4, "Qwen-Image-Edit-LBM.sh")
     assert "--multi_gpu" in lbm and "--config_file" not in lbm and "--loss lbm" in lbm
     assert not launch_plan(tmp_path, 1, "Qwen-Image-Edit-LBM.sh").startswith("accelerate")
+
+
+@pytest.mark.parametrize("model, base", [("tiny", "Qwen-Image-Edit-tiny-pretrained"),
+                                         ("tiny-2.1", "Qwen-Image-2.1-tiny-pretrained")])
+def test_the_cpu_demo_trains_on_the_models_pretrained_base(tmp_path, model, base):
+    """With no dataset, a tiny preset's demo installs that preset's pretrained base and trains on it."""
+    text = f'''
+set -euo pipefail
+source "{ROOT}/scripts/launch_lib.sh"
+gpu_count() {{ echo 0; }}
+PY=echo
+launch_defaults run {'2.1' if model == 'tiny-2.1' else '2511'} {model}
+echo "MODEL_ARGS: ${{MODEL_ARGS[*]}}"
+'''
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_CONFIG", "NUM_GPUS", "NNODES", "DATASET_METADATA",
+                                                             "MODEL")}
+    env.update(QIE_SKIP_SETUP="1", QIE_HOME=str(tmp_path / "home"), OUTPUT_DIR=str(tmp_path / "o"))
+    proc = subprocess.run(["bash", "-c", text], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    where = f"{tmp_path}/home/models/{base}"
+    assert f"make-tiny --model {model} --pretrained --out {where}" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == f"MODEL_ARGS: --model {model} --model_dir {where}"
+
+
+@pytest.mark.slow
+def test_21_lbm_script_trains_and_writes_main_and_sub_images(tmp_path, demo_data_dir):
+    out = run_script("Qwen-Image-2.1-LBM.sh", tmp_path, demo_data_dir)
+    check_common(out, zero_cond_t=False, loss="lbm")
+    assert Image.open(out / "after_sub.png").size == Image.open(out / "after.png").size

@@ -58,8 +58,9 @@ def dit(tiny_model_dir):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records what the loss feeds ``dit_forward`` (then runs the real forward)."""
-    from diffsynth_qie.models.qwen_image_edit import forward
+    """Records what the loss feeds ``dit_forward`` (then runs the real forward). The loss reaches it through the
+    family's ops (``EditOps.forward``), so it is patched where the ops look it up."""
+    from diffsynth_qie.models.qwen_image_edit import edit_ops, forward
     calls = []
     real = forward.dit_forward
 
@@ -71,6 +72,7 @@ def spy(monkeypatch):
         return out
 
     monkeypatch.setattr(forward, "dit_forward", record)
+    monkeypatch.setattr(edit_ops, "dit_forward", record)
     return calls
 
 
@@ -182,7 +184,8 @@ def test_sub_stream_starts_exactly_at_sub_noise(dit, spy):
     for b in range(3):
         assert torch.equal(call["latents"][b], batch["sub_noise"][b])
     assert call["timesteps"].tolist() == [1000.0] * 3
-    assert call["prompt_embs"] is batch["prompt_emb"] and call["edit_latents"] is batch["edit_latents"]
+    assert all(p is q for p, q in zip(call["prompt_embs"], batch["prompt_emb"], strict=True))
+    assert call["edit_latents"] is batch["edit_latents"]
     assert call["zero_cond_t"] is True
     # weight 1: the loss is the plain mean of per-sample MSEs against v* = z_W - z_T
     expected = torch.stack([((p - (w - t)) ** 2).mean() for p, w, t in

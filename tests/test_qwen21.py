@@ -158,7 +158,6 @@ def test_turbo_samples_on_its_fixed_grid(pipe21, monkeypatch):
 
 @pytest.mark.parametrize("request_kwargs, message", [
     ({"width": 48, "height": 64}, "width=48 must be a positive multiple of 32"),
-    ({"lbm_steps": 1}, "LBM sampling is built for Qwen-Image-Edit"),
     ({"scheduler": "lightning"}, "Lightning LoRAs; Qwen-Image-2.1 samples with its own schedule"),
 ])
 def test_what_21_cannot_do_is_refused_by_name(pipe21, request_kwargs, message):

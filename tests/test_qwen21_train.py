@@ -54,7 +54,9 @@ def test_the_21_cache_holds_the_familys_tensors(cache21):
         h, w = meta.target_size
         assert h % 32 == 0 and w % 32 == 0 and entry.target_latents.shape == (64, h // 16, w // 16)
         assert meta.patch == 1 and meta.image_tokens == sum(s[1] * s[2] for s in [meta.target_shape, *meta.edit_shapes])
-        assert entry.lbm_source_latents is None  # (no LBM for 2.1)
+        # LBM's main stream: the first reference at the target's size (none for a row without references)
+        assert (entry.lbm_source_latents is None) == (not entry.edit_latents)
+        assert entry.lbm_source_latents is None or entry.lbm_source_latents.shape == entry.target_latents.shape
         # each reference slot of the prompt takes a 2x2 block of the reference's latents (Qwen3-VL merges 2x2)
         ref_tokens = sum(z.shape[1] * z.shape[2] for z in entry.edit_latents)
         assert meta.prompt_tensors == ["pad"]  # the family's prompt-tensor schema (Family.prompt_tensors)
@@ -140,7 +142,6 @@ def test_21_training_resumes_exactly(cache21, tiny21_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ({"loss": {"loss": "lbm"}}, "--loss lbm is built for Qwen-Image-Edit"),
     ({"zero_cond_t": True}, "--zero_cond_t is a Qwen-Image-Edit-2511 flag"),
 ])
 def test_what_21_training_cannot_do_is_refused_by_name(cache21, tiny21_dir, tmp_path, flags, message):

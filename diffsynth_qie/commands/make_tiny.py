@@ -7,7 +7,8 @@ The result has the real repositories' layout, so every other command takes it vi
 ``--model tiny --model_dir DIR``. Idempotent: an existing complete build from the
 same seed is kept unless ``--force``.
 
-``--pretrained`` builds the pretrained tiny base instead (``training/pretrain_tiny.py``):
+``--pretrained`` builds the pretrained tiny base of ``--model`` (``tiny`` or ``tiny-2.1``) instead
+(``training/pretrain_tiny.py``):
 a VAE and DiT that draw flat shapes, so a LoRA visibly learns an edit on CPU. It is
 installed from the weights shipped with the package when they match the recipe
 (seconds), otherwise trained (a few minutes of one CPU thread); either way once.
@@ -52,12 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which model to build: " + "; ".join(f"{n}: {d}" for n, d in models.items()))
     parser.add_argument("--out", default=None,
                         help="output directory (the model's root; created if missing). Required without "
-                             "--pretrained; with it, default $QIE_HOME/models/Qwen-Image-Edit-tiny-pretrained")
+                             "--pretrained; with it, default $QIE_HOME/models/Qwen-Image-Edit-tiny-pretrained "
+                             "(Qwen-Image-2.1-tiny-pretrained with --model tiny-2.1)")
     parser.add_argument("--seed", type=checked(int, 0, INT64_MAX), default=0, help="weight seed (same seed -> byte-identical weights)")
     parser.add_argument("--force", action="store_true",
                         help="rebuild even if --out already holds a complete tiny model from this seed")
     parser.add_argument("--pretrained", action="store_true",
-                        help="the pretrained tiny base (trained VAE + DiT) for the CPU demo")
+                        help="the pretrained tiny base (trained VAE + DiT) of --model (tiny or tiny-2.1) for the "
+                             "CPU demo")
     parser.add_argument("--retrain", action="store_true",
                         help="with --pretrained: train it even when the shipped weights match the recipe")
     parser.add_argument("--write_shipped", default=None, metavar="DIR",
@@ -70,8 +73,6 @@ def run(args: argparse.Namespace) -> int:
 
     library_warnings_once()  # building the text encoder config warns about its RoPE keys (harmless)
     if args.pretrained:
-        if args.model != PRETRAINED_PRESET:
-            raise ValueError(f"--pretrained builds the pretrained {PRETRAINED_PRESET} model; drop --model {args.model}")
         return _run_pretrained(args)
     if args.out is None:
         raise ValueError("--out is required (or pass --pretrained for the pretrained base's default directory)")
@@ -98,15 +99,15 @@ def _build(out: Path, args: argparse.Namespace, replaceable, complete, ensure, w
 
 def _run_pretrained(args: argparse.Namespace) -> int:
     from ..tiny import pretrained as tiny_pretrained
-    from ..tiny.build import looks_like_tiny_dir
     from ..training.pretrain_tiny import ensure_pretrained_tiny
 
-    out = Path(args.out) if args.out else tiny_pretrained.default_dir()
-    if not looks_like_tiny_dir(out):
+    base = tiny_pretrained.base_for(args.model)  # --pretrained: the tiny presets with a pretrained base
+    out = Path(args.out) if args.out else tiny_pretrained.default_dir(base)
+    if not local_build(args.model)["replaceable"](out):
         raise ValueError(f"--out {out} exists and holds files that are not part of a tiny model; "
                          "pick an empty or new directory")
-    ensure_pretrained_tiny(out, seed=args.seed, rebuild=args.retrain or args.force)
+    ensure_pretrained_tiny(out, seed=args.seed, rebuild=args.retrain or args.force, model=args.model)
     if args.write_shipped:
-        log.info("shipped copy written to %s", tiny_pretrained.write_shipped(out, Path(args.write_shipped)))
-    log.info("pretrained tiny base in %s (use it with: --model tiny --model_dir %s)", out, out)
+        log.info("shipped copy written to %s", tiny_pretrained.write_shipped(out, Path(args.write_shipped), base))
+    log.info("pretrained tiny base in %s (use it with: --model %s --model_dir %s)", out, args.model, out)
     return 0

@@ -20,6 +20,7 @@ Files are in the real repository's layout (``transformer/``, ``text_encoder/``, 
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -79,8 +80,9 @@ def tiny_dit(num_layers: int | None = None):
 def text_encoder_config():
     from transformers import Qwen3VLConfig
 
+    # (deep copies: transformers writes into the nested rope_scaling dict, which the base's fingerprint reads)
     return Qwen3VLConfig(
-        text_config=dict(TEXT_CONFIG), vision_config=dict(VISION_CONFIG), tie_word_embeddings=False,
+        text_config=copy.deepcopy(TEXT_CONFIG), vision_config=copy.deepcopy(VISION_CONFIG), tie_word_embeddings=False,
         image_token_id=TOKEN_ID["<|image_pad|>"], video_token_id=TOKEN_ID["<|video_pad|>"],
         vision_start_token_id=TOKEN_ID["<|vision_start|>"], vision_end_token_id=TOKEN_ID["<|vision_end|>"])
 
@@ -223,6 +225,9 @@ def tiny21_model_configs() -> tuple[dict, ...]:
 
 
 def register_tiny21_model_configs() -> None:
+    from .vae21 import register_tiny_vae21_config
+
+    register_tiny_vae21_config()  # the pretrained base's conv VAE (tiny/vae21.py)
     register_model_configs(tiny21_model_configs(), {
         _TEXT_ENCODER_CLASS: "diffsynth.models.qwen_image_21_text_encoder.QwenImage21TextEncoder"})
 

@@ -77,3 +77,15 @@ def test_qie_edit_model_21_preflight_judges_the_scaled_peak(preset21, tmp_path, 
     text = "".join(capfd.readouterr())
     assert re.search(r"fake-device peak [\d.]+ GiB \(2 of 32 blocks run, scaled to 32\): the peak [\d.]+ GiB "
                      r"exceeds the GPU's 16.00 GiB", text), text
+
+
+def test_a_21_lbm_edit_runs_both_streams_through_the_prefix(preset21):
+    """``--lbm_steps`` on 2.1: the main and the white-prior stream as one batch of the repeated conditioning,
+    which share one prefix KV cache (the same prompt and references), and the white image's VAE encoding."""
+    from diffsynth_qie.inference.verify import EditLoad, verify_edit
+
+    load = EditLoad(lora_ranks=(32,))
+    flow = verify_edit(preset21, num_layers=2, request=request21(steps=1), load=load, prompt_tokens=300)
+    lbm = verify_edit(preset21, num_layers=2, request=request21(lbm_steps=1), load=load, prompt_tokens=300)
+    assert lbm.kv_cache == flow.kv_cache > 0  # one prefix cache for both streams
+    assert lbm.denoise_peak > flow.denoise_peak

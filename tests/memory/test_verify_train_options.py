@@ -58,11 +58,13 @@ def test_validation_renders_through_the_real_sampler_on_the_device(model):
     assert r.peak >= r.validation_peak
 
 
-def test_lbm_runs_its_real_default_optimizer_step():
-    """ProdigyPlusScheduleFree's step runs (its own host reads answered); its state is measured, not assumed."""
-    cfg = run_config(loss="lbm", mask=(1.0, 0.5))
+@pytest.mark.parametrize("model", ["2511", "2.1"])
+def test_lbm_runs_its_real_default_optimizer_step(model):
+    """ProdigyPlusScheduleFree's step runs (its own host reads answered); its state is measured, not assumed.
+    On 2.1 the bridge goes through the family's DiT call (its stand-in, the references in the prefix)."""
+    cfg = run_config(model=model, loss="lbm", mask=(1.0, 0.5))
     assert cfg.optim.optimizer == "prodigy_sf"
-    r = step(cfg)
+    r = step(cfg, model=model)
     assert r.notes == [] and r.optimizer_state > 0 and r.optimizer_peak >= r.after_step
 
 
@@ -172,7 +174,8 @@ def _parsed(model: str, flags: list[str]):
 
 
 @pytest.mark.parametrize("script,model", [("Qwen-Image-Edit-2511.sh", "2511"), ("Qwen-Image-Edit-2509.sh", "2509"),
-                                          ("Qwen-Image-Edit-LBM.sh", "2511"), ("Qwen-Image-2.1.sh", "2.1")])
+                                          ("Qwen-Image-Edit-LBM.sh", "2511"), ("Qwen-Image-2.1.sh", "2.1"),
+                                          ("Qwen-Image-2.1-LBM.sh", "2.1")])
 def test_the_launch_scripts_training_configurations_pass_the_preflight_on_an_80_gb_gpu(script, model):
     from diffsynth_qie.training.verify_preflight import preflight
 

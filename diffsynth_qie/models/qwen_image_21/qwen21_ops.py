@@ -1,6 +1,15 @@
 """Qwen-Image-2.1's side of the family seam: DiffSynth's ``QwenImage21Pipeline`` units, per-sample DiT calls with
-the prefix KV cache (``qwen21.py``)."""
+the prefix KV cache (``qwen21.py``).
+
+LBM (Latent Bridge Matching) needs nothing of its own here: the bridge's noisy target is the DiT's image
+stream at σ while the references stay in the prefix at t=0 (as in every 2.1 call), so the loss and the
+sampler go through :meth:`Qwen21Ops.forward` / :meth:`Qwen21Ops.velocity` as flow matching does. The bridge
+sampler runs the main and the sub-stream as one batch of the same conditioning (:meth:`Cond21Batch.repeat`:
+one prefix cache per prompt for both streams).
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from PIL import Image
 
@@ -11,11 +20,31 @@ from ..family_ops import FamilyOps
 from ..samplers.schedules import ScheduleSpec
 
 
+@dataclass
+class Cond21Batch(qwen21.Cond21):
+    """:class:`~.qwen21.Cond21` that can repeat itself (the LBM sampler's main and sub-stream, one batch).
+
+    A repeat shares the prefix caches: sample ``b`` uses sample ``b % period``'s (the same prompt and
+    references, so the same keys and values), so each prefix is computed and held once."""
+
+    period: int = 0  # 0: every sample its own caches
+
+    def cache(self, dit, key):
+        b, positive = key
+        return super().cache(dit, (b % self.period if self.period else b, positive))
+
+    def repeat(self, n: int) -> "Cond21Batch":
+        """The same conditioning for ``n`` times as many samples, sharing this one's prefix caches."""
+        return Cond21Batch(prompts=self.prompts * n, ref_latents=self.ref_latents * n,
+                           negatives=None if self.negatives is None else self.negatives * n, kv_cache=self.kv_cache,
+                           _caches=self._caches, period=self.period or len(self))
+
+
 class Qwen21Ops(FamilyOps):
     """Qwen-Image-2.1 (and its Turbo preset's fixed grid)."""
 
     family: Family = QWEN21
-    supports_lbm = False  # (LBM is built for the Edit family; 2.1's references sit in a t=0 prefix instead)
+    supports_lbm = True  # (the bridge's target stream at σ, the references in the t=0 prefix: see the docstring)
     supports_zero_cond_t = False  # (2.1 conditions its whole prefix at t=0 by design)
 
     def reference_sizes(self, pipe, images, width, height, ref_max_pixels):
@@ -60,8 +89,8 @@ class Qwen21Ops(FamilyOps):
             emb = to_dit(p.emb)
             return qwen21.Prompt21(emb=emb, pad_mask=p.pad_mask.to(emb.device))
 
-        return qwen21.Cond21(prompts=[move(p) for p in prompts], ref_latents=[[to_dit(z) for z in refs] for refs in ref_latents],
-                             negatives=None if negatives is None else [move(n) for n in negatives])
+        return Cond21Batch(prompts=[move(p) for p in prompts], ref_latents=[[to_dit(z) for z in refs] for refs in ref_latents],
+                           negatives=None if negatives is None else [move(n) for n in negatives])
 
     def velocity(self, dit, cond, cfg):
         return qwen21.velocity21(dit, cond, cfg)

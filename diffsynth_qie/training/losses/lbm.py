@@ -11,8 +11,9 @@ DiffSynth's scheduler convention throughout: σ = 1 at the prior, σ = 0 at the 
 
 Bridge ``x_σ = (1−σ)·z_T + σ·z_prior + s·√(σ(1−σ))·ε``, regression target
 ``v* = z_prior − z_T`` (``models/samplers/bridge.py``, shared with the sampler). The DiT sees the noisy target tokens next to the reference
-images' tokens and the cached prompt embedding exactly as in editing (``zero_cond_t``
-from the run config), so the sampler (``models/samplers/sampling.py``: start at the prior,
+images' tokens and the cached prompt embedding exactly as in editing, through the model family's DiT call
+(``FamilyOps.forward``: ``zero_cond_t`` from the run config for Qwen-Image-Edit; Qwen-Image-2.1 reads the
+references in its prefix at t=0 whatever σ the target is at), so the sampler (``models/samplers/sampling.py``: start at the prior,
 σ_k = linspace(1, 1/N, N), Euler ``x ← x + (σ_{k+1} − σ_k)·v``) runs the same
 conditioning. Loss: MSE over the target tokens, optionally ``back_mask``-weighted
 (``--mask_loss_weights``), at weight 1 — not DiffSynth's bell-shaped
@@ -22,7 +23,7 @@ conditioning. Loss: MSE over the target tokens, optionally ``back_mask``-weighte
 Per sample, in this order from the loss's generator: a uniform draw u for the stream
 (sub when ``u < p_sub``), σ, then ε. A sample that lacks what its stream needs (no
 ``lbm_source_latents``: a text-to-image row) takes the other stream, so every row is
-used. The whole batch is one ``dit_forward`` call.
+used. The whole batch is one call of the family's forward.
 
 This module imports no torch at import time (``qie --help`` builds the flags from
 :class:`LBMConfig`); its :class:`~.spec.LossSpec` is ``SPEC`` at the end, listed in ``registry.py``.
@@ -126,8 +127,8 @@ class BridgeEnds:
     """One sample's bridge: which stream, its prior (σ = 1) and target (σ = 0), loss mask."""
 
     stream: str                         # "main" | "sub"
-    prior: "Tensor"                     # [16, h, w]
-    target: "Tensor"                    # [16, h, w]
+    prior: "Tensor"                     # [C, h, w] (the family's latent channels)
+    target: "Tensor"                    # [C, h, w]
     back_mask: Optional["Tensor"]       # [1, h, w] at the target's latent size, or None
 
 
@@ -238,14 +239,18 @@ def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = 
     """
     import torch
 
-    from ...models.qwen_image_edit.forward import dit_forward
+    from ...models.family_ops import ops_for
+    from ...models.presets import family_of
     from .common import mask_weights, per_sample_mse
 
     lbm = lbm_config_of(config)
+    ops = ops_for(family_of(config.train.model))  # the family's DiT call (2.1: references in its t=0 prefix)
     bridge = make_bridge_batch(batch, lbm, generator)
     first = bridge.noisy[0]
-    pred = dit_forward(
-        dit, bridge.noisy, bridge.timesteps.to(first.device), batch["prompt_emb"], batch["edit_latents"],
+    extras = batch.get("prompt_extras") or [{}] * len(bridge.noisy)
+    pred = ops.forward(
+        dit, bridge.noisy, bridge.timesteps.to(first.device),
+        [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)], batch["edit_latents"],
         zero_cond_t=bool(config.train.zero_cond_t),
         use_gradient_checkpointing=bool(config.train.gradient_checkpointing) and torch.is_grad_enabled(),
     )
