@@ -22,7 +22,9 @@ PACKAGE = Path(diffsynth_qie.__file__).resolve().parent
 # resolve in this repository or in the installed DiffSynth.
 EXTERNAL = ("comfy/", "loaders/lora_conversion_utils.py", "examples/", "generate_with_diffusers.py",
             # the LoRA runtimes of docs/LORA_RUNTIMES.md
-            "src/diffusers/", "src/musubi_tuner/", "python/sglang/", "vllm_omni/", "nunchaku/")
+            "src/diffusers/", "src/musubi_tuner/", "python/sglang/", "vllm_omni/", "nunchaku/",
+            # the public edit benchmarks' scorers of docs/SCORECARD.md
+            "step2_basic_bench.py")
 # (a placeholder such as ``models/<family>/<family>_ops.py`` or ``tests/test_<name>.py`` names no file)
 SOURCE = re.compile(r"(?<![\w./:>-])((?:[\w-]+/)*[\w-]+\.(?:py|sh))\b")
 TOP_DIRS = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")

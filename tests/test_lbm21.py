@@ -213,5 +213,5 @@ def test_an_editor_of_a_family_without_a_bridge_refuses_lbm_steps(tiny21_dir, mo
 
     monkeypatch.setattr(type(ops_for(QWEN21)), "supports_lbm", False)
     editor = Editor(load_pipeline("tiny-2.1", model_dir=tiny21_dir, device="cpu", torch_dtype=torch.float32))
-    with pytest.raises(ValueError, match="has no LBM LoRAs"):
+    with pytest.raises(ValueError, match="has no LBM sampler"):
         editor.edit(EditRequest(images=[Image.new("RGB", (64, 64))], prompt="x", lbm_steps=1))

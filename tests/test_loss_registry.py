@@ -109,7 +109,11 @@ def test_capabilities_not_names_decide(monkeypatch):
     strat = LossSpec(name="strat2", summary="another flow loss", fn=_toy_loss, stratified_sigma=True)
     for spec in (bridge, strat):
         monkeypatch.setitem(LOSSES, spec.name, spec)
-    with pytest.raises(ValueError, match="--loss bridge2 is built for Qwen-Image-Edit"):
+    from diffsynth_qie.models.family import QWEN21
+    from diffsynth_qie.models.family_ops import ops_for
+
+    monkeypatch.setattr(type(ops_for(QWEN21)), "supports_lbm", False)  # a family without a bridge path
+    with pytest.raises(ValueError, match="--loss bridge2 is a bridge .LBM. loss; --model tiny-2.1 is .* no bridge path"):
         _config("bridge2").resolved(get_preset("tiny-2.1"))
     assert _config("strat2", timestep_sampling="stratified").resolved().loss.loss == "strat2"
 

@@ -250,16 +250,21 @@ def test_generate_uses_the_image_the_editor_was_given(tmp_path):
 
 
 # --- defaults and checks that follow the model (review 4, bug 13) -----------------------------------
-def test_a_21_model_gets_its_own_defaults_and_no_lbm(tmp_path):
+def test_a_21_model_gets_its_own_defaults_and_lbm_only_where_its_family_has_it(tmp_path, monkeypatch):
+    from diffsynth_qie.models.family import QWEN21
+    from diffsynth_qie.models.family_ops import ops_for
     from diffsynth_qie.ui.lora_picker import LoraInfo
     from diffsynth_qie.ui.model_fit import (check_lora_size, check_sampler, default_cfg, family_label,
                                             licence_note)
     from diffsynth_qie.ui.startup import random_label
 
     h = UIHandlers(UIConfig(model="tiny-2.1", lora_dir=str(tmp_path), examples=""))
+    assert MODE_LBM in [value for _, value in h.mode_choices()]  # 2.1 has an LBM path
+    check_sampler("tiny-2.1", MODE_LBM)
+    monkeypatch.setattr(type(ops_for(QWEN21)), "supports_lbm", False)  # a family without one
     assert MODE_LBM not in [value for _, value in h.mode_choices()]
     assert MODE_LBM in [value for _, value in UIHandlers(UIConfig(lora_dir=str(tmp_path))).mode_choices()]
-    with pytest.raises(UIError, match="LBM sampler is built for Qwen-Image-Edit"):
+    with pytest.raises(UIError, match="tiny-2.1 is Qwen-Image-2.1, which has no LBM sampler"):
         check_sampler("tiny-2.1", MODE_LBM)
     editor = {"background": _photo(), "layers": []}
     with pytest.raises(UIError, match="LBM"):  # refused by the precheck, before any model load

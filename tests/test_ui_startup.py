@@ -190,7 +190,7 @@ def keep_threads():
     torch.set_num_threads(threads)
 
 
-def test_threads_flag(keep_threads):
+def test_threads_flag(keep_threads, monkeypatch):
     import torch
 
     from diffsynth_qie.ui.config import UIConfig
@@ -213,4 +213,7 @@ def test_threads_flag(keep_threads):
     assert 1 <= n <= max(1, cores // 2) and n <= 4
     assert apply_threads(UIConfig(device="cpu")) == n and torch.get_num_threads() == n
     torch.set_num_threads(2)
+    import diffsynth_qie.models.load.devices as devices
+
+    monkeypatch.setattr(devices, "check_device_flags", lambda values: None)  # as on a machine with a GPU
     assert apply_threads(UIConfig(device="cuda")) is None and torch.get_num_threads() == 2  # a GPU: left alone

@@ -16,7 +16,7 @@ multi-image template chosen by the preset.
 Where Qwen-Image-2.1 differs (``models/family_ops.py``): sides are multiples of 32, each reference is sized as
 2.1's pipeline sizes it at inference (the target's area at the reference's aspect ratio), images enter the VAE
 as RGBA (16x, 64 channels), the mask is averaged over 16x16 blocks, prompts hold their references' slot mask,
-and no LBM source is stored (LBM is built for Qwen-Image-Edit only).
+and LBM's source is stored for rows with references.
 """
 from __future__ import annotations
 

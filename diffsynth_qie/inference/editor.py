@@ -221,7 +221,7 @@ class Editor:
                 zip(images, self.ops.reference_sizes(self.pipe, images, width, height, request.ref_max_pixels))]
         lbm = request.lbm_steps is not None
         if lbm and not self.ops.supports_lbm:
-            raise ValueError(f"LBM sampling is built for Qwen-Image-Edit; {self.family.label} has no LBM LoRAs "
+            raise ValueError(f"{self.family.label} has no LBM sampler "
                              "(drop lbm_steps / --lbm_steps)")
         cfg = request.lbm_cfg if lbm else (self.family.default_cfg if request.cfg is None else request.cfg)
         if not lbm and request.scheduler == "lightning" and uses_cfg(cfg):

@@ -250,9 +250,8 @@ class RunConfig:
             ops, spec = ops_for(preset.family), loss_spec(self.loss.loss)
             if spec.bridge and not ops.supports_lbm:
                 flows = ", ".join(n for n in loss_names() if not loss_spec(n).bridge)
-                raise ValueError(f"--loss {spec.name} is built for Qwen-Image-Edit (a bridge loss); --model "
-                                 f"{preset.name} is {preset.family}, which has no bridge (LBM) path yet: train it "
-                                 f"with --loss {flows}")
+                raise ValueError(f"--loss {spec.name} is a bridge (LBM) loss; --model {preset.name} is "
+                                 f"{preset.family}, which has no bridge path: train it with --loss {flows}")
             if train.zero_cond_t and not ops.supports_zero_cond_t:
                 raise ValueError(f"--zero_cond_t is a Qwen-Image-Edit-2511 flag; --model {preset.name} conditions its "
                                  "references at t=0 by design: drop the flag")

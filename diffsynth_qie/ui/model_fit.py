@@ -22,8 +22,8 @@ def check_sampler(model: str, mode: str) -> None:
     if mode == MODE_LBM and not family_supports_lbm(model):
         from ..models.presets import family_of
 
-        raise UIError(f"the LBM sampler is built for Qwen-Image-Edit; --model {model} is {family_of(model).label}, "
-                      "which has no LBM path: pick Flow matching")
+        raise UIError(f"--model {model} is {family_of(model).label}, which has no LBM sampler: pick Flow "
+                      "matching")
 
 
 def check_lora_size(model: str, info: LoraInfo | None) -> None:
