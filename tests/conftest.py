@@ -65,6 +65,20 @@ def kill_and_resume(base: list[str], tmp_path: Path, checkpoint: str, final: str
     return ref, out
 
 
+def cache_demo21(tiny21_dir, tmp_path_factory, seed: int, name: str) -> Path:
+    """The mixed-size demo (masks, one row with two references) of ``seed``, cached for the tiny 2.1."""
+    from diffsynth_qie.cache.writer import CacheConfig, write_cache
+    from diffsynth_qie.data.demo import make_demo_data
+    from diffsynth_qie.data.formats import DatasetConfig
+
+    data = make_demo_data(tmp_path_factory.mktemp(f"demo-{name}"), num_pairs=4, seed=seed, mixed_sizes=True)
+    out = tmp_path_factory.mktemp(f"cache-{name}")
+    write_cache(CacheConfig(cache_dir=str(out), model="tiny-2.1", model_dir=str(tiny21_dir), max_pixels=128 * 128,
+                            num_workers=1, device="cpu", dtype="float32",
+                            dataset=DatasetConfig(dataset_metadata=str(data / "metadata.json"))), rank=0, world_size=1)
+    return out
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (for launchers and servers the tests start)."""
     with socket.socket() as s:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fresh_accelerate, kill_and_resume  # noqa: E402
+from conftest import cache_demo21, fresh_accelerate, kill_and_resume  # noqa: E402
 
 SCHEDULE = {"version": 1, "steps": 4, "cfg": 1.0, "sigmas": [1.0, 0.75, 0.5, 0.25]}
 
@@ -25,16 +25,7 @@ def _fresh_accelerate_state():
 
 @pytest.fixture(scope="module")
 def cache21(tiny21_dir, tmp_path_factory):
-    from diffsynth_qie.cache.writer import CacheConfig, write_cache
-    from diffsynth_qie.data.demo import make_demo_data
-    from diffsynth_qie.data.formats import DatasetConfig
-
-    data = make_demo_data(tmp_path_factory.mktemp("demo21f"), num_pairs=4, seed=2, mixed_sizes=True)
-    out = tmp_path_factory.mktemp("cache21f")
-    write_cache(CacheConfig(cache_dir=str(out), model="tiny-2.1", model_dir=str(tiny21_dir), max_pixels=128 * 128,
-                            num_workers=1, device="cpu", dtype="float32",
-                            dataset=DatasetConfig(dataset_metadata=str(data / "metadata.json"))), rank=0, world_size=1)
-    return out
+    return cache_demo21(tiny21_dir, tmp_path_factory, seed=2, name="demo21f")
 
 
 def _frozen_file(path: Path, preset: str = "tiny-2.1") -> Path:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import fresh_accelerate
+from conftest import cache_demo21, fresh_accelerate
 
 
 @pytest.fixture(autouse=True)
@@ -21,16 +21,7 @@ def _fresh_accelerate_state():
 
 @pytest.fixture(scope="module")
 def cache21(tiny21_dir, tmp_path_factory):
-    from diffsynth_qie.cache.writer import CacheConfig, write_cache
-    from diffsynth_qie.data.demo import make_demo_data
-    from diffsynth_qie.data.formats import DatasetConfig
-
-    data = make_demo_data(tmp_path_factory.mktemp("demo-lbm21"), num_pairs=4, seed=3, mixed_sizes=True)
-    out = tmp_path_factory.mktemp("cache-lbm21")
-    write_cache(CacheConfig(cache_dir=str(out), model="tiny-2.1", model_dir=str(tiny21_dir), max_pixels=128 * 128,
-                            num_workers=1, device="cpu", dtype="float32",
-                            dataset=DatasetConfig(dataset_metadata=str(data / "metadata.json"))), rank=0, world_size=1)
-    return out
+    return cache_demo21(tiny21_dir, tmp_path_factory, seed=3, name="demo-lbm21")
 
 
 def _config(cache, out, model_dir, **lbm):

@@ -140,14 +140,14 @@ def test_the_prefix_kv_cache_gives_the_same_latents_and_skips_the_prefix(pipe21)
 
 def test_turbo_samples_on_its_fixed_grid(pipe21, monkeypatch):
     from diffsynth_qie.inference import EditRequest, Editor
-    from diffsynth_qie.models.qwen_image_21 import qwen21
     from diffsynth_qie.models.presets import TURBO_SIGMAS
+    from diffsynth_qie.models.qwen_image_21 import qwen21_ops
 
     turbo = dataclasses.replace(pipe21.qie_preset, sigmas=TURBO_SIGMAS)
     monkeypatch.setattr(pipe21, "qie_preset", turbo)
     used = []
-    real = qwen21.scheduler21
-    monkeypatch.setattr(qwen21, "scheduler21", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    real = qwen21_ops.flow_match_scheduler  # what the family's schedule(spec) builds with
+    monkeypatch.setattr(qwen21_ops, "flow_match_scheduler", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
     editor = Editor(pipe21)
     assert editor.default_steps() == 8
     editor.edit(EditRequest(images=[_image(64, 64, (200, 30, 30))], prompt="make it blue", seed=0))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fresh_accelerate  # noqa: E402
+from conftest import cache_demo21, fresh_accelerate  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -19,17 +19,7 @@ def _fresh_accelerate_state():
 
 @pytest.fixture(scope="module")
 def cache21(tiny21_dir, tmp_path_factory):
-    """The mixed-size demo (masks, one row with two references), cached for the tiny 2.1."""
-    from diffsynth_qie.cache.writer import CacheConfig, write_cache
-    from diffsynth_qie.data.demo import make_demo_data
-    from diffsynth_qie.data.formats import DatasetConfig
-
-    data = make_demo_data(tmp_path_factory.mktemp("demo21"), num_pairs=4, seed=2, mixed_sizes=True)
-    out = tmp_path_factory.mktemp("cache21")
-    write_cache(CacheConfig(cache_dir=str(out), model="tiny-2.1", model_dir=str(tiny21_dir), max_pixels=128 * 128,
-                            num_workers=1, device="cpu", dtype="float32",
-                            dataset=DatasetConfig(dataset_metadata=str(data / "metadata.json"))), rank=0, world_size=1)
-    return out
+    return cache_demo21(tiny21_dir, tmp_path_factory, seed=2, name="demo21")
 
 
 def _config(cache, out, model_dir, loss=None, **train):

@@ -55,7 +55,7 @@ def test_the_output_moves_away_from_the_source_as_strength_rises(editor, lbm):
 def test_strength_is_checked_and_refused_on_a_fixed_grid(editor, capsys):
     from diffsynth_qie.cli import build_parser
     from diffsynth_qie.inference import EditRequest
-    from diffsynth_qie.models.qwen_image_21.qwen21 import scheduler21
+    from diffsynth_qie.models.samplers.schedules import flow_match_scheduler
 
     with pytest.raises(ValueError, match=r"strength must be in \[0, 1\]"):
         editor.edit(EditRequest(images=[_image()], prompt="x", strength=1.5))
@@ -63,7 +63,7 @@ def test_strength_is_checked_and_refused_on_a_fixed_grid(editor, capsys):
         build_parser().parse_args(["edit", "--strength", "2"])
     assert "--strength: 2 is out of range" in capsys.readouterr().err
     with pytest.raises(ValueError, match="a fixed grid .* has no other starting points"):
-        scheduler21(2, 4, 4, sigmas=(1.0, 0.5), strength=0.5)
+        flow_match_scheduler(2, 16, sigmas=(1.0, 0.5), strength=0.5)
 
 
 def test_the_web_ui_passes_the_strength_slider(tiny_model_dir, tmp_path):

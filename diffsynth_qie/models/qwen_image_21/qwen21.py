@@ -1,4 +1,4 @@
-"""Qwen-Image-2.1's side of the family seam: encoding, the DiT forward with its prefix KV cache, the schedule.
+"""Qwen-Image-2.1's side of the family seam: encoding, the DiT forward with its prefix KV cache.
 
 DiffSynth's own pieces do the work: ``QwenImage21Unit_EditImageEmbedder`` (references resized to the
 output's area in multiples of 32, RGBA, VAE-encoded), ``QwenImage21Unit_PromptEmbedder`` (Qwen3-VL over the
@@ -16,7 +16,7 @@ template with one ``<|image_pad|>`` slot per reference, the pre-norm hidden stat
   attend only to itself, so its keys and values are the same at every step: :class:`Cond21` holds one
   cache per prompt (positive, negative), filled on the first step and reused after. DiffSynth's pipeline
   does the same; we keep it when we drive the sampler ourselves.
-- **Fixed sigmas.** ``2.1-turbo`` samples on a fixed grid (``Preset.sigmas``) with no shift.
+- **Fixed sigmas.** ``2.1-turbo`` samples on a fixed grid (``Preset.sigmas``) with no shift (``Qwen21Ops.schedule``).
 """
 from __future__ import annotations
 
@@ -197,22 +197,3 @@ def velocity21(dit, cond: Cond21, cfg: float = 1.0):
         return torch.stack([n + cfg * (p - n) for p, n in zip(pos, neg)])
 
     return velocity
-
-
-def scheduler21(steps: int, latent_h: int, latent_w: int, sigmas: Optional[Sequence[float]] = None,
-                strength: float = 1.0):
-    """DiffSynth's ``FlowMatchScheduler("Qwen-Image")`` as ``QwenImage21Pipeline.__call__`` sets it up: shifted by
-    the image-token count (one token per latent), or a fixed grid (``sigmas``, the Turbo preset's)."""
-    from diffsynth.diffusion import FlowMatchScheduler
-
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if sigmas is not None and len(sigmas) != steps:
-        raise ValueError(f"this model samples on a fixed grid of {len(sigmas)} steps; pass --steps {len(sigmas)}")
-    if sigmas is not None and strength < 1.0:
-        raise ValueError("--strength below 1 starts part-way through a schedule; a fixed grid (2.1-turbo) has no "
-                         "other starting points: use the 2.1 preset")
-    scheduler = FlowMatchScheduler("Qwen-Image")
-    scheduler.set_timesteps(steps, denoising_strength=strength, dynamic_shift_len=latent_h * latent_w,
-                            sigmas=None if sigmas is None else list(sigmas))
-    return scheduler

@@ -17,7 +17,7 @@ from . import qwen21
 from ..prompts import check_prompt_length
 from ..family import QWEN21, Family
 from ..family_ops import FamilyOps
-from ..samplers.schedules import ScheduleSpec
+from ..samplers.schedules import ScheduleSpec, flow_match_scheduler
 
 
 @dataclass
@@ -99,7 +99,8 @@ class Qwen21Ops(FamilyOps):
         if spec.lightning:
             raise ValueError("scheduler 'lightning' is for Qwen-Image-Edit's Lightning LoRAs; Qwen-Image-2.1 samples "
                              "with its own schedule (use the 2.1-turbo preset for few steps)")
-        return qwen21.scheduler21(spec.steps, *spec.latent_hw, sigmas=spec.sigmas, strength=spec.strength)
+        # 2.1's pipeline shifts by its image-token count: one token per latent
+        return flow_match_scheduler(spec.steps, spec.latent_hw[0] * spec.latent_hw[1], spec.strength, spec.sigmas)
 
     def decode(self, pipe, latents):
         return qwen21.decode21(pipe, latents)

@@ -53,10 +53,11 @@ class ScheduleSpec:
         return cls(int(steps), tuple(latent_hw), kind, float(strength), grid)
 
 
-def flow_match_scheduler(steps: int, latent_h: int, latent_w: int, strength: float = 1.0,
+def flow_match_scheduler(steps: int, image_tokens: int, strength: float = 1.0,
                          sigmas: Optional[Sequence[float]] = None):
-    """DiffSynth's Qwen-Image scheduler set up as ``QwenImagePipeline.__call__`` does (``strength`` < 1: its
-    ``denoising_strength``), or on a fixed grid of ``sigmas``."""
+    """DiffSynth's Qwen-Image scheduler as the pipelines set it up: shifted by the image's token count
+    (``dynamic_shift_len``: each family counts its own tokens), ``strength`` < 1 its ``denoising_strength``; or a
+    fixed grid of ``sigmas`` (DiffSynth applies no shift to a grid)."""
     from diffsynth.diffusion import FlowMatchScheduler
 
     if steps < 1:
@@ -64,14 +65,13 @@ def flow_match_scheduler(steps: int, latent_h: int, latent_w: int, strength: flo
     if sigmas is not None and len(sigmas) != steps:
         raise ValueError(f"this model samples on a fixed grid of {len(sigmas)} steps; pass --steps {len(sigmas)}")
     if sigmas is not None and strength < 1.0:
-        raise ValueError("--strength below 1 starts part-way through a schedule; a fixed grid has no other "
-                         "starting points: use a preset without one")
+        raise ValueError("--strength below 1 starts part-way through a schedule; a fixed grid (e.g. 2.1-turbo's) has "
+                         "no other starting points: use a preset without one")
     scheduler = FlowMatchScheduler("Qwen-Image")
     if sigmas is not None:
         scheduler.set_timesteps(steps, sigmas=list(sigmas))
         return scheduler
-    height, width = latent_h * 8, latent_w * 8
-    scheduler.set_timesteps(steps, denoising_strength=strength, dynamic_shift_len=(height // 16) * (width // 16))
+    scheduler.set_timesteps(steps, denoising_strength=strength, dynamic_shift_len=image_tokens)
     return scheduler
 
 
@@ -84,4 +84,5 @@ def edit_schedule(spec: ScheduleSpec):
             raise ValueError("this preset samples on its own fixed grid; the Lightning schedule is for the base "
                              "model's Lightning LoRAs: use --scheduler default")
         return lightning_scheduler(spec.steps, *spec.latent_hw, spec.strength)
-    return flow_match_scheduler(spec.steps, *spec.latent_hw, spec.strength, spec.sigmas)
+    height, width = spec.latent_hw[0] * 8, spec.latent_hw[1] * 8  # Qwen-Image-Edit: one token per 16×16 pixels
+    return flow_match_scheduler(spec.steps, (height // 16) * (width // 16), spec.strength, spec.sigmas)
