@@ -249,7 +249,7 @@ def test_generate_uses_the_image_the_editor_was_given(tmp_path):
     assert np.array_equal(np.asarray(job.image), np.asarray(new))
 
 
-# --- defaults and checks that follow the model (review 4, bug 13) -----------------------------------
+# --- defaults and checks that follow the model -----------------------------------------------
 def test_a_21_model_gets_its_own_defaults_and_lbm_only_where_its_family_has_it(tmp_path, monkeypatch):
     from diffsynth_qie.models.family import QWEN21
     from diffsynth_qie.models.family_ops import ops_for

@@ -534,7 +534,7 @@ def test_prompt_tokens_are_refused_before_queueing_once_the_model_is_loaded(ui):
 
 
 def test_a_failed_run_keeps_the_result_and_says_so(ui, monkeypatch):
-    """Review 4, bug 1: an error inside the run was raised as gr.Error, which blanked the result ("Error") and left
+    """An error inside the run was raised as gr.Error, which blanked the result ("Error") and left
     Generate locked. Now the run answers with a status (and a toast), and the outputs on screen are left as they are."""
     import gradio as gr
 
@@ -551,7 +551,7 @@ def test_a_failed_run_keeps_the_result_and_says_so(ui, monkeypatch):
 
 
 def test_stop_keeps_the_finished_variations(ui):
-    """Review 4, bug 4: Stop threw away the variations that had finished."""
+    """Stop threw away the variations that had finished."""
     def progress(done, total, desc):
         if desc.startswith("variation 2/3") and done == 1:
             ui.request_stop()
@@ -570,7 +570,7 @@ def test_progress_names_the_variation_and_the_time_left(ui):
 
 
 def test_a_closed_tab_stops_its_generation(ui):
-    """Review 4, bug 3: a closed tab's job ran to its end while everyone else waited."""
+    """A closed tab's job ran to its end while everyone else waited."""
     from types import SimpleNamespace
 
     from diffsynth_qie.ui.events import Callbacks
@@ -586,7 +586,7 @@ def test_a_closed_tab_stops_its_generation(ui):
 
 
 def test_results_are_kept_on_disk_and_come_back(ui, tmp_path):
-    """Review 4, bugs 5, 6, 9: results, inputs, mask and references kept in --outputs_dir, the history rebuilt from
+    """Results, inputs, mask and references kept in --outputs_dir, the history rebuilt from
     it, the command with every file (references included) by absolute path, the PNG text naming the references."""
     import shlex
 
