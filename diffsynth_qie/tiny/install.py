@@ -44,6 +44,15 @@ def ensure_built(out_dir: str | os.PathLike, seed: int | None, build, complete, 
     return out_dir
 
 
+def model_config(module, model_class: str, model_name: str, **extra_kwargs) -> dict:
+    """A ``MODEL_CONFIGS`` entry for ``module``'s weight file: DiffSynth finds it by the hash of its key names and
+    shapes, and builds ``model_class(**extra_kwargs)`` for it."""
+    from diffsynth.core.loader import hash_state_dict_keys
+
+    return {"model_hash": hash_state_dict_keys(module.state_dict()), "model_name": model_name,
+            "model_class": model_class, "extra_kwargs": extra_kwargs}
+
+
 def register_model_configs(entries, parents: dict[str, str]) -> None:
     """Append ``entries`` to DiffSynth's ``MODEL_CONFIGS`` list object (idempotent), and give each of our
     subclasses (``parents``: ours -> DiffSynth's class) its parent's VRAM-management module map."""

@@ -89,17 +89,13 @@ _VAE_CLASS = f"{__name__}.TinyConvQwenImageVAE"
 @functools.lru_cache(maxsize=1)
 def tiny_vae_model_config() -> dict:
     """The ``MODEL_CONFIGS`` entry of the conv VAE's weight file (hash of its key names and shapes)."""
-    from diffsynth.core.loader import hash_state_dict_keys
+    from .install import model_config
 
-    sd = TinyConvQwenImageVAE().state_dict()
-    return {"model_hash": hash_state_dict_keys(sd), "model_name": "qwen_image_vae", "model_class": _VAE_CLASS,
-            "extra_kwargs": {"widths": list(WIDTHS), "z_dim": Z_DIM}}
+    return model_config(TinyConvQwenImageVAE(), _VAE_CLASS, "qwen_image_vae", widths=list(WIDTHS), z_dim=Z_DIM)
 
 
 def register_tiny_vae_config() -> None:
     """Append the conv VAE to ``diffsynth.configs.MODEL_CONFIGS`` (idempotent; same list object)."""
-    from diffsynth.configs import MODEL_CONFIGS
+    from .install import register_model_configs
 
-    entry = tiny_vae_model_config()
-    if not any(c["model_hash"] == entry["model_hash"] and c["model_class"] == _VAE_CLASS for c in MODEL_CONFIGS):
-        MODEL_CONFIGS.append(dict(entry))
+    register_model_configs((tiny_vae_model_config(),), {})

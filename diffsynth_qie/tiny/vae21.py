@@ -79,11 +79,9 @@ _VAE_CLASS = f"{__name__}.TinyConvQwenImage21VAE"
 @functools.lru_cache(maxsize=1)
 def tiny_vae21_model_config() -> dict:
     """The ``MODEL_CONFIGS`` entry of the conv VAE's weight file (hash of its key names and shapes)."""
-    from diffsynth.core.loader import hash_state_dict_keys
+    from .install import model_config
 
-    sd = TinyConvQwenImage21VAE().state_dict()
-    return {"model_hash": hash_state_dict_keys(sd), "model_name": "qwen_image_21_vae", "model_class": _VAE_CLASS,
-            "extra_kwargs": {"widths": list(WIDTHS), "z_dim": Z_DIM}}
+    return model_config(TinyConvQwenImage21VAE(), _VAE_CLASS, "qwen_image_21_vae", widths=list(WIDTHS), z_dim=Z_DIM)
 
 
 def register_tiny_vae21_config() -> None:
