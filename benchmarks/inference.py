@@ -49,7 +49,7 @@ from benchmarks import build, common
 
 log = logging.getLogger("benchmarks.inference")
 
-CASES = ("ours", "stock", "lbm")
+CASES = ("ours", "stock", "lbm", "lightning")
 PROMPT = "change the color of the red dress to deep blue and make the background a sunny beach"
 
 
@@ -66,6 +66,11 @@ class InferBenchConfig:
     cfg_scale: float = field(default=4.0, metadata={"help": "true CFG scale"})
     lbm_steps: Optional[list[int]] = field(default=None, metadata={
         "help": "LBM step counts (default 1 2 4; tiny 1 2)", "metavar": "N"})
+    lightning_steps: list[int] = field(default_factory=lambda: [4, 8], metadata={
+        "help": "'lightning' case: ours with the Lightning schedule at CFG 1, at each of these step counts",
+        "metavar": "N"})
+    parity_steps: Optional[int] = field(default=None, metadata={
+        "help": "compare ours with stock's final latents at this many steps first (default: tiny only, at --steps)"})
     repeats: Optional[int] = field(default=None, metadata={"help": "timed images per case (default 3; tiny 1)"})
     seed: int = field(default=0, metadata={"help": "seed of weights, image and noise"})
     prompt: str = field(default=PROMPT, metadata={"help": "edit instruction"})
@@ -129,23 +134,26 @@ def stock_call(pipe, image: Image.Image, cfg: InferBenchConfig, steps: int, reco
             del pipe.vae.decode
 
 
-def ours_call(editor, image: Image.Image, cfg: InferBenchConfig, steps: int, lbm_steps: int | None = None):
-    """``Editor.edit`` with the same request (flow matching, or LBM with ``lbm_steps``)."""
+def ours_call(editor, image: Image.Image, cfg: InferBenchConfig, steps: int, lbm_steps: int | None = None,
+              scheduler: str = "default"):
+    """``Editor.edit`` with the same request (flow matching, LBM with ``lbm_steps``, or the Lightning schedule
+    at CFG 1 with ``scheduler="lightning"``)."""
     from diffsynth_qie.inference import EditRequest
 
-    request = EditRequest(images=[image], prompt=cfg.prompt, negative_prompt="", steps=steps, cfg=cfg.cfg_scale,
+    request = EditRequest(images=[image], prompt=cfg.prompt, negative_prompt="", steps=steps,
+                          cfg=1.0 if scheduler == "lightning" else cfg.cfg_scale, scheduler=scheduler,
                           seed=cfg.seed, height=cfg.size, width=cfg.size, ref_max_pixels=None, lbm_steps=lbm_steps)
     return editor.edit(request)
 
 
-def parity(pipe, editor, image, cfg: InferBenchConfig) -> dict:
-    """Final latents of ours vs stock at the same seed (tiny fp32: equal up to rounding)."""
+def parity(pipe, editor, image, cfg: InferBenchConfig, steps: int) -> dict:
+    """Final latents of ours vs stock at the same seed after ``steps`` (tiny fp32: equal up to rounding)."""
     record: dict = {}
-    stock_call(pipe, image, cfg, cfg.steps, record)
-    ours = ours_call(editor, image, cfg, cfg.steps).latents
+    stock_call(pipe, image, cfg, steps, record)
+    ours = ours_call(editor, image, cfg, steps).latents
     ref = record["latents"]
     rel = float((ours - ref).norm() / ref.norm().clamp_min(1e-12))
-    return {"seed": cfg.seed, "steps": cfg.steps, "rel_diff_latents": rel,
+    return {"seed": cfg.seed, "steps": steps, "dtype": str(pipe.torch_dtype).replace("torch.", ""), "rel_diff_latents": rel,
             "stock_latents_norm": float(ref.norm()), "ours_latents_norm": float(ours.norm())}
 
 
@@ -157,7 +165,7 @@ def run_case(case: str, impl: str, fn: Callable[[], object], warm: Callable[[], 
     row = {
         "id": f"inference/{case}/{impl}/steps={steps}/{cfg.size}px/{opt_key}" + (f"/{cfg.tag}" if cfg.tag else ""),
         "script": "inference", "case": case, "impl": impl, "num_inference_steps": steps,
-        "cfg_scale": cfg.cfg_scale if case != "lbm" else 1.0, "size": cfg.size, "reference_images": 1,
+        "cfg_scale": cfg.cfg_scale if case in ("edit",) else 1.0, "size": cfg.size, "reference_images": 1,
         "dit_forwards": dit_forwards, "options": opts, "tag": cfg.tag, "tiny": cfg.tiny, "repeats": cfg.repeats,
         "seed": cfg.seed, "dtype": "fp32" if cfg.tiny else "bf16", "status": "not run",
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra, **env,
@@ -218,9 +226,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     extra = {"text_len": text_len}
 
     parity_result = None
-    if cfg.tiny:
-        parity_result = parity(pipe, editor, image, cfg)
-        log.info("parity (tiny, fp32): rel. diff of final latents %.2e", parity_result["rel_diff_latents"])
+    parity_steps = cfg.parity_steps or (cfg.steps if cfg.tiny else 0)
+    if parity_steps:
+        parity_result = parity(pipe, editor, image, cfg, parity_steps)
+        log.info("parity (%d steps): rel. diff of final latents %.2e", parity_steps, parity_result["rel_diff_latents"])
 
     plan: list[tuple[str, str, Callable, Callable, int, int]] = []
     warm_steps = 2
@@ -234,6 +243,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for n in cfg.lbm_steps:
             plan.append(("lbm", "ours", (lambda n=n: ours_call(editor, image, cfg, cfg.steps, lbm_steps=n)),
                          (lambda n=n: ours_call(editor, image, cfg, cfg.steps, lbm_steps=n)), n, n))
+    if "lightning" in cfg.cases:
+        for n in cfg.lightning_steps:
+            plan.append(("lightning", "ours", (lambda n=n: ours_call(editor, image, cfg, n, scheduler="lightning")),
+                         (lambda n=n: ours_call(editor, image, cfg, n, scheduler="lightning")), n, n))
     rows = []
     meta = {"inference_parity": parity_result} if parity_result else None
     for case, impl, fn, warm, steps, forwards in plan:

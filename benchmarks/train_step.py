@@ -56,7 +56,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 
 import torch
 
-from benchmarks import build, common, flops
+from benchmarks import build, common, flops, numerics
 from benchmarks.ours_step import (make_ours_step, make_samples, our_module, parity_losses, set_checkpointing,
                                   set_lora_dtype)
 from benchmarks.stock_step import make_stock_step, stock_inputs, stock_pipeline  # noqa: F401
@@ -101,6 +101,15 @@ class TrainBenchConfig:
         "help": "store the frozen block weights in FP8 (e4m3, per-channel scale; bf16 compute), as `qie train --fp8_base`"})
     selective_checkpointing: int = field(default=0, metadata={
         "help": "also run with every k-th block checkpointed (0 = off)", "metavar": "K"})
+    blocks_to_swap: list[int] = field(default_factory=list, metadata={
+        "help": "also run ours at batch 1 (checkpointing on) with each of these --blocks_to_swap", "metavar": "N"})
+    sdpa_rows: list[str] = field(default_factory=list, metadata={
+        "help": "also run ours at batch 1 (checkpointing on) under each of these attention backends", "metavar": "B"})
+    fp8_row: bool = field(default=False, metadata={
+        "help": "last, quantise the base to FP8 (as --fp8_base) and run ours at batch 1 with checkpointing"})
+    numerics: bool = field(default=False, metadata={
+        "help": "bf16 checks at this size (benchmarks/numerics.py): loss vs stock, block-swap bit parity, "
+                "unmerged LoRA vs merged fp32"})
     tag: str = field(default="", metadata={"help": "label appended to row ids (e.g. an attempt name)"})
     device: Optional[str] = field(default=None, metadata={"help": "device override (default cuda; tiny: cpu)"})
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
@@ -147,18 +156,23 @@ def plan_cases(cfg: TrainBenchConfig) -> list[CaseSpec]:
 
 # --- one case ----------------------------------------------------------------------------
 def run_case(spec: CaseSpec, ckpt: str, rank: int, module, pipe, dims: flops.DiTDims, cfg: TrainBenchConfig,
-             device: torch.device, dtype: torch.dtype, matmul_rate: float, env: dict) -> dict:
-    """Time one case; returns its result row (status ``ok``, ``OOM`` or ``error: ...``)."""
+             device: torch.device, dtype: torch.dtype, matmul_rate: float, env: dict, swap: int = 0) -> dict:
+    """Time one case (``swap``: blocks streamed from the host); returns its result row (status ``ok``, ``OOM``
+    or ``error: ...``)."""
     entries = make_samples(spec.samples, dims.text_dim, cfg.seed, device, dtype)
     lora_params = list(module.trainable_modules())
     forward_ckpt = ckpt == "on"
     undo = build.wrap_selective_checkpointing(module.dit, int(ckpt.split("_")[1])) if ckpt.startswith("every_") \
         else (lambda: None)
-    step = optimizer = None
-    row = base_row(spec, ckpt, rank, cfg, env)
+    step = optimizer = swapper = None
+    row = base_row(spec, ckpt, rank, cfg, env, swap)
     try:
         if spec.impl == "ours":
             set_lora_dtype(lora_params, torch.float32 if cfg.lora_fp32 else dtype)
+            if swap:
+                from diffsynth_qie.memory.block_swap import BlockSwapper
+
+                swapper = BlockSwapper(module.dit, swap, device, "cpu").install()
             set_checkpointing(module, forward_ckpt)
             autocast = dtype if (device.type == "cuda" and cfg.lora_fp32 and dtype != torch.float32) else None
             step, optimizer = make_ours_step(module, entries, cfg.seed, autocast, device)
@@ -184,6 +198,8 @@ def run_case(spec: CaseSpec, ckpt: str, rank: int, module, pipe, dims: flops.DiT
             row.update(status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
     finally:
         undo()
+        if swapper is not None:
+            swapper.remove()
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         del step, optimizer
@@ -202,8 +218,8 @@ def options_of(cfg: TrainBenchConfig) -> dict:
             "lora_fp32": cfg.lora_fp32}
 
 
-def base_row(spec: CaseSpec, ckpt: str, rank: int, cfg: TrainBenchConfig, env: dict) -> dict:
-    opts = options_of(cfg)
+def base_row(spec: CaseSpec, ckpt: str, rank: int, cfg: TrainBenchConfig, env: dict, swap: int = 0) -> dict:
+    opts = {**options_of(cfg), **({"blocks_to_swap": swap} if swap else {})}
     opt_key = ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
     tag = f"/{cfg.tag}" if cfg.tag else ""
     return {
@@ -253,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log.info("built %s DiT (%d blocks, dim %d, %.2f B params) in %.1f s", "tiny" if cfg.tiny else "full",
              dims.num_layers, dims.dim, sum(p.numel() for p in dit.parameters()) / 1e9, time.perf_counter() - t0)
 
-    rows, parity = [], None
+    rows, parity, numerics_result = [], None, None
     for rank in cfg.lora_ranks:
         module = our_module(dit, rank, gradient_checkpointing=True, batch_size=1)
         # Start from DiffSynth's choice of adapter dtype (the pipeline dtype); each case then sets its own.
@@ -268,20 +284,37 @@ def main(argv: Sequence[str] | None = None) -> dict:
             parity = {"seed": cfg.seed, "ours": ours, "stock": stock,
                       "rel_diff": abs(ours - stock) / max(abs(stock), 1e-12)}
             log.info("parity (tiny, fp32): ours %.6g, stock %.6g, rel. diff %.2e", ours, stock, parity["rel_diff"])
+        if cfg.numerics and numerics_result is None:
+            entry = make_samples(specs[0].samples[:1], dims.text_dim, cfg.seed, device, dtype)[0]
+            numerics_result = numerics.run_all(module, pipe, entry, cfg.seed, device,
+                                               min(16, len(dit.transformer_blocks) - 1) or 1)
+            log.info("numerics: %s", numerics_result)
+        meta = {k: v for k, v in (("parity", parity), ("numerics", numerics_result)) if v}
+
+        def run(spec, ckpt, run_cfg=cfg, swap=0):
+            rows.append(run_case(spec, ckpt, rank, module, pipe, dims, run_cfg, device, dtype, matmul_rate, env, swap))
+            common.write_results(rows, cfg.out_dir, env["gpu"], date, extra=meta or None)
+
         for ckpt in modes:
             for spec in specs:
-                rows.append(run_case(spec, ckpt, rank, module, pipe, dims, cfg, device, dtype, matmul_rate, env))
-                json_path, md_path = common.write_results(rows, cfg.out_dir, env["gpu"], date,
-                                                          extra={"parity": parity} if parity else None)
+                run(spec, ckpt)
+        one = plan_cases(dataclasses.replace(cfg, cases=["ours"]))[0]  # ours, batch 1
+        for backend in cfg.sdpa_rows:
+            run(one, "on", dataclasses.replace(cfg, sdpa_backend=backend))
+        for n in cfg.blocks_to_swap:
+            run(one, "on", swap=n)
+        if cfg.fp8_row and rank == cfg.lora_ranks[-1] and not cfg.fp8_base:
+            log.info("FP8 base weights: %d linear layers", build.apply_fp8_base(dit))
+            run(one, "on", dataclasses.replace(cfg, fp8_base=True))
         build.strip_lora(dit)
         if cfg.compile_blocks:
             torch._dynamo.reset()
         del module
         common.free_memory(device)
-    json_path, md_path = common.write_results(rows, cfg.out_dir, env["gpu"], date,
-                                              extra={"parity": parity} if parity else None)
+    meta = {k: v for k, v in (("parity", parity), ("numerics", numerics_result)) if v}
+    json_path, md_path = common.write_results(rows, cfg.out_dir, env["gpu"], date, extra=meta or None)
     log.info("results: %s\n%s", json_path, md_path.read_text())
-    return {"json": json_path, "markdown": md_path, "rows": rows, "parity": parity}
+    return {"json": json_path, "markdown": md_path, "rows": rows, "parity": parity, "numerics": numerics_result}
 
 
 if __name__ == "__main__":

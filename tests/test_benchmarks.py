@@ -252,13 +252,87 @@ def test_inference_tiny_smoke_and_parity(tmp_path):
     from benchmarks import inference
 
     out = inference.main(["--tiny", "--out_dir", str(tmp_path), "--steps", "2", "--lbm_steps", "1",
-                          "--log_level", "WARNING"])
+                          "--lightning_steps", "2", "--log_level", "WARNING"])
     data = json.loads(Path(out["json"]).read_text())
     rows = {(r["case"], r["impl"], r["num_inference_steps"]): r for r in data["rows"]}
-    assert set(rows) == {("edit", "stock", 2), ("edit", "ours", 2), ("lbm", "ours", 1)}
+    assert set(rows) == {("edit", "stock", 2), ("edit", "ours", 2), ("lbm", "ours", 1), ("lightning", "ours", 2)}
+    assert rows[("lightning", "ours", 2)]["cfg_scale"] == 1.0 and rows[("edit", "ours", 2)]["cfg_scale"] == 4.0
     for r in rows.values():
         assert ROW_FIELDS <= set(r) and r["status"] == "ok" and r["s_per_image"] > 0 and r["text_len"] > 0
     assert rows[("edit", "stock", 2)]["dit_forwards"] == 4 and rows[("edit", "ours", 2)]["dit_forwards"] == 2
     parity = data["inference_parity"]
     assert parity["stock_latents_norm"] > 0 and parity["rel_diff_latents"] < 1e-4
     assert "## Edit inference" in Path(out["markdown"]).read_text()
+
+
+def test_train_step_numerics_and_the_extra_rows(tmp_path):
+    """--numerics on the tiny model in fp32: loss parity, bit-identical block swapping, the unmerged LoRA branch;
+    and the rows of --blocks_to_swap, --sdpa_rows and --fp8_row, each compared with stock's plain step."""
+    from benchmarks import train_step as ts
+
+    out = ts.main(["--tiny", "--out_dir", str(tmp_path), "--cases", "ours", "stock", "--lora_ranks", "4",
+                   "--checkpointing", "on", "--numerics", "--blocks_to_swap", "1", "--sdpa_rows", "math",
+                   "--fp8_row", "--steps", "1", "--warmup", "0", "--log_level", "WARNING"])
+    num = out["numerics"]
+    assert num["loss_parity"]["rel_diff"] < 1e-6 and num["loss_parity"]["stock"] > 0
+    swap = num["block_swap_parity"]
+    assert swap["loss_equal"] and swap["grads_equal"] == swap["grads"] > 0 and swap["max_abs_grad_diff"] == 0
+    assert 0 < num["lora_branch"]["max_rel_err"] < 1e-5 and num["lora_branch"]["layers"] > 0
+    extra = {k: v for r in out["rows"] for k, v in r["options"].items()
+             if (k, v) in (("blocks_to_swap", 1), ("sdpa_backend", "math"), ("fp8_base", True))}
+    assert extra == {"blocks_to_swap": 1, "sdpa_backend": "math", "fp8_base": True}
+    assert all(r["status"] == "ok" for r in out["rows"]), [r["status"] for r in out["rows"]]
+    md = Path(out["markdown"]).read_text()
+    assert "## Numerics" in md and "bit-identical" in md
+    swap_line = next(line for line in md.splitlines() if "blocks_to_swap=1" in line)
+    assert swap_line.rstrip(" |").split("|")[-1].strip() != "–"  # × stock against stock's plain step
+
+
+def test_train21_tiny_smoke(tmp_path):
+    from benchmarks import train21
+
+    out = train21.main(["--tiny", "--out_dir", str(tmp_path), "--refs", "1", "2", "--batch", "2", "--steps", "1",
+                        "--warmup", "0", "--lora_rank", "4", "--log_level", "WARNING"])
+    rows = {(r["impl"], r["batch"], r["refs"]): r for r in out["rows"]}
+    assert set(rows) == {(i, b, n) for n in (1, 2) for i, b in (("ours", 1), ("stock", 1), ("ours", 2))}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["model"] == "2.1" and r["loss_last"] > 0
+        assert r["mfu"] == pytest.approx(r["flops_step"] / (r["median_s"] * r["matmul_tflops"] * 1e12))
+    # the references are in the prompt as 2x2-merged slots: more references, a longer prompt
+    assert rows[("ours", 1, 2)]["text_len"] > rows[("ours", 1, 1)]["text_len"]
+    assert rows[("ours", 2, 1)]["flops_step"] == 2 * rows[("ours", 1, 1)]["flops_step"]
+
+
+def test_inference21_kv_cache_rows_and_same_latents(tmp_path):
+    """The 2.1 sampling benchmark's rows, and the prefix KV cache changes the time, not the latents."""
+    from benchmarks import inference21
+    from benchmarks.train21 import TINY_LATENT, TINY_TEXT, build_dit21, make_entry
+
+    out = inference21.main(["--tiny", "--out_dir", str(tmp_path), "--refs", "2", "--steps", "2",
+                            "--turbo_steps", "2", "--log_level", "WARNING"])
+    rows = {(r["case"], r["options"]["kv_cache"]): r for r in out["rows"]}
+    assert set(rows) == {("2.1 cfg, 2 ref", True), ("2.1 cfg, 2 ref", False), ("2.1 turbo, 2 ref", True)}
+    assert rows[("2.1 cfg, 2 ref", True)]["dit_forwards"] == 4 and rows[("2.1 turbo, 2 ref", True)]["dit_forwards"] == 2
+    dit = build_dit21(True, "cpu", torch.float32).requires_grad_(False)
+    entry = make_entry(TINY_LATENT, 2, TINY_TEXT, dit.txt_in.in_layer.in_features, 0, "cpu", torch.float32)
+    negative = make_entry(TINY_LATENT, 2, 10, dit.txt_in.in_layer.in_features, 1, "cpu", torch.float32)
+    cached, plain = (inference21.sample(dit, entry, negative, 3, 4.0, kv, "default", 0) for kv in (True, False))
+    assert torch.allclose(cached, plain, atol=1e-5) and cached.abs().sum() > 0
+
+
+def test_the_plan_predicts_the_gpu_peaks_within_6_percent():
+    """qie plan against every peak measured on the GPU (benchmarks/results): the constants come from that table."""
+    from benchmarks import plan_vs_gpu
+
+    results = json.loads((REPO / "benchmarks/results/nvidia-h200-2026-11-26.json").read_text())
+    rows = {r["id"]: r for r in results["rows"]}
+    checked = 0
+    for row_id, label, flags, left_out in plan_vs_gpu.ROWS:
+        r = rows[row_id]
+        planned = plan_vs_gpu.comparable(plan_vs_gpu.plan_of(flags)[3], left_out) / 2 ** 30
+        if r["status"] == "ok":
+            assert -0.02 < planned / r["peak_mem_gib"] - 1 < 0.06, (label, planned, r["peak_mem_gib"])
+            checked += 1
+        else:  # out of memory on the GPU: the plan must say it does not fit
+            assert planned > r["peak_mem_gib"], (label, planned)
+    assert checked >= 15

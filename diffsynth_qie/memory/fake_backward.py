@@ -94,16 +94,21 @@ def backward(loss: torch.Tensor) -> None:
     if root is None:
         raise ValueError("backward: the loss does not require grad (no trainable parameter reached it)")
     consumers: dict[int, int] = {}
-    stack, seen = [root], {id(root)}
+    # Nodes are known by the id of their Python wrapper, so each wrapper is held until its node has run: a
+    # wrapper nothing holds is freed, and the next ``next_functions`` makes the same node a new one with another
+    # id (PyTorch 2.11 does). Holding it keeps nothing alive longer: the edges of its consumers hold the node
+    # until the last of them has run, and that is when it becomes ready.
+    alive = {id(root): root}
+    stack = [root]
     while stack:
         for nxt, _ in stack.pop().next_functions:
             if nxt is None:
                 continue
             consumers[id(nxt)] = consumers.get(id(nxt), 0) + 1
-            if id(nxt) not in seen:
-                seen.add(id(nxt))
+            if id(nxt) not in alive:
+                alive[id(nxt)] = nxt
                 stack.append(nxt)
-    del stack, seen
+    del stack
     grads: dict[int, list] = {id(root): [torch.ones_like(loss)]}
     ready = [(-root._sequence_nr(), 0, root)]
     del root
@@ -132,6 +137,7 @@ def backward(loss: torch.Tensor) -> None:
                 if consumers[id(nxt)] == 0:
                     heapq.heappush(ready, (-nxt._sequence_nr(), counter, nxt))
                     counter += 1
+            del alive[id(fn)]
             fn = inputs = outputs = grad = buffer = None  # drop the node: it frees what it saved
         for callback in engine.callbacks:
             callback()

@@ -66,8 +66,15 @@ def exact_pinned_memory(mb: int = PINNED_EXACT_ABOVE_MB) -> None:
         _exact_above = int(match.group(1)) << 20
         return
     setting = f"pinned_max_round_threshold_mb:{mb}"
+    try:  # the running allocator first: an older PyTorch (2.11) has no such key, and then neither may the
+        torch._C._accelerator_setAllocatorSettings(setting)  # environment, which would stop any later process
+    except (ValueError, RuntimeError, AttributeError) as exc:
+        _exact_above = NO_LIMIT
+        log.warning("PyTorch %s cannot make pinned allocations exact-size (%s): each swapped block's host buffer "
+                    "is rounded up to a power of two (up to 1.6x its size in host RAM); PyTorch 2.14 avoids that",
+                    torch.__version__, exc)
+        return
     os.environ[var] = f"{current},{setting}" if current else setting
-    torch._C._accelerator_setAllocatorSettings(setting)
     _exact_above = mb << 20
     log.debug("pinned host allocations above %d MiB are exact-size (%s)", mb, var)
 

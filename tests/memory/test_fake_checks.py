@@ -270,6 +270,27 @@ def test_swapping_sets_the_pinned_threshold_and_keeps_the_users(monkeypatch):
     assert swap_transport.pinned_allocation_bytes(int(648.2 * 2 ** 20)) == 1024 * 2 ** 20
 
 
+def test_a_pytorch_without_the_pinned_threshold_gets_a_warning_and_an_untouched_environment(monkeypatch, caplog):
+    """PyTorch 2.11's allocator refuses ``pinned_max_round_threshold_mb``: swapping must go on, warn about the
+    rounding, and leave the allocator settings of later processes alone (they would refuse them too)."""
+    import torch
+
+    from diffsynth_qie.memory import swap_transport
+
+    def refuse(setting):
+        raise ValueError(f"Unrecognized key '{setting.split(':')[0]}' in Accelerator allocator config.")
+
+    monkeypatch.setattr(swap_transport, "_exact_above", None)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse)
+    with caplog.at_level("WARNING", logger=swap_transport.__name__):
+        swap_transport.exact_pinned_memory()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert swap_transport.pinned_allocation_bytes(int(648.2 * 2 ** 20)) == 1024 * 2 ** 20  # rounded, as it is
+    assert "power of two" in caplog.text and "Unrecognized key" in caplog.text
+
+
 def test_the_plans_pinned_figure_is_what_the_pinned_allocator_takes():
     from diffsynth_qie.memory.census import DiTCensus
     from diffsynth_qie.memory.plan import PlanOptions, predict

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The whole GPU benchmark batch in one command: install what a bare GPU machine lacks, then run every
+# measurement of benchmarks/README.md, each stage under its own time limit, writing one JSON + Markdown table.
+#
+#   bash benchmarks/gpu_all.sh            # on an H100/H200: full-size random weights, ≈13 minutes
+#   bash benchmarks/gpu_all.sh --tiny     # the same stages on the CPU with the tiny models (a smoke test)
+#
+# Environment:
+#   OUT        where results/ (<gpu>-<date>.json/.md) and log.txt go (default: benchmarks/results/run-<time>)
+#   WHEELS     a folder of wheels to install first with --no-deps into /tmp/site (default: .whl if present;
+#              for a machine with torch but no registry access: diffsynth, modelscope, transformers, ...)
+#   STAGES     which stages to run, in order (default: "train infer train21 infer21 preflight")
+#   LIMIT_SCALE  an integer that multiplies every stage's time limit (default 1; the limits are about 1.5x what each stage
+#              took on an H200, where the whole batch ran in about 13 minutes)
+# Each stage's failure is logged and the next stage still runs; rows are written as they are measured, so a
+# stage stopped at its limit keeps what it finished.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+TINY=""
+[ "${1:-}" = "--tiny" ] && TINY="--tiny"
+OUT="${OUT:-benchmarks/results/run-$(date +%Y%m%d-%H%M%S)}"
+RESULTS="$OUT/results"
+LOG="$OUT/log.txt"
+mkdir -p "$RESULTS"
+PY="${PYTHON:-python3}"
+[ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && [ -n "$TINY" ] && PY=.venv/bin/python
+WHEELS="${WHEELS:-.whl}"
+if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1 && [ -z "$TINY" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl 2>&1 | tail -3
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$ROOT:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 DIFFSYNTH_SKIP_DOWNLOAD=True
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+
+{
+  echo "== $(date -u +%FT%TZ) $(hostname)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,power.draw --format=csv 2>/dev/null || true
+  "$PY" -c "import torch, transformers, diffsynth, peft, accelerate; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', \
+accelerate.__version__)"
+} 2>&1 | tee -a "$LOG"
+
+stage() {  # stage NAME LIMIT_S COMMAND...
+  local name="$1" limit; limit=$(( $2 * ${LIMIT_SCALE:-1} )); shift 2
+  echo "== stage $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "== stage $name: rc=$rc after $((SECONDS - t0))s" | tee -a "$LOG"
+}
+
+if [ -n "$TINY" ]; then S1="--steps 1 --warmup 0"; MODEL=tiny; SWAP="--blocks_to_swap 1"
+else S1="--steps 4 --warmup 1"; MODEL=2511; SWAP="--blocks_to_swap 16 30"; fi
+for s in ${STAGES:-train infer train21 infer21 preflight}; do
+  case "$s" in
+    train) stage train 420 "$PY" -m benchmarks.train_step $TINY $S1 --lora_ranks 32 --checkpointing on off \
+             $SWAP --sdpa_rows cudnn flash --fp8_row --numerics --out_dir "$RESULTS" ;;
+    infer) stage infer 200 "$PY" -m benchmarks.inference $TINY --repeats 1 --parity_steps 4 \
+             --lightning_steps 4 8 --out_dir "$RESULTS" ;;
+    train21) stage train21 150 "$PY" -m benchmarks.train21 $TINY $S1 --refs 1 3 --out_dir "$RESULTS" ;;
+    infer21) stage infer21 120 "$PY" -m benchmarks.inference21 $TINY --refs 1 3 --out_dir "$RESULTS" ;;
+    preflight)  # the fake-device verify of the defaults, on a machine with the real GPU beside it
+      stage preflight-train 120 "$PY" -m diffsynth_qie plan --model $MODEL --verify
+      stage preflight-edit 90 "$PY" -m diffsynth_qie plan --model $MODEL --task edit --verify ;;
+    *) echo "unknown stage $s (choose from train infer train21 infer21 preflight)" | tee -a "$LOG" ;;
+  esac
+done
+tail -n 60 "$RESULTS"/*.md 2>/dev/null
