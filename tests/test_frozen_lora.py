@@ -176,3 +176,66 @@ def test_training_on_a_frozen_lora_resumes_exactly_after_a_kill(cache21, tiny21_
     losses = [[json.loads(line)["loss"] for line in (d / "loss.jsonl").read_text().splitlines() if '"loss"' in line]
               for d in (ref, out)]
     assert losses[1][-2:] == pytest.approx(losses[0][-2:], rel=1e-6)
+
+
+def test_resume_on_another_frozen_lora_or_scale_is_refused_by_name(tmp_path):
+    from diffsynth_qie.lora.frozen import FrozenLora
+    from diffsynth_qie.training.resume import check_resume, frozen_identity
+
+    turbo = frozen_identity(FrozenLora(str(tmp_path / "turbo.safetensors"), 0.8, "a" * 64))
+    saved = {"config": {}, "frozen_lora": turbo}
+    assert check_resume(saved, {"config": {}, "frozen_lora": dict(turbo)}, "ckpt") == []  # same content and scale
+    moved = frozen_identity(FrozenLora(str(tmp_path / "elsewhere" / "turbo.safetensors"), 0.8, "a" * 64))
+    assert check_resume(saved, {"config": {}, "frozen_lora": moved}, "ckpt") == []  # a moved file is the same file
+    for other in (frozen_identity(FrozenLora("turbo.safetensors", 0.8, "b" * 64)),
+                  frozen_identity(FrozenLora("turbo.safetensors", 1.0, "a" * 64)), None):
+        with pytest.raises(ValueError, match=r"--frozen_lora: aaaaaaaaaaaa… at scale 0.8 -> "):
+            check_resume(saved, {"config": {}, "frozen_lora": other}, "ckpt")
+    assert check_resume({"config": {}}, {"config": {}, "frozen_lora": turbo}, "ckpt") == []  # an older checkpoint
+
+
+def test_the_training_preflight_runs_the_frozen_branches_on_the_fake_device(tmp_path):
+    """`qie train --frozen_lora` under the preflight: the frozen branches are on the fake GPU and in the step."""
+    import dataclasses
+
+    from diffsynth_qie.models.presets import get_preset
+    from diffsynth_qie.training.config import RunConfig
+    from diffsynth_qie.training.verify_preflight import preflight
+
+    frozen = _frozen_file(tmp_path / "turbo.safetensors")
+    preset = get_preset("tiny-2.1")
+
+    def report(frozen_lora):
+        cfg = RunConfig()
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, model="tiny-2.1", cache_dir="-",
+                                                                 output_dir="-"),
+                                  lora=dataclasses.replace(cfg.lora, lora_rank=4, frozen_lora=frozen_lora))
+        return preflight(cfg.resolved(preset), preset, gpu_memory_gb=80)
+
+    plain, stacked = report(None), report(str(frozen))
+    # 4 frozen layers of rank 2 (A and B), stored in the DiT's dtype on the device
+    frozen_bytes = sum(t.numel() for t in __import__("safetensors.torch").torch.load_file(str(frozen)).values())
+    assert stacked.weights - plain.weights >= frozen_bytes * 2
+    assert stacked.forward_backward_peak > plain.forward_backward_peak
+
+
+def test_first_blocks_copy_keeps_what_a_shallower_dit_has_in_every_key_format(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from diffsynth_qie.lora.frozen import first_blocks_copy
+
+    keys = ["transformer_blocks.0.attn.to_q.lora_A.weight", "transformer_blocks.1.attn.to_q.lora_A.weight",
+            "transformer_blocks.12.attn.to_q.lora_A.weight", "diffusion_model.transformer_blocks.2.img_mlp.lora_B.weight",
+            "lora_unet_transformer_blocks_1_attn_to_q.lora_down.weight",
+            "lora_unet_transformer_blocks_10_attn_to_q.lora_down.weight", "img_in.lora_A.weight"]
+    save_file({k: torch.full((2, 2), float(i)) for i, k in enumerate(keys)}, str(tmp_path / "l.safetensors"),
+              metadata={"qie_schedule": "{}"})
+    (tmp_path / "out").mkdir()
+    out = first_blocks_copy(tmp_path / "l.safetensors", 2, tmp_path / "out")
+    kept = load_file(str(out))
+    assert sorted(kept) == sorted([keys[0], keys[1], keys[4], keys[6]])
+    assert float(kept[keys[4]][0, 0]) == 4.0
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="pt") as f:
+        assert f.metadata() == {"qie_schedule": "{}"}

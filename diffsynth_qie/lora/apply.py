@@ -81,7 +81,9 @@ def _check_delta(name: str, mod: LoraModule, weight: torch.Tensor, source: str) 
     wipes out the model (all-black images). The cheap bound ``|scale| |B| |A|`` avoids
     computing the delta for every module.
     """
-    if weight.device.type == "meta":
+    from torch._subclasses.fake_tensor import is_fake
+
+    if weight.device.type == "meta" or is_fake(weight):  # no values to bound (the preflight's fake device)
         return
     limit = MAX_DELTA_RATIO * max(float(torch.linalg.vector_norm(weight, dtype=torch.float32)), 1.0)
     bound = abs(mod.scale) * float(torch.linalg.vector_norm(mod.A, dtype=torch.float32)) \

@@ -4,7 +4,8 @@ Checked against the settings the checkpoint recorded, before anything of it is l
 
 - **Refused** (one ``ValueError`` naming each setting, old -> new): what the saved tensors or the data
   order depend on: the model, the cache (its manifest's hash), the LoRA's shape (rank, alpha, targets, full
-  fine-tuned modules), the optimizer (its state has another layout), the loss.
+  fine-tuned modules), the optimizer (its state has another layout), the loss, the frozen LoRA it trains on
+  top of (``--frozen_lora``: the file's content and scale).
 - **Applied and logged**: the learning-rate schedule and the optimizer's hyper-parameters (learning rate,
   schedule, warmup, final ratio, weight decay, betas, clipping). A checkpoint's optimizer and scheduler
   state hold the old values; :func:`apply_schedule` puts the new ones in, so the next step runs at the new
@@ -46,6 +47,11 @@ def cache_identity(cache_dirs) -> list[str]:
     return out
 
 
+def frozen_identity(frozen) -> Optional[dict]:
+    """What a run trains on top of (``--frozen_lora``): the file's content hash and its scale, or None."""
+    return None if frozen is None else {"sha256": frozen.sha256, "scale": frozen.scale}
+
+
 def _get(config: dict, area: str, name: str) -> Any:
     value = (config.get(area) or {}).get(name)
     return list(value) if isinstance(value, tuple) else value
@@ -64,6 +70,11 @@ def check_resume(saved_extra: dict, extra: dict, ckpt) -> list[tuple[str, Any, A
         refused.append(f"--cache_dir: the cache changed ({', '.join(saved_extra['cache'])} -> "
                        f"{', '.join(extra.get('cache') or [])}; the data order and the step's position belong to "
                        "the old one)")
+    if "frozen_lora" in saved_extra and saved_extra["frozen_lora"] != extra.get("frozen_lora"):
+        old, now = (f"{f['sha256'][:12]}… at scale {f['scale']}" if f else "none"
+                    for f in (saved_extra.get("frozen_lora"), extra.get("frozen_lora")))
+        refused.append(f"--frozen_lora: {old} -> {now} (the saved LoRA was trained on top of the old one; the "
+                       "same file, by content, and scale resume)")
     if refused:
         raise ValueError(f"--resume {ckpt}: {'; '.join(refused)}. Resume with the checkpoint's settings, or start "
                          "a new run in another --output_dir")

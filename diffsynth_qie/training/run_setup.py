@@ -150,7 +150,7 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     from .losses.registry import loss_spec
     from .onthefly import check_on_the_fly, live_store
     from .placement import build_module, check_block_swap, device_placement
-    from .resume import apply_schedule, cache_identity, check_resume, warn_data_order
+    from .resume import apply_schedule, cache_identity, check_resume, frozen_identity, warn_data_order
     from .tracking import Tracker
     from .validation import Validator
 
@@ -197,7 +197,8 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     state = ckpt.TrainerState(seed=t.seed, world_size=accelerator.num_processes, batch_size=t.batch_size,
                               gradient_accumulation_steps=t.gradient_accumulation_steps,
                               extra={"total_steps": total_steps, "config": cfg.to_json(),
-                                     "cache": [live.identity()] if live else cache_identity(t.cache_dir)})
+                                     "cache": [live.identity()] if live else cache_identity(t.cache_dir),
+                                     "frozen_lora": frozen_identity(module.frozen)})
     if accelerator.num_processes > 1:  # every rank writes here, rank 0 renames: one directory for all nodes
         check_shared_dir(t.output_dir, accelerator.is_main_process, accelerator.wait_for_everyone)
     if accelerator.is_main_process:

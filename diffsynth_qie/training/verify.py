@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -78,6 +79,17 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
     mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests);
     ``encode=False`` leaves ``--on_the_fly``'s encoders out (the preflight builds them in one of its two runs).
     """
+    from ..lora.frozen import first_blocks_copy
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="qie-verify-") as tmp:
+        if cfg.lora.frozen_lora and num_layers is not None:  # the shallower DiT attaches its first blocks' part
+            cfg = dataclasses.replace(cfg, lora=dataclasses.replace(
+                cfg.lora, frozen_lora=str(first_blocks_copy(cfg.lora.frozen_lora, num_layers, tmp))))
+        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0)
+
+
+def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> StepReport:
     from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
     from ..models.presets import family_of
@@ -86,7 +98,6 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
     from .optim import build_optimizer
     from .verify_onthefly import on_the_fly
 
-    t0 = time.perf_counter()
     report = StepReport()
     t, family, lbm = cfg.train, family_of(preset), loss_spec(cfg.loss.loss).bridge
     with FakeCuda() as fc, family.fake_device_standin(), library_host_reads(cfg.optim.optimizer):
