@@ -1,0 +1,209 @@
+"""Rewards for reward tuning: one number per edit, higher is better, from a ``--reward`` spec.
+
+A spec is a comma-separated weighted sum of terms, ``NAME[:WEIGHT]`` (weight 1 when left out)::
+
+    preserve:0.5,fidelity:1.0           # two scorecard terms
+    preserve,mypkg.rewards:blue_circle:2    # a user's function (module:function), weight 2
+    jsonl:scores.jsonl                  # precomputed scores, one {"key": ..., "reward": ...} per line
+
+=============  =====================================================================================
+term           what (per row, higher is better)
+=============  =====================================================================================
+``preserve``   SSIM of the output against the source outside the edit region (the scorecard's
+               ``preserve_ssim``, in [0, 1]): an edit that drifts from its source loses it
+``fidelity``   SSIM of the output against the target inside the edit region (``edit_ssim``)
+``drift``      minus the global shift in pixels (``shift_px``)
+``colour``     minus the mean colour change outside the region (``colour_cast``)
+``judge``      a judge's score (``metrics/judge.py``: EditScore, an OpenAI-compatible endpoint), 0-10
+MODULE:FN      ``FN(batch: RewardBatch) -> sequence of B floats`` from an importable module
+``jsonl:PATH`` the ``reward`` of the line whose ``key`` is the row's key
+=============  =====================================================================================
+
+Every term is checked on every call: a value that is not finite, or a result that is not one number per row,
+raises ``ValueError`` naming the term. :func:`parse_reward` resolves everything up front (the module imported,
+the file read, the judge present), so a missing reward model fails before any rollout. A reward runs in
+another process with :class:`ProcessReward` (the spec is re-parsed there; the batch travels as arrays).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class RewardBatch:
+    """What a reward sees: ``[B, 3, H, W]`` in [0, 1] (``target`` and ``mask`` [B, 1, H, W] may be None)."""
+
+    source: Tensor
+    output: Tensor
+    instructions: Sequence[str]
+    keys: Sequence[str] = ()
+    target: Optional[Tensor] = None
+    mask: Optional[Tensor] = None
+
+    def __len__(self) -> int:
+        return int(self.output.shape[0])
+
+
+def _scorecard_term(metric: str, sign: float, needs_target: bool = False) -> Callable[[RewardBatch], list[float]]:
+    def term(batch: RewardBatch) -> list[float]:
+        from .scorecard import score_batch
+
+        if needs_target and batch.target is None:
+            raise ValueError(f"reward term {metric!r} compares with the target: these rows have none; use "
+                             "'preserve' or a judge for rows without targets")
+        rows = score_batch(batch.source, batch.output, batch.target, region=batch.mask)
+        return [sign * row.get(metric, float("nan")) for row in rows]
+
+    return term
+
+
+BUILTIN: dict[str, Callable[[], Callable[[RewardBatch], list[float]]]] = {
+    "preserve": lambda: _scorecard_term("preserve_ssim", 1.0),
+    "fidelity": lambda: _scorecard_term("edit_ssim", 1.0, needs_target=True),
+    "drift": lambda: _scorecard_term("shift_px", -1.0),
+    "colour": lambda: _scorecard_term("colour_cast", -1.0),
+}
+
+
+def _judge_term(judge) -> Callable[[RewardBatch], list[float]]:
+    from PIL import Image
+
+    def to_pil(x: Tensor) -> Image.Image:
+        return Image.fromarray((x.clamp(0, 1).permute(1, 2, 0) * 255).round().byte().cpu().numpy())
+
+    def term(batch: RewardBatch) -> list[float]:
+        out = []
+        for i in range(len(batch)):
+            scores = judge.score(to_pil(batch.source[i]), batch.instructions[i], to_pil(batch.output[i]))
+            out.append(float(scores.get("overall", next(iter(scores.values()), float("nan")))))
+        return out
+
+    return term
+
+
+def _jsonl_term(path: str) -> Callable[[RewardBatch], list[float]]:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--reward jsonl:{path}: no such file; give a JSONL with one {{\"key\", \"reward\"}} per line")
+    table = {}
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+                table[str(row["key"])] = float(row["reward"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--reward jsonl:{path} line {n}: {e}; each line needs \"key\" and a numeric "
+                                 "\"reward\"") from None
+
+    def term(batch: RewardBatch) -> list[float]:
+        missing = [k for k in batch.keys if str(k) not in table]
+        if missing or len(batch.keys) != len(batch):
+            raise ValueError(f"--reward jsonl:{path} has no score for {missing[:3] or 'rows without keys'}")
+        return [table[str(k)] for k in batch.keys]
+
+    return term
+
+
+def _function_term(ref: str) -> Callable[[RewardBatch], list[float]]:
+    module, _, name = ref.rpartition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--reward {ref}: cannot load {name!r} from module {module!r} ({e}); give an importable "
+                         "module:function, or one of " + ", ".join([*BUILTIN, "judge", "jsonl:PATH"])) from None
+    if not callable(fn):
+        raise ValueError(f"--reward {ref}: {name} is not a function")
+    return fn
+
+
+@dataclass
+class Reward:
+    """A weighted sum of terms; ``reward(batch)`` returns a float tensor ``[B]``."""
+
+    spec: str
+    terms: list[tuple[str, float, Callable[[RewardBatch], Sequence[float]]]] = field(default_factory=list)
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        total = torch.zeros(len(batch), dtype=torch.float64)
+        for name, weight, term in self.terms:
+            values = term(batch)
+            values = torch.as_tensor(values.detach().cpu() if isinstance(values, Tensor) else list(values),
+                                     dtype=torch.float64).reshape(-1)
+            if values.numel() != len(batch):
+                raise ValueError(f"reward term {name!r} returned {values.numel()} values for {len(batch)} rows; "
+                                 "it must return one number per row")
+            if not torch.isfinite(values).all():
+                bad = [i for i, v in enumerate(values.tolist()) if not math.isfinite(v)]
+                raise ValueError(f"reward term {name!r} returned a non-finite value for rows {bad[:5]}; a reward must "
+                                 "be a finite number for every row (is a scorecard region empty?)")
+            total += weight * values
+        return total.float()
+
+
+def parse_reward(spec: str, judge=None) -> Reward:
+    """Resolve a ``--reward`` spec (see the module docstring); every term is loaded now."""
+    if not spec or not spec.strip():
+        raise ValueError("--reward is empty; give e.g. 'preserve:0.5,fidelity:1.0'")
+    reward = Reward(spec)
+    for raw in spec.split(","):
+        raw = raw.strip()
+        name, _, tail = raw.rpartition(":")
+        try:
+            weight = float(tail)
+        except ValueError:
+            name, weight = raw, 1.0
+        if not name or not math.isfinite(weight):
+            raise ValueError(f"--reward term {raw!r}: write NAME or NAME:WEIGHT with a finite weight")
+        if name in BUILTIN:
+            term = BUILTIN[name]()
+        elif name == "judge":
+            if judge is None:
+                raise ValueError("--reward judge needs a judge: pass --reward_judge (an OpenAI-compatible URL or a "
+                                 "local EditScore directory)")
+            term = _judge_term(judge)
+        elif name.startswith("jsonl:"):
+            term = _jsonl_term(name[len("jsonl:"):])
+        elif ":" in name:
+            term = _function_term(name)
+        else:
+            raise ValueError(f"--reward term {name!r} is unknown; choose from {', '.join(BUILTIN)}, judge, "
+                             "jsonl:PATH or module:function")
+        reward.terms.append((name, weight, term))
+    return reward
+
+
+def _score_in_worker(spec: str, arrays: dict, instructions: list, keys: list) -> list[float]:
+    tensors = {k: None if v is None else torch.from_numpy(v) for k, v in arrays.items()}
+    return parse_reward(spec)(RewardBatch(instructions=instructions, keys=keys, **tensors)).tolist()
+
+
+class ProcessReward:
+    """A reward computed in a worker process (e.g. one that needs its own GPU): the spec is parsed once here,
+    to fail early, and again in the worker; batches travel as arrays."""
+
+    def __init__(self, spec: str):
+        from concurrent.futures import ProcessPoolExecutor
+        import multiprocessing
+
+        parse_reward(spec)
+        self.spec = spec
+        self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        arrays = {k: None if getattr(batch, k) is None else getattr(batch, k).detach().cpu().numpy()
+                  for k in ("source", "output", "target", "mask")}
+        values = self.pool.submit(_score_in_worker, self.spec, arrays, list(batch.instructions),
+                                  list(batch.keys)).result()
+        return torch.tensor(values, dtype=torch.float32)
+
+    def close(self) -> None:
+        self.pool.shutdown()
