@@ -98,7 +98,7 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
     t0 = time.perf_counter()
     family, dtype = family_of(preset), load.dtype or torch.bfloat16
     with FakeCuda() as fc, family_standin(family):
-        te, vae = build_encoders(fc, family, dtype, DEVICE)
+        te, vae = build_encoders(fc, family, dtype, DEVICE, preset)
         with fc.build(dtype, DEVICE):  # (a real load goes through the host; the steps after it are what counts)
             dit = build_dit(preset, num_layers).requires_grad_(False)
         pipe = family.pipeline_type()(device=DEVICE, torch_dtype=dtype)

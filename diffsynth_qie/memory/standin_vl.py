@@ -97,10 +97,16 @@ class StandinOps:
         return self._ops.join_prompt(emb, extras)
 
 
-def build_encoders(fc, family, dtype: torch.dtype, device: str):
-    """The family's real text encoder and VAE built on the fake ``device`` in ``dtype`` (weights counted)."""
+def build_encoders(fc, family, dtype: torch.dtype, device: str, preset=None):
+    """The family's real text encoder and VAE built on the fake ``device`` in ``dtype`` (weights counted); a tiny
+    preset's own (its builder module's ``tiny_encoders``)."""
+    import importlib
+
     with fc.build(dtype, device):
+        if preset is not None and preset.is_tiny:
+            te, vae = importlib.import_module(preset.provider.partition(":")[0]).tiny_encoders()
+        else:
+            te, vae = family.component_type("text_encoder")(), family.component_type("vae")()
         # DiffSynth's loader casts every weight to the pipeline's dtype (transformers builds some in fp32)
-        te = family.component_type("text_encoder")().to(dtype=dtype)
-        vae = family.component_type("vae")().to(dtype=dtype)
+        te, vae = te.to(dtype=dtype), vae.to(dtype=dtype)
     return te, vae

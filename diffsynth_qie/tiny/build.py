@@ -96,6 +96,14 @@ def tiny_dit(num_layers: int | None = None) -> TinyQwenImageDiT:
     return TinyQwenImageDiT(**{**DIT_SIZES, **({} if num_layers is None else {"num_layers": num_layers})})
 
 
+def tiny_encoders():
+    """The tiny text encoder and (random-model) VAE, as modules of the current default device and dtype (the
+    fake-device checks of a tiny preset build these beside :func:`tiny_dit`)."""
+    from diffsynth.models.qwen_image_vae import QwenImageVAE
+
+    return TinyQwenImageTextEncoder(), QwenImageVAE(**VAE_KWARGS)
+
+
 def tiny_text_encoder_config():
     """The tiny ``Qwen2_5_VLConfig`` (text + vision tower), special-token ids from the tokenizer."""
     from transformers import Qwen2_5_VLConfig

@@ -77,6 +77,14 @@ def tiny_dit(num_layers: int | None = None):
     return QwenImage21DiT(**{**DIT_KWARGS, **({} if num_layers is None else {"num_layers": num_layers})})
 
 
+def tiny_encoders():
+    """The tiny 2.1 text encoder and (random-model) VAE, as modules of the current default device and dtype (the
+    fake-device checks of a tiny preset build these beside :func:`tiny_dit`)."""
+    from diffsynth.models.qwen_image_21_vae import QwenImage21VAE
+
+    return TinyQwenImage21TextEncoder(), QwenImage21VAE(**VAE_KWARGS)
+
+
 def text_encoder_config():
     from transformers import Qwen3VLConfig
 

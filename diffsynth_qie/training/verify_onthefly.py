@@ -78,7 +78,7 @@ def encode_once(fc, cfg, preset, family, shape: SampleShape, prompt_tokens: int,
     if elsewhere(cfg):
         return None, 0
     before = fc.current_bytes
-    te, vae = build_encoders(fc, family, dtype, DEVICE)
+    te, vae = build_encoders(fc, family, dtype, DEVICE, preset)
     vae.decoder = None  # (an encoder-only pipeline, as qie train loads it)
     fc.register(te), fc.register(vae)
     pipe = family.pipeline_type()(device=DEVICE, torch_dtype=dtype)
