@@ -154,7 +154,8 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                     refresh = gr.Button("Refresh", scale=1, min_width=80, elem_id="lora-refresh")
                 add("lora_scale")
                 lora_status = gr.Markdown(handlers.lora_status(handlers.default_lora()), elem_id="lora-status")
-                with gr.Accordion("Advanced", open=False, elem_id="advanced"):
+                stack = gr.Button(visible=False, size="sm", elem_id="lora-stack")  # LoraEvents.stack_button
+                with gr.Accordion("Advanced", open=False, elem_id="advanced") as advanced:
                     negative = add("negative_prompt")
                     add("strength")
                     add("mask_blend")
@@ -173,15 +174,19 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         gen_inputs = cb.bind(widgets)
         run_inputs = cb.bind(widgets, history=history, queued_at=queued_at)
 
-        demo.load(cb.refresh_loras, [lora, lora2], [lora, lora2, lora_status, mode], queue=False)
+        lora_outputs = [lora, lora2, lora_status, mode, stack]
+        demo.load(cb.refresh_loras, [lora, lora2], lora_outputs, queue=False)
         demo.load(handlers.model_status, None, model_status, queue=False)
         demo.load(cb.saved_history, None, [history, gallery], queue=False)
         demo.unload(cb.disconnect)
-        refresh.click(cb.refresh_loras, [lora, lora2], [lora, lora2, lora_status, mode], queue=False)
+        refresh.click(cb.refresh_loras, [lora, lora2], lora_outputs, queue=False)
         status_timer.tick(cb.poll_model_status, None, [model_status, status_timer], queue=False)
         mode.input(cb.switch_mode, [mode, prev_mode, steps, saved_steps], mode_outputs, queue=False)
-        lora.input(cb.pick_lora, [lora, mode, prev_mode, steps, saved_steps], [mode, lora_status, *mode_outputs],
-                   queue=False)
+        lora.input(cb.pick_lora, [lora, lora2, mode, prev_mode, steps, saved_steps, cfg],
+                   [mode, lora_status, *mode_outputs, stack], queue=False)
+        lora2.input(cb.pick_second, [lora, lora2, mode, steps, cfg], [lora_status, stack, steps, cfg], queue=False)
+        stack.click(cb.stack_frozen, [lora, lora2, mode, steps, cfg],
+                    [lora2, widgets["lora2_scale"], lora_status, stack, steps, cfg, advanced], queue=False)
         editor.upload(cb.new_image, editor, [editor, brush_size], queue=False, show_progress="hidden")
         brush_size.change(cb.set_brush, brush_size, editor, queue=False, show_progress="hidden")
         # The mask preview follows the paint, the mask file and the mask tools; a click on it is the box tool.

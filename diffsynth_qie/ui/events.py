@@ -20,6 +20,7 @@ from . import restore as back
 from .examples import Example, examples_file, load_examples
 from .handlers import MODE_LBM, MODE_LIGHTNING, NO_LORA, GenerateInputs, Stopped, UIHandlers, user_message
 from .history import HistoryEntry
+from .lora_events import LoraEvents
 from .settings import INPUT_NAMES
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,8 @@ def _error(exc: BaseException) -> gr.Error:
     return gr.Error(user_message(exc), duration=None, print_exception=False)
 
 
-class Callbacks:
-    """One UI's callbacks over its :class:`UIHandlers`."""
+class Callbacks(LoraEvents):
+    """One UI's callbacks over its :class:`UIHandlers` (the LoRA picker's: ``ui/lora_events.py``)."""
 
     def __init__(self, handlers: UIHandlers):
         self.h = handlers
@@ -78,14 +79,6 @@ class Callbacks:
         self.h.known_images = frozenset(ex.image for ex in self._examples)
         return self._examples
 
-    def refresh_loras(self, current: str | None, second: str | None):
-        options = self.h.lora_options()
-        names = [name for _, name in options]
-        pick = current if current in names and current != NO_LORA else self.h.default_lora()
-        return (gr.update(choices=options, value=pick),
-                gr.update(choices=options, value=second if second in names else NO_LORA),
-                self.h.lora_status(pick), gr.update(choices=self.h.mode_choices()))
-
     def poll_model_status(self):
         return self.h.model_status(), gr.Timer(active=self.h.loading)
 
@@ -97,11 +90,6 @@ class Callbacks:
         return (gr.update(visible=shown["steps"], value=shown_steps), gr.update(visible=shown["cfg"]),
                 gr.update(visible=shown["lbm_steps"]), gr.update(visible=shown["lbm_steps"]), selected, saved,
                 gr.update(visible=shown["negative_prompt"]))
-
-    def pick_lora(self, name: str, mode: str, prev: str, steps: float, saved: float | None):
-        """A picked LoRA sets the sampler it was trained for (LBM or flow matching) and says if its model differs."""
-        new_mode = self.h.mode_for_lora(name, mode)
-        return (new_mode, self.h.lora_status(name), *self.switch_mode(new_mode, prev, steps, saved))
 
     # The editor loads an image the UI gives it (an example, "Edit this result", "Clear paint") into its canvas
     # asynchronously, with no event saying when, and until then sends what it held before. ``loaded`` (a hidden
