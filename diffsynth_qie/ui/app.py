@@ -16,6 +16,7 @@ from .events import Callbacks, brush
 from .handlers import MODE_FLOW, UIHandlers, user_message
 from .examples import examples_label
 from .mask_events import EMPTY, MaskTools
+from .messages import toast_html
 from .masks import DEFAULT_BRUSH, MAX_BRUSH
 from .model_fit import default_cfg, family_label
 from .page import CSS, JS
@@ -63,7 +64,7 @@ def guard_uploads(component: gr.components.Component, handlers: UIHandlers) -> N
                 to_8bit_upload(path)
             return original(payload)
         except Exception as exc:  # noqa: BLE001 - every failure gets a message, never a bare "Error"
-            raise gr.Error(user_message(exc), duration=None, print_exception=False) from None
+            raise gr.Error(toast_html(user_message(exc)), duration=None, print_exception=False) from None
 
     component.preprocess = preprocess
 
@@ -136,10 +137,10 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 variants = gr.Gallery(label="Variations (click one to show it above)", columns=8, height=110,
                                       fit_columns=False, object_fit="contain", allow_preview=False, visible=False,
                                       elem_id="variations-grid")
-                with gr.Row():
-                    edit_this = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
-                    downloads = gr.File(label="Download (PNG with its settings; input; mask)",
-                                        file_count="multiple", interactive=False, elem_id="downloads")
+                edit_this = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
+                # its own row, full width: beside the button the names were cut to ".p"
+                downloads = gr.File(label="Download (PNG with its settings; input; mask)",
+                                    file_count="multiple", interactive=False, elem_id="downloads")
                 command = gr.Textbox(label="Copy as a qie edit command", buttons=["copy"], interactive=False,
                                      lines=2, elem_id="qie-command")
                 mode = add("mode", choices=handlers.mode_choices())
@@ -210,7 +211,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
 
         # Checked in the queue (so a refusal shows its toast) but outside the one-at-a-time limit, so it answers at
         # once even while another generation runs.
-        checked = generate.click(cb.precheck, gen_inputs, [generate, queued_at], concurrency_limit=None,
+        checked = generate.click(cb.precheck, gen_inputs, [generate, queued_at, status], concurrency_limit=None,
                                  show_progress="hidden")
         running = checked.success(
             cb.run, run_inputs,

@@ -21,6 +21,8 @@ from .examples import Example, examples_file, load_examples
 from .handlers import MODE_LBM, MODE_LIGHTNING, NO_LORA, GenerateInputs, Stopped, UIHandlers, user_message
 from .history import HistoryEntry
 from .lora_events import LoraEvents
+from .messages import toast_html
+from .runner import queued_note
 from .settings import INPUT_NAMES
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ def shown_for_mode(mode: str) -> dict[str, bool]:
 
 
 def _error(exc: BaseException) -> gr.Error:
-    return gr.Error(user_message(exc), duration=None, print_exception=False)
+    return gr.Error(toast_html(user_message(exc)), duration=None, print_exception=False)
 
 
 class Callbacks(LoraEvents):
@@ -172,8 +174,10 @@ class Callbacks(LoraEvents):
             if session in self._pending:
                 raise gr.Error("this tab already has a generation queued or running; wait for it, or press Stop",
                                duration=4, print_exception=False)
+            ahead = len(self._pending)
             self._pending.add(session)
-        return gr.update(interactive=False), time.time()
+        note = queued_note(ahead, self.h.queue_eta(ahead))
+        return gr.update(interactive=False), time.time(), note if note else gr.skip()
 
     def run(self, values: dict, request: gr.Request, progress=gr.Progress()):
         """Generate (``values``: the settings' widgets, ``history`` and ``queued_at``, as :meth:`bind` made them)."""
@@ -186,7 +190,7 @@ class Callbacks(LoraEvents):
             return (*(gr.skip(),) * 6, f"{user_message(exc)}.", self.h.model_status(), *(gr.skip(),) * 4)
         except Exception as exc:  # noqa: BLE001 - a toast; the last result stays, and `finished` unlocks Generate
             message = user_message(exc)  # logs the traceback of an unexpected error
-            gr.Warning(message, duration=None, title="Generate failed")
+            gr.Warning(toast_html(message), duration=None, title="Generate failed")
             return (*(gr.skip(),) * 6, f"Failed: {message} (the last result is kept; fix it and press Generate).",
                     self.h.model_status(), *(gr.skip(),) * 4)
         history = hist.add(history, out.entries)

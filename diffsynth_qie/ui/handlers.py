@@ -31,7 +31,7 @@ from .job import GenerateInputs, Job, check_job, lightning_loras  # noqa: F401
 from .lora_picker import LORA_SUFFIX, NO_LORA, LoraInfo, list_loras, lora_info, resolve_lora  # noqa: F401
 from .outputs import GenerateOutput, save_entry, save_inputs, status_line
 from .model_fit import check_lora_size, check_output_size, check_prompt_tokens, check_sampler, licence_note
-from .runner import ProgressFn, Stopped, run_variations
+from .runner import ProgressFn, Stopped, Where, queue_eta, run_variations
 from .settings import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, MODES, request_fields  # noqa: F401
 from .uploads import UIError, prune_temp_files
 
@@ -91,6 +91,8 @@ class UIHandlers(LoraChoices):
         self.load_error: str | None = None
         self.model_dir: str | None = config.model_dir   # what was loaded (the pretrained tiny base for plain tiny)
         self.model_label = ""
+        self.where: Where | None = None      # the running generation (its time left: a queue's ETA)
+        self.last_run_seconds: float | None = None  # the last generation's time, as measured
         self.known_images: frozenset[str] = frozenset()  # the examples' images, which the editor may be given
         self._given: dict[str, set[str]] = {}  # browser session -> the files the UI put into its editor
 
@@ -205,6 +207,10 @@ class UIHandlers(LoraChoices):
         if self._editor is not None:
             check_prompt_tokens(self._editor, job.settings.prompt, self.config.max_prompt_tokens)
 
+    def queue_eta(self, ahead: int) -> float | None:
+        """Seconds until a job queued behind ``ahead`` others starts (None: nothing measured yet)."""
+        return queue_eta(ahead, self.where, self.last_run_seconds)
+
     def request_stop(self, session: str | None = None) -> bool:
         """Stop ``session``'s generation: the running one at its next denoising step (True), a queued one as it
         starts (False). Another tab's generation is left alone; None stops whichever runs (API callers, tests)."""
@@ -254,8 +260,12 @@ class UIHandlers(LoraChoices):
             self.check_model_fit(job)
             editor.set_loras(job.loras)
             t0 = time.perf_counter()
-            results, stopped = run_variations(job.seeds, edit, s.lbm_steps if lbm else s.steps, self._stop, report)
-            seconds = time.perf_counter() - t0
+            self.where = Where(total=len(job.seeds), steps=s.lbm_steps if lbm else s.steps)
+            try:
+                results, stopped = run_variations(job.seeds, edit, self.where.steps, self._stop, report, self.where)
+            finally:
+                self.where = None
+            seconds = self.last_run_seconds = time.perf_counter() - t0
             saved = save_inputs(folder, job, results[0][1].image.size)
             entries = [save_entry(folder, job, s.with_seed(seed), result, saved, lora_dir=self.config.lora_dir,
                                   model_dir=self.model_dir) for seed, result in results]

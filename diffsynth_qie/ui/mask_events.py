@@ -8,6 +8,7 @@ import gradio as gr
 from . import mask_preview
 from .handlers import UIHandlers, user_message
 from .job import allowed_files, editor_image
+from .messages import toast_html
 from .model_fit import size_divisor
 from .settings import output_side
 from .uploads import UIError
@@ -49,7 +50,7 @@ class MaskTools:
         try:
             image, _ = self._image(editor, loaded, request)
         except Exception as exc:  # noqa: BLE001
-            raise gr.Error(user_message(exc), duration=6, print_exception=False) from None
+            raise gr.Error(toast_html(user_message(exc)), duration=6, print_exception=False) from None
         step = size_divisor(self.h.config.model)
         w, h = (output_side(v, step=step) for v in image.size)
         rounded = "" if (w, h) == image.size else f", rounded from {image.width}×{image.height} (sides are multiples " \
@@ -64,4 +65,4 @@ class MaskTools:
             image, _ = self._image(editor, loaded, request)
             return mask_preview.box_from_drag(drag, mask_file, image.size, self.folder)
         except Exception as exc:  # noqa: BLE001
-            raise gr.Error(user_message(exc), duration=6, print_exception=False) from None
+            raise gr.Error(toast_html(user_message(exc)), duration=6, print_exception=False) from None
