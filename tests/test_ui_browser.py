@@ -246,6 +246,10 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             assert page.locator("#result img.fixed").get_attribute("style") != clip, "the slider did not move"
             downloads = page.inner_text("#downloads").replace("\n", "")
             assert "edit_seed0_lora.png" in downloads and "mask.png" in downloads, downloads
+            cut = page.evaluate("() => [...document.querySelectorAll('#downloads .filename')]"
+                                ".filter(n => n.scrollWidth > n.clientWidth + 1 || n.getBoundingClientRect().width < 60)"
+                                ".map(n => n.innerText)")
+            assert not cut, f"download names cut short (they showed as '.p'): {cut}"
             command = page.input_value("#qie-command textarea")
             assert command.startswith(f"{Path(sys.executable).parent / 'qie'} edit --model tiny"), command
             assert "--seed 0" in command and "--steps 6" in command and f"--lora {tmp_path}/loras/lora" in command

@@ -16,6 +16,7 @@ from .events import Callbacks, brush
 from .handlers import MODE_FLOW, UIHandlers, user_message
 from .examples import examples_label
 from .mask_events import EMPTY, MaskTools
+from .messages import toast_html
 from .masks import DEFAULT_BRUSH, MAX_BRUSH
 from .model_fit import default_cfg, family_label
 from .page import CSS, JS
@@ -63,7 +64,7 @@ def guard_uploads(component: gr.components.Component, handlers: UIHandlers) -> N
                 to_8bit_upload(path)
             return original(payload)
         except Exception as exc:  # noqa: BLE001 - every failure gets a message, never a bare "Error"
-            raise gr.Error(user_message(exc), duration=None, print_exception=False) from None
+            raise gr.Error(toast_html(user_message(exc)), duration=None, print_exception=False) from None
 
     component.preprocess = preprocess
 
@@ -136,10 +137,10 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 variants = gr.Gallery(label="Variations (click one to show it above)", columns=8, height=110,
                                       fit_columns=False, object_fit="contain", allow_preview=False, visible=False,
                                       elem_id="variations-grid")
-                with gr.Row():
-                    edit_this = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
-                    downloads = gr.File(label="Download (PNG with its settings; input; mask)",
-                                        file_count="multiple", interactive=False, elem_id="downloads")
+                edit_this = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
+                # its own row, full width: beside the button the names were cut to ".p"
+                downloads = gr.File(label="Download (PNG with its settings; input; mask)",
+                                    file_count="multiple", interactive=False, elem_id="downloads")
                 command = gr.Textbox(label="Copy as a qie edit command", buttons=["copy"], interactive=False,
                                      lines=2, elem_id="qie-command")
                 mode = add("mode", choices=handlers.mode_choices())
@@ -154,7 +155,8 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                     refresh = gr.Button("Refresh", scale=1, min_width=80, elem_id="lora-refresh")
                 add("lora_scale")
                 lora_status = gr.Markdown(handlers.lora_status(handlers.default_lora()), elem_id="lora-status")
-                with gr.Accordion("Advanced", open=False, elem_id="advanced"):
+                stack = gr.Button(visible=False, size="sm", elem_id="lora-stack")  # LoraEvents.stack_button
+                with gr.Accordion("Advanced", open=False, elem_id="advanced") as advanced:
                     negative = add("negative_prompt")
                     add("strength")
                     add("mask_blend")
@@ -173,15 +175,19 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         gen_inputs = cb.bind(widgets)
         run_inputs = cb.bind(widgets, history=history, queued_at=queued_at)
 
-        demo.load(cb.refresh_loras, [lora, lora2], [lora, lora2, lora_status, mode], queue=False)
+        lora_outputs = [lora, lora2, lora_status, mode, stack]
+        demo.load(cb.refresh_loras, [lora, lora2], lora_outputs, queue=False)
         demo.load(handlers.model_status, None, model_status, queue=False)
         demo.load(cb.saved_history, None, [history, gallery], queue=False)
         demo.unload(cb.disconnect)
-        refresh.click(cb.refresh_loras, [lora, lora2], [lora, lora2, lora_status, mode], queue=False)
+        refresh.click(cb.refresh_loras, [lora, lora2], lora_outputs, queue=False)
         status_timer.tick(cb.poll_model_status, None, [model_status, status_timer], queue=False)
         mode.input(cb.switch_mode, [mode, prev_mode, steps, saved_steps], mode_outputs, queue=False)
-        lora.input(cb.pick_lora, [lora, mode, prev_mode, steps, saved_steps], [mode, lora_status, *mode_outputs],
-                   queue=False)
+        lora.input(cb.pick_lora, [lora, lora2, mode, prev_mode, steps, saved_steps, cfg],
+                   [mode, lora_status, *mode_outputs, stack], queue=False)
+        lora2.input(cb.pick_second, [lora, lora2, mode, steps, cfg], [lora_status, stack, steps, cfg], queue=False)
+        stack.click(cb.stack_frozen, [lora, lora2, mode, steps, cfg],
+                    [lora2, widgets["lora2_scale"], lora_status, stack, steps, cfg, advanced], queue=False)
         editor.upload(cb.new_image, editor, [editor, brush_size], queue=False, show_progress="hidden")
         brush_size.change(cb.set_brush, brush_size, editor, queue=False, show_progress="hidden")
         # The mask preview follows the paint, the mask file and the mask tools; a click on it is the box tool.
@@ -205,7 +211,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
 
         # Checked in the queue (so a refusal shows its toast) but outside the one-at-a-time limit, so it answers at
         # once even while another generation runs.
-        checked = generate.click(cb.precheck, gen_inputs, [generate, queued_at], concurrency_limit=None,
+        checked = generate.click(cb.precheck, gen_inputs, [generate, queued_at, status], concurrency_limit=None,
                                  show_progress="hidden")
         running = checked.success(
             cb.run, run_inputs,

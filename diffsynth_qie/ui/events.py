@@ -20,6 +20,9 @@ from . import restore as back
 from .examples import Example, examples_file, load_examples
 from .handlers import MODE_LBM, MODE_LIGHTNING, NO_LORA, GenerateInputs, Stopped, UIHandlers, user_message
 from .history import HistoryEntry
+from .lora_events import LoraEvents
+from .messages import toast_html
+from .runner import queued_note
 from .settings import INPUT_NAMES
 
 log = logging.getLogger(__name__)
@@ -49,11 +52,11 @@ def shown_for_mode(mode: str) -> dict[str, bool]:
 
 
 def _error(exc: BaseException) -> gr.Error:
-    return gr.Error(user_message(exc), duration=None, print_exception=False)
+    return gr.Error(toast_html(user_message(exc)), duration=None, print_exception=False)
 
 
-class Callbacks:
-    """One UI's callbacks over its :class:`UIHandlers`."""
+class Callbacks(LoraEvents):
+    """One UI's callbacks over its :class:`UIHandlers` (the LoRA picker's: ``ui/lora_events.py``)."""
 
     def __init__(self, handlers: UIHandlers):
         self.h = handlers
@@ -78,14 +81,6 @@ class Callbacks:
         self.h.known_images = frozenset(ex.image for ex in self._examples)
         return self._examples
 
-    def refresh_loras(self, current: str | None, second: str | None):
-        options = self.h.lora_options()
-        names = [name for _, name in options]
-        pick = current if current in names and current != NO_LORA else self.h.default_lora()
-        return (gr.update(choices=options, value=pick),
-                gr.update(choices=options, value=second if second in names else NO_LORA),
-                self.h.lora_status(pick), gr.update(choices=self.h.mode_choices()))
-
     def poll_model_status(self):
         return self.h.model_status(), gr.Timer(active=self.h.loading)
 
@@ -97,11 +92,6 @@ class Callbacks:
         return (gr.update(visible=shown["steps"], value=shown_steps), gr.update(visible=shown["cfg"]),
                 gr.update(visible=shown["lbm_steps"]), gr.update(visible=shown["lbm_steps"]), selected, saved,
                 gr.update(visible=shown["negative_prompt"]))
-
-    def pick_lora(self, name: str, mode: str, prev: str, steps: float, saved: float | None):
-        """A picked LoRA sets the sampler it was trained for (LBM or flow matching) and says if its model differs."""
-        new_mode = self.h.mode_for_lora(name, mode)
-        return (new_mode, self.h.lora_status(name), *self.switch_mode(new_mode, prev, steps, saved))
 
     # The editor loads an image the UI gives it (an example, "Edit this result", "Clear paint") into its canvas
     # asynchronously, with no event saying when, and until then sends what it held before. ``loaded`` (a hidden
@@ -184,8 +174,10 @@ class Callbacks:
             if session in self._pending:
                 raise gr.Error("this tab already has a generation queued or running; wait for it, or press Stop",
                                duration=4, print_exception=False)
+            ahead = len(self._pending)
             self._pending.add(session)
-        return gr.update(interactive=False), time.time()
+        note = queued_note(ahead, self.h.queue_eta(ahead))
+        return gr.update(interactive=False), time.time(), note if note else gr.skip()
 
     def run(self, values: dict, request: gr.Request, progress=gr.Progress()):
         """Generate (``values``: the settings' widgets, ``history`` and ``queued_at``, as :meth:`bind` made them)."""
@@ -198,7 +190,7 @@ class Callbacks:
             return (*(gr.skip(),) * 6, f"{user_message(exc)}.", self.h.model_status(), *(gr.skip(),) * 4)
         except Exception as exc:  # noqa: BLE001 - a toast; the last result stays, and `finished` unlocks Generate
             message = user_message(exc)  # logs the traceback of an unexpected error
-            gr.Warning(message, duration=None, title="Generate failed")
+            gr.Warning(toast_html(message), duration=None, title="Generate failed")
             return (*(gr.skip(),) * 6, f"Failed: {message} (the last result is kept; fix it and press Generate).",
                     self.h.model_status(), *(gr.skip(),) * 4)
         history = hist.add(history, out.entries)

@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .config import UIConfig
+from .lora_state import LoraChoices
 from .job import GenerateInputs, Job, check_job, lightning_loras  # noqa: F401
 from .lora_picker import LORA_SUFFIX, NO_LORA, LoraInfo, list_loras, lora_info, resolve_lora  # noqa: F401
 from .outputs import GenerateOutput, save_entry, save_inputs, status_line
-from .model_fit import check_lora_size, check_prompt_tokens, check_sampler, family_supports_lbm, licence_note
-from .runner import ProgressFn, Stopped, run_variations
+from .model_fit import check_lora_size, check_output_size, check_prompt_tokens, check_sampler, licence_note
+from .runner import ProgressFn, Stopped, Where, queue_eta, run_variations
 from .settings import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, MODES, request_fields  # noqa: F401
 from .uploads import UIError, prune_temp_files
 
@@ -64,7 +65,7 @@ def user_message(exc: BaseException) -> str:
     return f"internal error ({type(exc).__name__}); the details are in the server log"
 
 
-class UIHandlers:
+class UIHandlers(LoraChoices):
     """State behind one UI: the lazily loaded :class:`Editor` and the LoRA folder.
 
     ``editor_factory`` (tests) replaces ``Editor.from_preset``. Generation is
@@ -90,6 +91,8 @@ class UIHandlers:
         self.load_error: str | None = None
         self.model_dir: str | None = config.model_dir   # what was loaded (the pretrained tiny base for plain tiny)
         self.model_label = ""
+        self.where: Where | None = None      # the running generation (its time left: a queue's ETA)
+        self.last_run_seconds: float | None = None  # the last generation's time, as measured
         self.known_images: frozenset[str] = frozenset()  # the examples' images, which the editor may be given
         self._given: dict[str, set[str]] = {}  # browser session -> the files the UI put into its editor
 
@@ -173,74 +176,6 @@ class UIHandlers:
         return (f"Model **{self.config.model}**{where}: not loaded yet — it loads on the first "
                 "Generate (the first run takes longer).")
 
-    # LoRAs ------------------------------------------------------------------------------
-    def loras(self) -> list[LoraInfo]:
-        """The LoRA files under the folder with their metadata (one header read each), without those trained for
-        the other model family."""
-        from ..models.presets import family_of
-
-        family, root = family_of(self.config.model).name, self.config.lora_dir
-        return [info for info in (lora_info(root, n) for n in list_loras(root)) if info.family in (None, family)]
-
-    def lora_choices(self) -> list[str]:
-        """:data:`NO_LORA` and the names of :meth:`loras`."""
-        return [NO_LORA] + [info.name for info in self.loras()]
-
-    def lora_info(self, name: str | None) -> LoraInfo | None:
-        if not name or name == NO_LORA:
-            return None
-        return lora_info(self.config.lora_dir, name)
-
-    def lora_options(self) -> list[tuple[str, str]]:
-        """The picker's (label, name) pairs: each LoRA with its loss, preset, rank and step from its metadata."""
-        return [(NO_LORA, NO_LORA)] + [(info.label(self.config.model), info.name) for info in self.loras()]
-
-    def default_lora(self) -> str:
-        """The LoRA picked at start: ``--lora`` if given, else the folder's own ``lora.safetensors`` (a run's
-        output folder, as the training scripts' ``try it:`` line starts the UI), else none."""
-        names = self.lora_choices()
-        wanted = self.config.lora or "lora.safetensors"
-        return wanted if wanted in names else NO_LORA
-
-    def lora_status(self, name: str | None = None) -> str:
-        root = Path(self.config.lora_dir).expanduser()
-        if not root.is_dir():
-            return f"LoRA folder `{self.config.lora_dir}` does not exist yet (training writes there)."
-        n = len(self.lora_choices()) - 1
-        text = f"{n} LoRA file{'s' if n != 1 else ''} under `{self.config.lora_dir}`."
-        info = self.lora_info(name)
-        warning = info.mismatch(self.config.model) if info is not None else None
-        return f"⚠ {warning}. {text}" if warning else text
-
-    def lightning_lora(self) -> str | None:
-        """The Lightning LoRA the Lightning sampler uses: ``--lightning_lora``, else the first in the LoRA folder."""
-        if self.config.lightning_lora:
-            return self.config.lightning_lora
-        name = next((info.name for info in self.loras() if info.lightning), None)
-        return str(resolve_lora(self.config.lora_dir, name)) if name else None
-
-    def lightning_available(self) -> bool:
-        """Whether the Lightning sampler can run: ``--lightning_lora`` is set or a listed LoRA is a Lightning one."""
-        return self.lightning_lora() is not None
-
-    def mode_choices(self) -> list[tuple[str, str]]:
-        """The sampler radio's choices; Lightning only when it can run."""
-        modes = [("Flow matching", MODE_FLOW)]
-        if family_supports_lbm(self.config.model):
-            modes.append((f"LBM (1–{LBM_MAX_STEPS} steps)", MODE_LBM))
-        if self.lightning_available():
-            modes.append(("Lightning (4 / 8 steps)", MODE_LIGHTNING))
-        return modes
-
-    def mode_for_lora(self, name: str | None, mode: str) -> str:
-        """The sampler to switch to when ``name`` is picked: LBM for an LBM LoRA, flow matching when leaving one."""
-        info = self.lora_info(name)
-        if info is not None and info.is_lbm:
-            return MODE_LBM
-        if info is not None and info.loss and mode == MODE_LBM:
-            return MODE_FLOW
-        return mode
-
     # generate ---------------------------------------------------------------------------
     def give(self, session: str | None, path: str) -> str:
         """Record that the UI put ``path`` into ``session``'s editor (a result, a cleared image): the files a
@@ -266,10 +201,15 @@ class UIHandlers:
         size and, once it is loaded, the prompt's tokens (UIError with the fix)."""
         model = self.config.model
         check_sampler(model, job.settings.mode)
+        check_output_size(model, job.settings.width, job.settings.height)
         for name, _ in job.settings.loras():
             check_lora_size(model, self.lora_info(name))
         if self._editor is not None:
             check_prompt_tokens(self._editor, job.settings.prompt, self.config.max_prompt_tokens)
+
+    def queue_eta(self, ahead: int) -> float | None:
+        """Seconds until a job queued behind ``ahead`` others starts (None: nothing measured yet)."""
+        return queue_eta(ahead, self.where, self.last_run_seconds)
 
     def request_stop(self, session: str | None = None) -> bool:
         """Stop ``session``'s generation: the running one at its next denoising step (True), a queued one as it
@@ -307,7 +247,7 @@ class UIHandlers:
 
         def edit(seed: int, step) -> object:
             return editor.edit(EditRequest(
-                images=[job.image, *job.references], mask=job.mask, scheduler=job.scheduler,
+                images=[job.image, *job.references], mask=job.mask, scheduler=job.scheduler, sigmas=job.sigmas,
                 max_prompt_tokens=self.config.max_prompt_tokens, progress=step, **request_fields(s.with_seed(seed))))
 
         with self._lock, self._running_as(session):
@@ -320,8 +260,12 @@ class UIHandlers:
             self.check_model_fit(job)
             editor.set_loras(job.loras)
             t0 = time.perf_counter()
-            results, stopped = run_variations(job.seeds, edit, s.lbm_steps if lbm else s.steps, self._stop, report)
-            seconds = time.perf_counter() - t0
+            self.where = Where(total=len(job.seeds), steps=s.lbm_steps if lbm else s.steps)
+            try:
+                results, stopped = run_variations(job.seeds, edit, self.where.steps, self._stop, report, self.where)
+            finally:
+                self.where = None
+            seconds = self.last_run_seconds = time.perf_counter() - t0
             saved = save_inputs(folder, job, results[0][1].image.size)
             entries = [save_entry(folder, job, s.with_seed(seed), result, saved, lora_dir=self.config.lora_dir,
                                   model_dir=self.model_dir) for seed, result in results]

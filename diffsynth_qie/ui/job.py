@@ -18,7 +18,8 @@ from .config import UIConfig
 from .lora_picker import resolve_lora
 from .masks import combine, content_digest, grow_mask
 from .results import EditSettings
-from .settings import MODE_LIGHTNING, RECORDED, SETTINGS, checked_values
+from .schedules import declared, job_sigmas
+from .settings import MODE_FLOW, MODE_LIGHTNING, RECORDED, SETTINGS, checked_values
 from .uploads import (NO_IMAGE, UIError, check_upload, editor_parts, image_from_editor, mask_from_editor, reference_images,
                       to_pil, to_rgb_image)
 
@@ -44,6 +45,7 @@ class Job:
     seeds: list[int]                 # one generation each (variations)
     lightning_lora: Path | None = None  # the Lightning LoRA the Lightning sampler stacked with the chosen ones
     mask_source: Image.Image | None = None  # the paint and mask file united, before invert and grow (a restore's file)
+    sigmas: tuple[float, ...] | None = None  # flow matching on the grid a picked LoRA declares (ui/schedules.py)
 
 
 def lightning_loras(loras: list, lightning_lora: str | None, steps: int) -> tuple[list, int, float]:
@@ -127,4 +129,7 @@ def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | No
         job.loras, steps, cfg = lightning_loras(loras, lightning_lora or config.lightning_lora, settings.steps)
         job.settings, job.scheduler = dataclasses.replace(settings, steps=steps, cfg=cfg), "lightning"
         job.lightning_lora = next((p for p, _ in job.loras[len(loras):]), None)
+    elif settings.mode == MODE_FLOW:  # a declared schedule unless Steps say otherwise (as qie edit --scheduler auto)
+        names = [name for name, _ in settings.loras()]
+        job.sigmas = job_sigmas(declared(config.lora_dir, names, config.model), settings.steps)
     return job

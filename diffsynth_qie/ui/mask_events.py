@@ -8,7 +8,9 @@ import gradio as gr
 from . import mask_preview
 from .handlers import UIHandlers, user_message
 from .job import allowed_files, editor_image
-from .settings import SIZE_STEP, output_side
+from .messages import toast_html
+from .model_fit import size_divisor
+from .settings import output_side
 from .uploads import UIError
 
 EMPTY = "Load an image (or an example) to see the mask Generate will use."
@@ -48,10 +50,11 @@ class MaskTools:
         try:
             image, _ = self._image(editor, loaded, request)
         except Exception as exc:  # noqa: BLE001
-            raise gr.Error(user_message(exc), duration=6, print_exception=False) from None
-        w, h = (output_side(v) for v in image.size)
+            raise gr.Error(toast_html(user_message(exc)), duration=6, print_exception=False) from None
+        step = size_divisor(self.h.config.model)
+        w, h = (output_side(v, step=step) for v in image.size)
         rounded = "" if (w, h) == image.size else f", rounded from {image.width}×{image.height} (sides are multiples " \
-                                                  f"of {SIZE_STEP})"
+                                                  f"of {step} for this model)"
         return w, h, f"Output size {w}×{h}{rounded}."
 
     def box(self, drag: str, editor: Any, loaded: Any, mask_file: Any, request: gr.Request = None):
@@ -62,4 +65,4 @@ class MaskTools:
             image, _ = self._image(editor, loaded, request)
             return mask_preview.box_from_drag(drag, mask_file, image.size, self.folder)
         except Exception as exc:  # noqa: BLE001
-            raise gr.Error(user_message(exc), duration=6, print_exception=False) from None
+            raise gr.Error(toast_html(user_message(exc)), duration=6, print_exception=False) from None

@@ -26,6 +26,25 @@ def check_sampler(model: str, mode: str) -> None:
                       "matching")
 
 
+def size_divisor(model: str) -> int:
+    """What the model's output sides are multiples of (16; 32 for Qwen-Image-2.1)."""
+    from ..models.presets import family_of
+
+    return family_of(model).size_divisor
+
+
+def check_output_size(model: str, width: int, height: int) -> None:
+    """An explicit W×H the served family cannot take (a multiple of 16 but not of 32 on 2.1) is refused before
+    queueing, with the nearest sizes it takes."""
+    step = size_divisor(model)
+    bad = [(name, v) for name, v in (("width", width), ("height", height)) if v and v % step]
+    if bad:
+        name, v = bad[0]
+        lower, upper = max(step, v // step * step), (v // step + 1) * step
+        raise UIError(f"{name} {v} is not a multiple of {step}, which {family_label(model)} needs: use {lower} or "
+                      f"{upper} (\"Keep the input's size\" rounds to it), or 0 for the automatic size")
+
+
 def check_lora_size(model: str, info: LoraInfo | None) -> None:
     """A LoRA trained on a model of another size (the tiny test model against a real one) cannot load: refused."""
     from ..models.presets import get_preset

@@ -7,7 +7,8 @@
   undo and redo the paint, and ``[`` / ``]`` make the brush smaller or larger.
 - While the editor loads an image the UI gave it, Generate and the canvas take no clicks (a stroke made then
   would be dropped, and Generate would edit the whole image).
-- Layout: results fill their box; on a phone, Generate and Stop stay at the bottom of the screen and the
+- Layout: results fill their box; download names wrap rather than shrink to their extension; a toast's list is a
+  list; on a phone, Generate and Stop stay at the bottom of the screen and the
   examples table fits the screen's width.
 """
 from __future__ import annotations
@@ -24,6 +25,9 @@ CSS = """
 .page-input { display: none !important; }
 #mask-preview img { cursor: crosshair; touch-action: none; }
 .editor-busy { pointer-events: none !important; opacity: 0.5; }
+#downloads .filename { overflow: visible; min-width: 0; }
+#downloads .filename .stem { white-space: normal; overflow-wrap: anywhere; }
+[data-testid=toast-text] ul { margin: 0.3em 0 0.3em 1.2em; padding: 0; list-style: disc; }
 @media (max-width: 640px) {
   #actions { position: fixed; left: 0; right: 0; bottom: 0; z-index: 1000; padding: 6px 8px; margin: 0;
              background: var(--background-fill-primary); box-shadow: 0 -2px 8px rgba(0, 0, 0, 0.25); }

@@ -28,13 +28,19 @@ class Where:
     started: float = field(default_factory=time.perf_counter)
     steps_done: int = 0   # over all variations, for the time left
 
+    def seconds_left(self) -> float | None:
+        """The time left, from the step times measured so far in this run (None before the first step)."""
+        if not (self.steps_done and self.steps):
+            return None
+        per_step = (time.perf_counter() - self.started) / self.steps_done
+        return per_step * ((self.total - self.variation) * self.steps + (self.steps - self.step))
+
     def describe(self) -> str:
         parts = [f"variation {self.variation}/{self.total}"] if self.total > 1 else []
         parts.append("denoising")
-        if self.steps_done and self.steps:
-            per_step = (time.perf_counter() - self.started) / self.steps_done
-            left = (self.total - self.variation) * self.steps + (self.steps - self.step)
-            parts.append(f"about {per_step * left:.0f} s left")
+        left = self.seconds_left()
+        if left is not None:
+            parts.append(f"about {left:.0f} s left")
         return " · ".join(parts)
 
     def stopped(self) -> str:
@@ -42,11 +48,12 @@ class Where:
 
 
 def run_variations(seeds: list[int], edit: Callable[[int, Callable[[int, int], None]], Any], steps: int,
-                   stop: threading.Event, report: ProgressFn) -> tuple[list[tuple[int, Any]], str | None]:
+                   stop: threading.Event, report: ProgressFn, where: Where | None = None
+                   ) -> tuple[list[tuple[int, Any]], str | None]:
     """``edit(seed, step_callback)`` for each seed: ([(seed, result)], None), or, when ``stop`` is set during a
     variation, the finished ones and a "Stopped at step n of variation k/N" note. Raises :class:`Stopped` when
-    nothing had finished."""
-    where = Where(total=len(seeds), steps=steps)
+    nothing had finished. ``where`` (made here when not given) follows the run, for a queue's ETA."""
+    where = where or Where(total=len(seeds), steps=steps)
 
     def step(done: int, total: int) -> None:
         if done > where.step:
@@ -67,3 +74,24 @@ def run_variations(seeds: list[int], edit: Callable[[int, Callable[[int, int], N
                 raise Stopped(f"{where.stopped()}; the settings are kept: press Generate to run again") from None
             return results, f"{where.stopped()}; kept the {len(results)} finished"
     return results, None
+
+
+def queue_eta(ahead: int, running: Where | None, last_run: float | None) -> float | None:
+    """Seconds until a job with ``ahead`` jobs before it (the running one included) starts: the running one's time
+    left plus a whole run (``last_run``, as measured) for each queued one; None when nothing was measured yet."""
+    if ahead <= 0:
+        return 0.0
+    left = running.seconds_left() if running is not None else 0.0
+    if left is None or (ahead > 1 and last_run is None):
+        return None
+    return left + (ahead - 1) * (last_run or 0.0)
+
+
+def queued_note(ahead: int, eta: float | None) -> str | None:
+    """The status line of a job that waits: "Queued behind n generations of other tabs, about X s"."""
+    if ahead <= 0:
+        return None
+    jobs = f"{ahead} generation{'s' if ahead > 1 else ''} of {'other tabs' if ahead > 1 else 'another tab'}"
+    when = f", about {eta:.0f} s (from measured step times)" if eta is not None else \
+        "; it starts when they end (no step time measured yet)" if ahead > 1 else "; it starts when that one ends"
+    return f"Queued behind {jobs}{when}."

@@ -131,10 +131,11 @@ def _lbm_steps(value: Any, inputs: Any) -> int:
     return whole("LBM steps", 1, LBM_MAX_STEPS)(value) if inputs.mode == MODE_LBM else 1
 
 
-def output_side(value: Any, label: str = "size") -> int:
-    """An output side as the model takes it: 0 (automatic) or a multiple of :data:`SIZE_STEP` (the nearest)."""
+def output_side(value: Any, label: str = "size", step: int = SIZE_STEP) -> int:
+    """An output side as the model takes it: 0 (automatic) or a multiple of ``step`` (the nearest; a family that
+    needs more, 2.1's 32, is checked before queueing: ``ui/model_fit.check_output_size``)."""
     side = whole(label, 0, MAX_SIDE)(0 if value in (None, "") else value)
-    return 0 if side == 0 else max(SIZE_STEP, round(side / SIZE_STEP) * SIZE_STEP)
+    return 0 if side == 0 else max(step, round(side / step) * step)
 
 
 def _height(value: Any, inputs: Any) -> int:
