@@ -86,7 +86,7 @@ def test_a_host_read_of_ours_is_still_caught_beside_the_optimizers_own(monkeypat
         return built
 
     monkeypatch.setattr(optim, "build_optimizer", syncing)
-    with pytest.raises(FakeRunError, match=r"host read .* at diffsynth_qie/training/verify\.py:\d+ \(verify_train_step\)"):
+    with pytest.raises(FakeRunError, match=r"host read .* at diffsynth_qie/training/verify\.py:\d+ \(_verify_train_step\)"):
         step(run_config(loss="lbm"))  # (the caller of the planted code: the innermost frame of the package)
 
 
