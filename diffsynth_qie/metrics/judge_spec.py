@@ -27,6 +27,10 @@ from .judge import SCORE_PROMPT, OpenAIJudge, load_editscore, parse_score
 
 log = logging.getLogger(__name__)
 
+VAL_JUDGE_HELP = ("score every validation output with a judge too (val_judge in loss.jsonl, 0-10): URL#MODEL (an "
+                  "OpenAI-compatible endpoint, e.g. a local vLLM) or a local EditScore-7B directory ([BASE_DIR,]DIR); "
+                  "runs at validation only")
+
 
 @dataclass(frozen=True)
 class JudgeSpec:
@@ -51,6 +55,17 @@ def parse_spec(spec: str, flag: str = "--judge") -> JudgeSpec:
         raise ValueError(f"{flag} {spec!r}: give an OpenAI-compatible endpoint as URL#MODEL (e.g. "
                          "http://127.0.0.1:8000/v1#EditScore-7B) or a local EditScore-7B directory ([BASE_DIR,]DIR)")
     return JudgeSpec("editscore", base_dir=base or _adapter_base(lora), lora_dir=lora)
+
+
+def judge_spec_type(value: str) -> str:
+    """An argparse ``type`` for ``--val_judge``: the spec, checked when the flags are parsed."""
+    import argparse
+
+    try:
+        parse_spec(value, "--val_judge")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return value
 
 
 def _adapter_base(lora_dir: str) -> str:
