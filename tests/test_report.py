@@ -150,3 +150,19 @@ def test_report_selects_the_best_step_and_shows_the_worst_rows(run_dir):
     assert np.array_equal(np.asarray(worst[0]), np.asarray(strips[(6, "1-entry_1")]))
     with pytest.raises(ValueError, match="--select_by val_nope: not in .*val_psnr"):
         build_report(out, select_by="val_nope")
+
+
+def test_report_shows_the_held_out_edits_with_every_reference(run_dir, tmp_path):
+    """The grid `qie eval-edits --grid` wrote into the run's directory (a row with two references here) is in the
+    page pixel for pixel; without it the page has no such section."""
+    from diffsynth_qie.inference.evaluate import EvalCase, compare_grid
+    from diffsynth_qie.training.report import HELDOUT_GRID_NAME, build_report
+
+    out, _, _ = run_dir
+    assert "Held-out edits" not in build_report(out)
+    refs = [Image.new("RGB", (16, 16), c) for c in ("red", "green")]
+    grid = compare_grid([EvalCase(refs, "p", Image.new("RGB", (16, 16), "black"))], [[Image.new("RGB", (16, 16))]])
+    grid.save(out / HELDOUT_GRID_NAME)
+    shown = [img for alt, img in images_in(build_report(out)) if alt == "held-out edits"]
+    assert len(shown) == 1 and np.array_equal(np.asarray(shown[0]), np.asarray(grid))
+    assert shown[0].size == (4 * 16, 16)  # both references | output | target

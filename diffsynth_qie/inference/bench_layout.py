@@ -30,6 +30,11 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text)[:80] or "_"
 
 
+def folder_name(column: str) -> str:
+    """The folder of a scorecard column's generations (``base``, ``lora``, ``lora+turbo@4`` -> ``lora_turbo_4``)."""
+    return _safe(column.replace("+", "_").replace("@", "_"))
+
+
 def row_key(k: int, extra: Optional[dict]) -> str:
     key = (extra or {}).get("key")
     return _safe(str(key)) if key is not None else f"{k:05d}"

@@ -7,7 +7,8 @@ With ``use_mask`` the row's mask is passed to the editor, so pixels outside it a
 the source's by construction and the PSNR measures the edit region's quality. Each
 output is also scored by ``metrics/scorecard.py`` against its source (and target):
 preservation outside the edit region, fidelity inside it, global drift
-(``EvalReport.scores``, one dict per row).
+(``EvalReport.scores``, one dict per row), and with a ``judge`` (``metrics/judge.py``) by it. Benchmark
+rows (``qie eval-edits --bench``) have no target: PSNR and the fidelity metrics are then absent.
 """
 from __future__ import annotations
 
@@ -37,24 +38,25 @@ def psnr(a: Image.Image, b: Image.Image) -> float:
 
 @dataclass
 class EvalCase:
-    """One row's inputs, loaded: the first image is the one edited."""
+    """One row's inputs, loaded: the first image is the one edited (every one is a reference)."""
 
     images: list[Image.Image]
     prompt: str
-    target: Image.Image
+    target: Image.Image | None
     mask: Image.Image | None = None
+    extra: dict = field(default_factory=dict)  # a benchmark row's fields (key, task_type, ...)
 
 
 @dataclass
 class EvalReport:
-    psnr: list[float]
+    psnr: list[float]  # to the target, of the rows that have one
     outputs: list[Image.Image] = field(repr=False)
     sub_outputs: list[Image.Image | None] = field(default_factory=list, repr=False)
     scores: list[dict[str, float]] = field(default_factory=list)  # the scorecard of each row
 
     @property
     def mean_psnr(self) -> float:
-        return float(np.mean(self.psnr))
+        return float(np.mean(self.psnr)) if self.psnr else float("nan")
 
 
 def load_cases(metadata: str, base_dir: str | None = None, limit: int | None = None) -> list[EvalCase]:
@@ -92,19 +94,21 @@ def score_case(case: EvalCase, output: Image.Image, lpips_model=None) -> dict[st
 
 
 def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True, lpips_model=None, clip=None,
-             **request_kwargs) -> EvalReport:
+             judge=None, **request_kwargs) -> EvalReport:
     """Edit every case with ``editor`` as it is (its LoRAs) and measure PSNR to the target.
 
     ``request_kwargs`` go to :class:`EditRequest` (steps, cfg, seed, lbm_steps, ...); the
-    output has the target's size.
+    output has the target's size (without a target, the editor's size for the source).
+    ``judge``: a :class:`~diffsynth_qie.metrics.judge.Judge` whose scores join each row's.
     """
     scores, outputs, subs, cards = [], [], [], []
     for case in cases:
-        w, h = case.target.size
+        w, h = case.target.size if case.target is not None else (None, None)
         request = EditRequest(images=case.images, prompt=case.prompt, mask=case.mask if use_mask else None,
                               width=w, height=h, **request_kwargs)
         result = editor.edit(request)
-        scores.append(psnr(result.image, case.target))
+        if case.target is not None:
+            scores.append(psnr(result.image, case.target))
         outputs.append(result.image)
         subs.append(result.sub_image)
         cards.append(score_case(case, result.image, lpips_model))
@@ -112,18 +116,22 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
             from ..metrics.clip_direction import clip_direction
 
             cards[-1]["clip_direction"] = float(clip_direction(clip, [case.images[0]], [result.image], [case.prompt])[0])
+        if judge is not None:  # an absent answer adds nothing (metrics/judge.py)
+            cards[-1].update(judge.score(case.images[0], case.prompt, result.image))
     return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards)
 
 
 def compare_grid(cases: Sequence[EvalCase], columns: Sequence[Sequence[Image.Image | None]]) -> Image.Image:
-    """One row per case: source, then each column's image (``None`` skipped), then the target."""
-    rows = []
-    for i, case in enumerate(cases):
-        tiles = [case.images[0].resize(case.target.size)] + [c[i] for c in columns if c[i] is not None] + [case.target]
-        rows.append(tiles)
-    tw, th = cases[0].target.size
-    grid = Image.new("RGB", (max(len(r) for r in rows) * tw, len(rows) * th), "white")
-    for y, tiles in enumerate(rows):
-        for x, tile in enumerate(tiles):
-            grid.paste(tile.resize((tw, th)), (x * tw, y * th))
+    """One row per case: every reference in order, then each column's image (``None`` skipped), then the target
+    (when the row has one), each panel at the first output's height (``data.images.side_by_side``, as the
+    validation strips)."""
+    from ..data.images import side_by_side
+
+    height = next(c[i] for c in columns for i in range(len(cases)) if c[i] is not None).height
+    strips = [side_by_side(list(case.images) + [c[i] for c in columns if c[i] is not None]
+                           + ([case.target] if case.target is not None else []), height)
+              for i, case in enumerate(cases)]
+    grid = Image.new("RGB", (max(s.width for s in strips), len(strips) * height), "white")
+    for y, strip in enumerate(strips):
+        grid.paste(strip, (0, y * height))
     return grid

@@ -12,8 +12,9 @@ from typing import Sequence
 
 from ..metrics.scorecard import HIGHER_IS_BETTER, aggregate, win_rate
 
-#: the metric whose win rate heads the summary line: fidelity to the target where there is one
-HEADLINE = ("edit_psnr", "preserve_psnr")
+#: the metric whose win rate heads the summary line: fidelity to the target where there is one, then preservation,
+#: then a judge's score (benchmark rows: no target)
+HEADLINE = ("edit_psnr", "preserve_psnr", "judge")
 
 
 def compare(columns: dict[str, Sequence[dict[str, float]]]) -> dict:
@@ -81,11 +82,12 @@ def gap_line(summary: dict, full: str, few: Sequence[str]) -> str:
         values = summary["metrics"][metric]
         if name in values and full in values:
             diff = values[name] - values[full]
+            unit = " dB" if "psnr" in metric else ""
             extra = ""
             pres = summary["metrics"].get("preserve_psnr", {})
             if metric != "preserve_psnr" and name in pres and full in pres:
                 extra = f", preserve_psnr {pres[name] - pres[full]:+.2f} dB"
-            parts.append(f"{name}: {metric} {diff:+.2f} dB{extra}")
+            parts.append(f"{name}: {metric} {diff:+.2f}{unit}{extra}")
     return f"few-step gap vs {full}: " + "; ".join(parts)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 
 from ..data.formats import DatasetConfig, FieldNames
 from ..data.sampling import SamplingConfig
+from ..metrics.judge_spec import VAL_JUDGE_HELP, judge_spec_type
 from ..models.preset_flags import preset_help, preset_list, preset_type
 from ..utils.cli_checks import INT64_MAX
 from ..utils.config_cli import cli_help as _help
@@ -166,6 +167,7 @@ class TrainConfig:
     validation_steps: int = field(default=8, metadata=_help("sampler steps per validation image", min=1, max=10000))
     validation_cfg_scale: float = field(default=1.0, metadata=_help(
         "classifier-free guidance at validation (1 = off; >1 adds one forward with the empty prompt)", min=0, max=100))
+    val_judge: Optional[str] = field(default=None, metadata=_help(VAL_JUDGE_HELP, metavar="SPEC", type=judge_spec_type))
     seed: int = field(default=0, metadata=_help(
         "seed of LoRA init, data order, dropout, noise and σ", min=0, max=INT64_MAX))
     resume: Optional[str] = field(default=None, metadata=_help(
@@ -176,8 +178,7 @@ class TrainConfig:
     num_workers: int = field(default=0, metadata=_help(
         "DataLoader worker processes reading the cache", min=0, max=1024))
     device: Optional[Literal["cpu", "cuda"]] = field(default=None, metadata=_help(
-        "cpu forces CPU training even with a GPU present (default: accelerate's choice: this rank's GPU, "
-        "else CPU)"))
+        "cpu forces CPU training even with a GPU present (default: accelerate's choice: this rank's GPU, else CPU)"))
     compile: bool = field(default=False, metadata=_help(
         "torch.compile each DiT block (regional: one compile for all blocks, per shape); faster steps on a GPU "
         "after a compile of about a minute"))

@@ -13,7 +13,9 @@ and on a copy of the directory. The page holds, with every image inlined as base
 - the validation strips [reference | target | output] of every validation step;
 - with ``select_by`` (``qie report --select_by val_edit_psnr``): the best step by that
   metric (in its direction: PSNR/SSIM up, LPIPS/drift down) and the checkpoint saved there,
-  and the worst rows of the last validation step by it (``scores.jsonl``), with their strips.
+  and the worst rows of the last validation step by it (``scores.jsonl``), with their strips;
+- the held-out scorecard and edits of ``qie eval-edits`` (``scorecard.json``, ``heldout_grid.png``) when the
+  run's directory has them.
 
 Plots are matplotlib PNGs (the ``[train]`` extra installs matplotlib).
 """
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 REPORT_NAME = "report.html"
 SCORECARD_NAME = "scorecard.json"  # what `qie eval-edits --scorecard` wrote into the run's directory, if anything
+HELDOUT_GRID_NAME = "heldout_grid.png"  # `qie eval-edits --grid`: every reference | base | LoRA | target per row
 NOT_PLOTTED = {"step", "loss", "lr", "epoch"}
 STRIP_MAX_WIDTH = 1536  # wider validation strips are scaled down in the page (the PNG files are untouched)
 
@@ -247,6 +250,9 @@ def build_report(output_dir: str | Path, smoothing: float = 0.9, select_by: Opti
     if select_by:
         parts += _selection(out, records, select_by, worst)
     parts += _scorecard(out / SCORECARD_NAME)
+    if (out / HELDOUT_GRID_NAME).is_file():  # the held-out rows, every reference of a row first
+        parts.append("<h2>Held-out edits [references | base | LoRA | target]</h2><figure class='strip'>"
+                     f"<img alt='held-out edits' src='{_strip_data(out / HELDOUT_GRID_NAME)}'></figure>")
     parts.append("<h2>Curves</h2>")
     for title, fig in plots:
         parts.append(f"<figure><img alt='{html.escape(title)}' src='{_png_data(fig)}'></figure>")

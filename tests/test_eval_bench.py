@@ -1,0 +1,174 @@
+"""`qie eval-edits` on benchmark folders and with a judge, on the tiny model: ``--bench DIR`` reads an ImgEdit-Bench
+folder (and GEdit-Bench records) as they ship and writes base and LoRA generations in the benchmark's layout;
+``--judge URL#MODEL`` adds a judge column from a local OpenAI-compatible server; a LoRA trained on top of a frozen
+LoRA is also scored stacked on it with its declared schedule; the grid shows every reference of a row."""
+from __future__ import annotations
+
+import io
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffsynth_qie.cli import main
+from diffsynth_qie.inference.bench_inputs import detect, gedit_rows, read_bench
+
+SCHEDULE = {"version": 1, "steps": 3, "cfg": 1.0, "sigmas": [1.0, 0.6, 0.3]}
+
+
+def _image(seed, size=(32, 32)):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def _imgedit_dir(root, n=2):
+    """ImgEdit-Bench as it ships: basic_edit.json and the sources under singleturn/."""
+    meta = {}
+    for i in range(n):
+        (root / "singleturn" / "animal").mkdir(parents=True, exist_ok=True)
+        _image(i).save(root / "singleturn" / "animal" / f"{i}.jpg", quality=95)
+        meta[str(100 + i)] = {"id": f"animal/{i}.jpg", "prompt": f"make the animal {'red' if i else 'blue'}",
+                              "edit_type": "alter"}
+    (root / "basic_edit.json").write_text(json.dumps(meta))
+    return root
+
+
+def _lora(path, seed, metadata=None):
+    from diffsynth_qie.lora import save_lora
+
+    g = torch.Generator().manual_seed(seed)
+    state = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 64, generator=g),
+             "transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(64, 4, generator=g),
+             "proj_out.lora_A.weight": torch.randn(4, 64, generator=g),
+             "proj_out.lora_B.weight": torch.randn(64, 4, generator=g) * 0.1}
+    return save_lora(path, state, metadata=metadata)
+
+
+@pytest.fixture
+def judge_server():
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            reply = json.dumps({"choices": [{"message": {"content": f"{len(seen) % 10} points"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", seen
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_reads_imgedit_and_gedit_as_they_ship(tmp_path):
+    root = _imgedit_dir(tmp_path / "imgedit")
+    layout, rows = read_bench(root)
+    assert layout == "imgedit" and [r.extra["key"] for r in rows] == ["100", "101"]
+    assert rows[1].prompt == "make the animal red" and rows[1].source.size == (32, 32)
+    buf = io.BytesIO()
+    _image(5).save(buf, format="PNG")
+    records = [{"key": "k1", "task_type": "color_alter", "instruction": "make it blue", "instruction_language": "en",
+                "input_image": {"bytes": buf.getvalue(), "path": "k1.png"}}]
+    (row,) = gedit_rows(records)
+    assert row.extra == {"key": "k1", "task_type": "color_alter", "instruction_language": "en"}
+    assert np.array_equal(np.asarray(row.source), np.asarray(_image(5)))
+    with pytest.raises(ValueError, match="no input_image"):
+        gedit_rows([{"key": "k2", "instruction": "x"}])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="neither an ImgEdit-Bench folder"):
+        detect(tmp_path / "empty")
+    (tmp_path / "g" / "data").mkdir(parents=True)
+    (tmp_path / "g" / "data" / "train-00000-of-00001.parquet").write_bytes(b"PAR1")
+    assert detect(tmp_path / "g") == "gedit"
+
+
+def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir, tmp_path, judge_server, capsys):
+    url, seen = judge_server
+    bench = _imgedit_dir(tmp_path / "imgedit")
+    lora = _lora(tmp_path / "mine.safetensors", 0)
+    out, card = tmp_path / "out", tmp_path / "card.json"
+    code = main(["eval-edits", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--bench", str(bench),
+                 "--lora", str(lora), "--steps", "2", "--export", "imgedit", str(out), "--judge", f"{url}#judge-m",
+                 "--scorecard", str(card), "--device", "cpu"])
+    assert code == 0
+    for column in ("base", "lora"):
+        meta = json.loads((out / column / "edit.json").read_text())
+        assert set(meta) == {"100", "101"} and meta["101"]["prompt"] == "make the animal red"
+        assert all((out / column / f"{k}.png").is_file() and (out / column / "sources" / v["id"]).is_file()
+                   for k, v in meta.items())
+    assert len(seen) == 4 and all(b["model"] == "judge-m" for b in seen)  # 2 rows x (base, LoRA)
+    summary = json.loads(card.read_text())
+    assert set(summary["metrics"]["judge"]) == {"base", "lora"}
+    assert [r["judge"] for r in summary["per_row"]["base"] + summary["per_row"]["lora"]] == [1.0, 2.0, 3.0, 4.0]
+    assert "edit_psnr" not in summary["metrics"]  # no targets: no fidelity, never invented
+    err = capsys.readouterr().err
+    assert "beats base" in err and "by judge" in err
+
+
+def test_bench_needs_export_and_judge_spec_is_checked_first(tmp_path, capsys):
+    bench = _imgedit_dir(tmp_path / "imgedit")
+    assert main(["eval-edits", "--bench", str(bench)]) == 2
+    assert "--export LAYOUT OUT_DIR" in capsys.readouterr().err
+    assert main(["eval-edits", "--bench", str(bench), "--export", "gedit", str(tmp_path / "o"),
+                 "--judge", "http://127.0.0.1:1/v1"]) == 2
+    assert "after '#'" in capsys.readouterr().err
+    assert main(["eval-edits", "--bench", str(bench), "--export", "gedit", str(tmp_path / "o"),
+                 "--judge", str(tmp_path / "nowhere")]) == 2
+    assert "local EditScore-7B directory" in capsys.readouterr().err
+    assert main(["eval-edits", "--export", "gedit", str(tmp_path / "o")]) == 2
+    assert "--dataset_metadata FILE (held-out rows) or --bench DIR" in capsys.readouterr().err
+
+
+def test_a_lora_trained_on_a_frozen_lora_is_also_scored_stacked_with_its_schedule(tiny_model_dir, demo_data_dir,
+                                                                                  tmp_path, capsys, monkeypatch):
+    from diffsynth_qie.inference import evaluate as ev
+    from diffsynth_qie.lora.frozen import FrozenLora
+
+    turbo = _lora(tmp_path / "turbo.safetensors", 1, {"qie_schedule": json.dumps(SCHEDULE)})
+    mine = _lora(tmp_path / "mine.safetensors", 2, FrozenLora(str(turbo), 0.8, "abc").metadata())
+    calls = []
+    real = ev.Editor.edit
+
+    def spy(self, request):
+        calls.append((sorted(p.name for p, _ in self.active_loras), request.steps, request.sigmas))
+        return real(self, request)
+
+    monkeypatch.setattr(ev.Editor, "edit", spy)
+    card, grid = tmp_path / "card.json", tmp_path / "grid.png"
+    assert main(["eval-edits", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--dataset_metadata",
+                 f"{demo_data_dir}/metadata.json", "--limit", "1", "--lora", str(mine), "--steps", "2",
+                 "--scorecard", str(card), "--grid", str(grid), "--device", "cpu"]) == 0
+    assert calls[:2] == [([], 2, None), (["mine.safetensors"], 2, None)]
+    assert calls[2] == (["mine.safetensors", "turbo.safetensors"], 3, tuple(SCHEDULE["sigmas"]))
+    summary = json.loads(card.read_text())
+    assert summary["columns"] == ["base", "lora", "lora+turbo@3"]
+    err = capsys.readouterr().err
+    assert "stacked on the frozen LoRA it was trained on (turbo.safetensors at scale 0.8)" in err
+    assert "its declared schedule" in err and "few-step gap vs lora: lora+turbo@3:" in err
+    width, height = Image.open(grid).size
+    assert width == 5 * height  # one row: the reference | base | LoRA | LoRA on turbo | target
+
+
+def test_the_grid_shows_every_reference_of_a_row():
+    from diffsynth_qie.inference.evaluate import EvalCase, compare_grid
+
+    refs = [Image.new("RGB", (16, 16), c) for c in ("red", "green", "blue")]
+    out, target = Image.new("RGB", (16, 16), "white"), Image.new("RGB", (16, 16), "black")
+    cases = [EvalCase(refs, "p", target), EvalCase(refs[:1], "p", None)]
+    grid = np.asarray(compare_grid(cases, [[out, out]]))
+    assert grid.shape == (32, 80, 3)  # row 1: 3 references | output | target
+    assert [tuple(grid[8, 8 + 16 * k]) for k in range(5)] == [(255, 0, 0), (0, 128, 0), (0, 0, 255),
+                                                               (255, 255, 255), (0, 0, 0)]
+    assert tuple(grid[24, 8]) == (255, 0, 0) and tuple(grid[24, 24]) == (255, 255, 255)  # row 2: one ref, no target
