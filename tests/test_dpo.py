@@ -253,3 +253,32 @@ def test_dpo_training_resumes_exactly_after_a_kill(preference_cache, tiny_model_
     first = records[0][0]  # the LoRA starts at zero: the policy is the reference, each sample's loss is log 2
     assert first["loss"] == pytest.approx(math.log(2) * first["weight_mean"], rel=1e-4)
     assert {"dpo_accuracy", "dpo_margin"} <= set(first)
+
+
+# --- qie plan and the fake-device step ------------------------------------------------------------------
+def test_the_plan_counts_two_samples_and_the_reference_pass():
+    from diffsynth_qie.memory.census import preset_census
+    from diffsynth_qie.memory.plan import PlanOptions, predict
+
+    census = preset_census("2511")
+    sft, dpo = (predict(census, PlanOptions(resolution=512, pairs=p)) for p in (False, True))
+    assert dpo.gpu["activations"] == 2 * sft.gpu["activations"]
+    assert 0 < dpo.gpu["reference forward (no graph)"] < sft.gpu["activations"]
+    assert dpo.gpu_peak > sft.gpu_peak
+
+
+def test_the_fake_device_runs_a_dpo_step_with_the_reference_pass():
+    import dataclasses
+
+    from diffsynth_qie.training.config import RunConfig
+    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+
+    def step(loss: str):
+        cfg = RunConfig()
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, model="2511", cache_dir="-", output_dir="-"),
+                                  loss=dataclasses.replace(cfg.loss, loss=loss)).resolved(get_preset("2511"))
+        return verify_train_step(cfg, get_preset("2511"), batch_shapes(512, 1, 40, 1), num_layers=1)
+
+    sft, dpo = step("sft"), step("dpo")
+    assert dpo.notes == [] and dpo.loss_dtype == sft.loss_dtype
+    assert dpo.forward_backward_peak > 1.5 * (sft.forward_backward_peak - sft.weights) + sft.weights

@@ -176,4 +176,4 @@ def _setup(module, cfg, preset, device, dtype, ds_config) -> None:
 
 SPEC = LossSpec(
     name="dpo", summary="Diffusion-DPO on chosen/rejected pairs, reference = the base (docs/PREFERENCE.md)",
-    fn=flow_dpo_loss, config=DPOConfig, stratified_sigma=True, default_optimizer="adamw", setup=_setup)
+    fn=flow_dpo_loss, config=DPOConfig, stratified_sigma=True, default_optimizer="adamw", preference=True, setup=_setup)
