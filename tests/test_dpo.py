@@ -282,3 +282,34 @@ def test_the_fake_device_runs_a_dpo_step_with_the_reference_pass():
     sft, dpo = step("sft"), step("dpo")
     assert dpo.notes == [] and dpo.loss_dtype == sft.loss_dtype
     assert dpo.forward_backward_peak > 1.5 * (sft.forward_backward_peak - sft.weights) + sft.weights
+
+
+def test_make_dataset_builds_preference_rows_from_two_folders(tmp_path):
+    """--target holds the chosen outputs, --rejected the rejected ones, matched by stem; the rows read back with
+    their rejected image, and the pair whose rejected image is the chosen one again is refused at cache time."""
+    from PIL import Image
+
+    from diffsynth_qie.cli import build_parser
+    from diffsynth_qie.data.formats import prepare_rows
+
+    for key, colour in (("a", (10, 10, 250)), ("b", (10, 250, 10)), ("c", (250, 10, 10))):
+        for folder, c in (("source", (128, 128, 128)), ("chosen", colour), ("rejected", (128, 128, 128))):
+            (tmp_path / folder).mkdir(exist_ok=True)
+            Image.new("RGB", (64, 48), colour if (folder, key) == ("rejected", "c") else c).save(
+                tmp_path / folder / f"{key}.png")
+    out = tmp_path / "meta" / "metadata.jsonl"
+    args = build_parser().parse_args(["make-dataset", "--target", str(tmp_path / "chosen"), "--source",
+                                      str(tmp_path / "source"), "--rejected", str(tmp_path / "rejected"),
+                                      "--prompt", "make it colourful", "--out", str(out), "--workers", "0"])
+    assert args._run(args) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [Path(r["rejected"]).name for r in records] == ["a.png", "b.png", "c.png"]
+    good, skipped = prepare_rows(out, max_bad_fraction=0.5)
+    assert [(r.row_id, r.rejected.resolve()) for r in good] == [
+        (f"meta:{i}", (tmp_path / "rejected" / f"{k}.png").resolve()) for i, k in enumerate("ab")]
+    assert [(s.row_id, s.field) for s in skipped] == [("meta:2", "rejected")]
+    with pytest.raises(ValueError, match="--rejected .* is the --target folder itself"):
+        args = build_parser().parse_args(["make-dataset", "--target", str(tmp_path / "chosen"), "--source",
+                                          str(tmp_path / "source"), "--rejected", str(tmp_path / "chosen"),
+                                          "--prompt", "p", "--out", str(out), "--workers", "0"])
+        args._run(args)
