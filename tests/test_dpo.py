@@ -142,7 +142,7 @@ def test_a_pair_of_identical_outputs_gives_no_gradient(toy_forward):
         loss, _ = flow_dpo_loss(model, _batch(same=same), _config(loss_weighting="none"), torch.Generator().manual_seed(0))
         loss.backward()
         grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
-        return float(loss), float(torch.cat([g.flatten() for g in grads]).norm())
+        return float(loss.detach()), float(torch.cat([g.flatten() for g in grads]).norm())
 
     (loss, same), (_, different) = grad_norm(True), grad_norm(False)
     assert loss == pytest.approx(math.log(2), abs=1e-7)
@@ -313,3 +313,16 @@ def test_make_dataset_builds_preference_rows_from_two_folders(tmp_path):
                                           str(tmp_path / "source"), "--rejected", str(tmp_path / "chosen"),
                                           "--prompt", "p", "--out", str(out), "--workers", "0"])
         args._run(args)
+
+
+def test_check_dataset_refuses_an_identical_pair_in_one_line(tmp_path, caplog):
+    from diffsynth_qie.cli import build_parser
+
+    data = _preference_data(tmp_path / "data", identical=True)
+    args = build_parser().parse_args(["check-dataset", str(data / "metadata.json"), "--out", str(tmp_path / "check"),
+                                      "--workers", "0"])
+    assert args._run(args) == 0
+    lines = [r.getMessage() for r in caplog.records if "copy_of_target.png" in r.getMessage()]
+    assert lines and "skipping row data:3: rejected:" in lines[0] and "drop the row" in lines[0]
+    flagged = [json.loads(line)["row_id"] for line in (tmp_path / "check" / "check.jsonl").read_text().splitlines()]
+    assert "data:3" not in flagged  # refused before it is measured

@@ -146,13 +146,18 @@ def _check_row(row: EditRow, check_images: bool, sizes: dict) -> SkippedRow | No
             return SkippedRow(row.row_id, "back_mask", str(row.back_mask),
                               f"mask size {mask_size[0]}x{mask_size[1]} differs from target image size "
                               f"{target_size[0]}x{target_size[1]} (after EXIF rotation)")
-    if check_images and row.rejected is not None and same_pixels(row.target, row.rejected):
-        return SkippedRow(row.row_id, "rejected", str(row.rejected), IDENTICAL_PAIR.format(target=row.target))
-    return None
+    return identical_pair(row) if check_images else None
 
 
 IDENTICAL_PAIR = ("the rejected image has the same pixels as the chosen target {target}, so the pair teaches "
                   "no preference; point 'rejected' at the other output or drop the row")
+
+
+def identical_pair(row: EditRow) -> SkippedRow | None:
+    """A preference row whose rejected image has its chosen target's pixels (it teaches nothing), else None."""
+    if row.rejected is None or not same_pixels(row.target, row.rejected):
+        return None
+    return SkippedRow(row.row_id, "rejected", str(row.rejected), IDENTICAL_PAIR.format(target=row.target))
 
 
 def same_pixels(a: Path, b: Path) -> bool:
