@@ -51,6 +51,7 @@ class _Prepared:
     back_mask: Any  # float32 tensor [1, h, w] or None
     ref_gt: Any  # PIL.Image or None
     mask_derived: bool = False  # back_mask came from --auto_mask, not from the row
+    rejected: Any = None  # a preference row's rejected output (PIL.Image at the target's size) or None
 
 
 def _fit(img, max_pixels: int, divisor: int, path):
@@ -88,7 +89,11 @@ def prepare_row(row: EditRow, config: CacheConfig, ops, augment=None) -> _Prepar
     ref_gt = None
     if row.ref_gt is not None:
         ref_gt = same(_fit(load_rgb(row.ref_gt), config.max_pixels, divisor, row.ref_gt))
-    return _Prepared(row, target, edits, lbm, mask, ref_gt, mask_derived=row.back_mask is None and mask is not None)
+    rejected = None  # at the target's size: one noise and one σ serve both outputs of the pair (losses/dpo.py)
+    if row.rejected is not None:
+        rejected = same(resize_to(load_rgb(row.rejected), target.size))
+    return _Prepared(row, target, edits, lbm, mask, ref_gt, mask_derived=row.back_mask is None and mask is not None,
+                     rejected=rejected)
 
 
 def prefetch(fn: Callable, items: Iterable, num_workers: int) -> Iterator:
@@ -147,12 +152,15 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops) -> CacheEntry
         images.append(prep.lbm_source)
     if prep.ref_gt is not None:
         images.append(prep.ref_gt)
+    if prep.rejected is not None:
+        images.append(prep.rejected)
     with placed(pipe, "vae"):
         lat = vae_encode_many(pipe, images, ops)
     target, edits = lat[0], lat[1:1 + len(prep.edits)]
     rest = lat[1 + len(prep.edits):]
     lbm = rest.pop(0) if own_lbm else (edits[0] if prep.lbm_source is not None else None)
     ref_gt = rest.pop(0) if prep.ref_gt is not None else None
+    rejected = rest.pop(0) if prep.rejected is not None else None
 
     prompts = [p for p in row.prompts if not is_empty_prompt(p)]
     with placed(pipe, "text_encoder"):
@@ -173,6 +181,7 @@ def encode_prepared(pipe, prep: _Prepared, multi_image: bool, ops) -> CacheEntry
         target_latents=target, edit_latents=list(edits), sub_noise=None,  # type: ignore[arg-type]
         back_mask=prep.back_mask, ref_gt_latents=ref_gt, lbm_source_latents=lbm,
         prompt_extras=[host(x) for _, x in encoded], empty_prompt_extras=host(empty_extras),
+        rejected_latents=rejected,
     )
 
 
@@ -229,6 +238,7 @@ def entry_meta(prep: _Prepared, entry: CacheEntry, content_hash: str, sub_key: s
         edit_shapes=[tuple(e.shape) for e in entry.edit_latents],
         has_back_mask=entry.back_mask is not None, mask_derived=prep.mask_derived,
         ref_gt_shape=tuple(entry.ref_gt_latents.shape) if entry.ref_gt_latents is not None else None,
+        rejected_shape=tuple(entry.rejected_latents.shape) if entry.rejected_latents is not None else None,
         lbm_source=store.lbm_source_mode(entry),
         sub_noise_key=sub_key, sub_noise_ref_gt_key=sub_ref_key,
         dtype=str(entry.target_latents.dtype).replace("torch.", ""),

@@ -46,6 +46,7 @@ class EntryMeta:
     patch: int = 2  # latent pixels per DiT token side (written by every cache; 2 in caches from before the field)
     prompt_tensors: list[str] = field(default_factory=list)  # each prompt's tensors beside its embedding (Family)
     mask_derived: bool = False  # back_mask derived by --auto_mask (not the row's own)
+    rejected_shape: Optional[tuple[int, int, int]] = None  # a preference row's rejected latents (= target_shape)
     shard: str = ""  # shard file name under shards/, set by ShardWriter
     key: str = ""  # tensor key prefix inside the shard, set by ShardWriter
 
@@ -60,6 +61,10 @@ class EntryMeta:
     @property
     def has_ref_gt(self) -> bool:
         return self.ref_gt_shape is not None
+
+    @property
+    def has_rejected(self) -> bool:
+        return self.rejected_shape is not None
 
     @property
     def has_lbm_source(self) -> bool:
@@ -85,6 +90,7 @@ class EntryMeta:
         d["target_shape"] = tuple(d["target_shape"])
         d["edit_shapes"] = [tuple(s) for s in d["edit_shapes"]]
         d["ref_gt_shape"] = tuple(d["ref_gt_shape"]) if d.get("ref_gt_shape") else None
+        d["rejected_shape"] = tuple(d["rejected_shape"]) if d.get("rejected_shape") else None
         if d.pop("has_prompt_pads", False) and "prompt_tensors" not in d:  # sidecars from before the schema
             d["prompt_tensors"] = ["pad"]
         names = {f.name for f in dataclasses.fields(cls)}
@@ -121,6 +127,7 @@ class CacheEntry:
     # (Qwen-Image-2.1: {"pad": the references' slot mask [L]}; Qwen-Image-Edit: none).
     prompt_extras: list[dict[str, "torch.Tensor"]] = field(default_factory=list)
     empty_prompt_extras: dict[str, "torch.Tensor"] = field(default_factory=dict)
+    rejected_latents: Optional["torch.Tensor"] = None  # a preference row's rejected output, at the target's size
 
     @property
     def n_edit(self) -> int:
@@ -151,6 +158,8 @@ class CacheEntry:
             out["back_mask"] = self.back_mask
         if self.ref_gt_latents is not None:
             out["ref_gt_latents"] = self.ref_gt_latents
+        if self.rejected_latents is not None:
+            out["rejected_latents"] = self.rejected_latents
         if self.lbm_source_latents is not None and lbm_source_mode(self) == LBM_OWN:
             out["lbm_source_latents"] = self.lbm_source_latents
         return out

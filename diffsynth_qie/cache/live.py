@@ -139,7 +139,7 @@ class LiveStore:
             target_size=(target[1], target[0]), target_shape=shape(target), edit_shapes=[shape(e) for e in edits],
             has_back_mask=row.back_mask is not None, ref_gt_shape=shape(ref_gt) if ref_gt else None,
             lbm_source=store_mod.LBM_NONE, sub_noise_key="", sub_noise_ref_gt_key=None, dtype="", patch=family.patch,
-            prompt_tensors=list(family.prompt_tensors))
+            prompt_tensors=list(family.prompt_tensors), rejected_shape=shape(target) if row.rejected else None)
 
 
 def augmenter(rng: random.Random):

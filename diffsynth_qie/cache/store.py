@@ -33,7 +33,8 @@ Inside a shard every tensor key is ``<EntryMeta.key>/<name>`` with names
 ``prompt_emb.<k>``, ``prompt_mask.<k>`` (one per prompt alternative),
 ``empty_prompt_emb``, ``empty_prompt_mask``, ``target_latents``,
 ``edit_latents.<j>``, and optionally ``back_mask``, ``ref_gt_latents``,
-``lbm_source_latents``. Shapes have no batch dimension (the trainer's collate
+``lbm_source_latents``, ``rejected_latents`` (a preference row's rejected output at the target's size, listed
+by ``rejected_shape``; an optional key, so caches without it read as before and format_version stays 1). Shapes have no batch dimension (the trainer's collate
 adds it): prompt embeddings ``[L, D]`` with masks ``[L]`` (int64, unpadded so all
 ones; kept so the trainer can pad and mask uniformly), latents ``[16, h, w]`` with
 ``h, w`` = pixel size / 8, ``back_mask`` ``[1, h, w]`` float32 in [0, 1] (area
@@ -192,6 +193,7 @@ class CacheStore:
                 prompt_extras=[{name: get(f"prompt_{name}.{k}") for name in m.prompt_tensors}
                                for k in range(m.n_prompts)],
                 empty_prompt_extras={name: get(f"empty_prompt_{name}") for name in m.prompt_tensors},
+                rejected_latents=get("rejected_latents") if m.has_rejected else None,
             )
         return entry
 

@@ -47,9 +47,24 @@ def default_thresholds():
 
 
 def _rows(path: str, base, skipped: Optional[list] = None) -> list:
+    """The rows to check; a preference row whose rejected image is its target again is refused as the cache
+    refuses it (one line each, and listed with the reader's skipped rows)."""
     from ..data.formats import read_rows
+    from ..data.rows import identical_pair, log_skip
 
-    return read_rows(path, base, skipped=skipped)
+    rows, out = read_rows(path, base, skipped=skipped), []
+    for row in rows:
+        try:
+            bad = identical_pair(row)
+        except (ValueError, OSError):  # a missing or unreadable image: the check's own measurements report it
+            bad = None
+        if bad is None:
+            out.append(row)
+        else:
+            log_skip(bad)
+            if skipped is not None:
+                skipped.append(bad)
+    return out
 
 
 def _as_task(row) -> dict:

@@ -10,7 +10,7 @@ from ..utils.cli_checks import checked
 log = logging.getLogger(__name__)
 # output flags: leftovers of killed runs in their directories are removed before a run (cli.main)
 OUTPUTS = {"out": "file"}
-INPUTS = ("target", "source", "ref_gt")
+INPUTS = ("target", "source", "ref_gt", "rejected")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask", metavar="DIR", help="optional folder of edit-region masks (white = edit), "
                         "same stems and sizes as the targets")
     parser.add_argument("--ref_gt", metavar="DIR", help="optional folder of reference ground-truth images")
+    parser.add_argument("--rejected", metavar="DIR", help="optional folder of rejected outputs, matched by stem: a "
+                        "preference dataset for qie train --loss dpo, the --target images being the chosen ones "
+                        "(docs/PREFERENCE.md)")
     parser.add_argument("--prompt", help="one prompt for every row (default: a .txt beside each target)")
     parser.add_argument("--prompts", metavar="FILE", help="CSV or JSONL with columns stem and prompt (or "
                         "instruction); optional instruction_cn, inverse_instruction, inverse_instruction_cn")
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     spec = folders.FolderSpec(target=Path(args.target), sources=[Path(s) for s in args.source],
                               mask=Path(args.mask) if args.mask else None,
                               ref_gt=Path(args.ref_gt) if args.ref_gt else None, prompt=args.prompt,
+                              rejected=Path(args.rejected) if args.rejected else None,
                               prompts_file=Path(args.prompts) if args.prompts else None,
                               max_pixels=max_pixels, workers=args.workers)
     scan = folders.validate(folders.match_folders(spec), max_pixels, args.workers)

@@ -121,7 +121,7 @@ def options_of(args):
                        num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
                        text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu",
                        ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),
-                       kv_cache=args.kv_cache)
+                       kv_cache=args.kv_cache, pairs=args.task == "train" and loss_spec(args.loss).preference)
 
 
 def _census(args):

@@ -3,7 +3,8 @@
 Files are matched by *key*: the path below its folder without the extension
 (``a.png`` -> ``a``, ``sub/b.jpg`` -> ``sub/b``). Every key of ``--target`` is one
 candidate row; each ``--source`` folder must hold the same key (several sources make a
-multi-image edit, in the order given); ``--mask`` and ``--ref_gt`` are optional per
+multi-image edit, in the order given); ``--mask``, ``--ref_gt`` and ``--rejected`` (a
+preference dataset's rejected outputs; the targets are the chosen ones) are optional per
 row. Prompts come from one of: ``--prompt`` (the same for every row), ``--prompts FILE``
 (CSV or JSONL with a ``stem`` column and ``prompt`` or ``instruction``, optionally
 ``instruction_cn``, ``inverse_instruction``, ``inverse_instruction_cn``), or a ``.txt``
@@ -13,7 +14,7 @@ Every image is opened with :func:`~.images.open_image` (the project's loader and
 pixel cap) in worker processes: a row whose images cannot be read, exceed
 ``max_pixels``, have a side under :data:`MIN_SIDE` pixels, or whose mask's size is not
 its target's, is skipped with the reason. Rows are written with DiffSynth's field names
-(``prompt``, ``image``, ``edit_image``, ``back_mask``, ``ref_gt``), or with the
+(``prompt``, ``image``, ``edit_image``, ``back_mask``, ``ref_gt``, ``rejected``), or with the
 FireRed-style names (``target_image``, ``source_image``, ``instruction``, ...) when the
 prompts have a second language or inverse instructions, which DiffSynth's fields cannot
 hold. Both are read by :func:`~.formats.read_rows`.
@@ -51,6 +52,7 @@ class FolderSpec:
     sources: list[Path]
     mask: Optional[Path] = None
     ref_gt: Optional[Path] = None
+    rejected: Optional[Path] = None
     prompt: Optional[str] = None
     prompts_file: Optional[Path] = None
     max_pixels: int = MAX_IMAGE_PIXELS
@@ -67,6 +69,7 @@ class FolderRow:
     texts: dict[str, str]
     mask: Optional[Path] = None
     ref_gt: Optional[Path] = None
+    rejected: Optional[Path] = None
 
     def images(self) -> dict[str, Path]:
         out = {"target": self.target, **{f"edit_images[{i}]": p for i, p in enumerate(self.sources)}}
@@ -74,6 +77,8 @@ class FolderRow:
             out["back_mask"] = self.mask
         if self.ref_gt is not None:
             out["ref_gt"] = self.ref_gt
+        if self.rejected is not None:
+            out["rejected"] = self.rejected
         return out
 
 
@@ -84,7 +89,7 @@ class FolderScan:
     rows: list[FolderRow] = field(default_factory=list)
     skipped: list[SkippedRow] = field(default_factory=list)
     unmatched: dict[str, list[str]] = field(default_factory=dict)  # folder -> keys with no target
-    without: dict[str, list[str]] = field(default_factory=dict)  # "mask" / "ref_gt" -> keys written without one
+    without: dict[str, list[str]] = field(default_factory=dict)  # "mask" / "ref_gt" / ... -> keys written without one
     images_checked: int = 0
 
     def summary(self) -> str:
@@ -162,6 +167,9 @@ def match_folders(spec: FolderSpec) -> FolderScan:
         raise ValueError("give --prompt (one prompt for all) or --prompts FILE, not both")
     if not spec.sources:
         raise ValueError("no --source folder given; pass --source DIR (several for multi-image edits)")
+    if spec.rejected is not None and Path(spec.rejected).resolve() == Path(spec.target).resolve():
+        raise ValueError(f"--rejected {spec.rejected} is the --target folder itself; the targets are the chosen "
+                         "outputs, --rejected the other ones: give two different folders")
     same = [str(d) for d in spec.sources if Path(d).resolve() == Path(spec.target).resolve()]
     if same:  # every pair would be an image and itself: an edit that teaches nothing
         raise ValueError(f"--source {same[0]} is the --target folder itself; the sources are the images before "
@@ -171,7 +179,7 @@ def match_folders(spec: FolderSpec) -> FolderScan:
     if not targets and not ambiguous:
         raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found in --target {spec.target}")
     others = {f"source {i}": list_images(d) for i, d in enumerate(spec.sources)}
-    for name, folder in (("mask", spec.mask), ("ref_gt", spec.ref_gt)):
+    for name, folder in (("mask", spec.mask), ("ref_gt", spec.ref_gt), ("rejected", spec.rejected)):
         if folder is not None:
             others[name] = list_images(folder)
     prompts = read_prompts(spec.prompts_file) if spec.prompts_file is not None else None
@@ -189,7 +197,7 @@ def match_folders(spec: FolderSpec) -> FolderScan:
 def _folder(spec: FolderSpec, name: str) -> str:
     if name.startswith("source"):
         return str(spec.sources[int(name.split()[1])])
-    return str(spec.mask if name == "mask" else spec.ref_gt)
+    return str(getattr(spec, name))  # mask, ref_gt, rejected
 
 
 def _match_one(spec, key, target, others, prompts, scan) -> Optional[SkippedRow]:
@@ -201,7 +209,7 @@ def _match_one(spec, key, target, others, prompts, scan) -> Optional[SkippedRow]
             return SkippedRow(key, f"edit_images[{i}]", str(spec.sources[i]), why)
         sources.append(files[key])
     optional = {}
-    for name in ("mask", "ref_gt"):
+    for name in ("mask", "ref_gt", "rejected"):
         if name in others:
             files, amb = others[name]
             if key in amb:
@@ -221,7 +229,8 @@ def _match_one(spec, key, target, others, prompts, scan) -> Optional[SkippedRow]
         where = (f"--prompts {spec.prompts_file}" if prompts is not None
                  else f"{spec.target / (key + '.txt')}" if spec.prompt is None else "--prompt")
         return SkippedRow(key, "prompts", where, "no prompt for this stem")
-    scan.rows.append(FolderRow(key, target, sources, texts, optional.get("mask"), optional.get("ref_gt")))
+    scan.rows.append(FolderRow(key, target, sources, texts, optional.get("mask"), optional.get("ref_gt"),
+                               optional.get("rejected")))
     return None
 
 
@@ -306,6 +315,8 @@ def row_record(row: FolderRow, base: Path, absolute: bool, firered: bool) -> dic
         rec["back_mask"] = p(row.mask)
     if row.ref_gt is not None:
         rec["ref_gt"] = p(row.ref_gt)
+    if row.rejected is not None:
+        rec["rejected"] = p(row.rejected)
     return rec
 
 

@@ -4,7 +4,8 @@ Supported (auto-detected by extension, then content, then field names):
 
 - **DiffSynth** metadata as JSON (a list of objects), JSONL or CSV, fields
   ``prompt``, ``image`` (target), ``edit_image`` (one path or a list; in CSV a
-  JSON-encoded list or a single path), optional ``back_mask`` and ``ref_gt``.
+  JSON-encoded list or a single path), optional ``back_mask``, ``ref_gt`` and ``rejected`` (a preference
+  row: the target is the chosen output, ``docs/PREFERENCE.md``).
 - **FireRed-style JSONL** (also as JSON list or CSV), recognised by its
   ``target_image`` field: ``source_image`` (path, list, or null = text-to-image),
   ``instruction``/``instruction_cn`` (prompt alternatives) and optional
@@ -28,57 +29,16 @@ import io
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .fields import DatasetConfig, FieldNames  # noqa: F401 (re-exported: the CLI's dataset flags)
 from .rows import (DEFAULT_MAX_BAD_FRACTION, EditRow, SkippedRow, check_bad_fraction, log_skip,
                    validate_rows, write_skipped)
 
 log = logging.getLogger(__name__)
 
 T2I_REASON = "no source image; pass --t2i_mode for text-to-image rows"
-
-
-@dataclass
-class FieldNames:
-    """Metadata field names (override with e.g. --source_field when a dataset uses other keys)."""
-
-    id_field: str = field(default="id", metadata={"help": "row id field (optional; default id is <dataset>:<index>)"})
-    # DiffSynth format
-    prompt_field: str = field(default="prompt", metadata={"help": "DiffSynth format: prompt field"})
-    image_field: str = field(default="image", metadata={"help": "DiffSynth format: target image field"})
-    edit_image_field: str = field(default="edit_image", metadata={"help": "DiffSynth format: source image(s) field"})
-    # FireRed-style format
-    source_field: str = field(default="source_image", metadata={"help": "FireRed format: source image(s) field"})
-    target_field: str = field(default="target_image", metadata={"help": "FireRed format: target image field"})
-    instruction_field: str = field(default="instruction", metadata={"help": "FireRed format: instruction field"})
-    instruction_cn_field: str = field(default="instruction_cn",
-                                      metadata={"help": "FireRed format: second-language instruction field"})
-    inverse_instruction_field: str = field(default="inverse_instruction",
-                                           metadata={"help": "FireRed format: inverse instruction field"})
-    inverse_instruction_cn_field: str = field(default="inverse_instruction_cn",
-                                              metadata={"help": "FireRed format: second-language inverse field"})
-    # both formats
-    back_mask_field: str = field(default="back_mask", metadata={"help": "edit-region mask field (white = edit)"})
-    ref_gt_field: str = field(default="ref_gt", metadata={"help": "reference ground-truth image field"})
-
-
-@dataclass
-class DatasetConfig:
-    """Dataset reading: metadata file, base directory, format options, bad-row policy."""
-
-    dataset_metadata: str | None = field(default=None, metadata={
-        "help": "metadata file: DiffSynth JSON/JSONL/CSV or FireRed-style JSONL", "metavar": "FILE"})
-    dataset_base: str | None = field(default=None, metadata={
-        "help": "directory image paths are relative to (default: the metadata file's directory)", "metavar": "DIR"})
-    dataset_name: str | None = field(default=None, metadata={
-        "help": "dataset name for weighted sampling and row ids (default: the metadata file's directory name)"})
-    disable_inverse: bool = field(default=False, metadata={"help": "do not add inverse rows from inverse_instruction"})
-    t2i_mode: bool = field(default=False, metadata={"help": "accept text-to-image rows (no source image)"})
-    max_bad_fraction: float = field(default=DEFAULT_MAX_BAD_FRACTION, metadata={
-        "help": "fail when more than this fraction of rows is bad (bad rows are listed in skipped.jsonl)",
-        "unbounded": True})
 
 
 # ---------------------------------------------------------------- file readers
@@ -246,12 +206,13 @@ def _parse_record(rec: dict, row_id: str, fmt: str, base: Path, f: FieldNames, d
         raise _RowError(source_name, None, T2I_REASON)
     back_mask = _one_path(rec.get(f.back_mask_field), f.back_mask_field, base, False)
     ref_gt = _one_path(rec.get(f.ref_gt_field), f.ref_gt_field, base, False)
+    rejected = _one_path(rec.get(f.rejected_field), f.rejected_field, base, False)
     assert target is not None
     rows = [EditRow(row_id=row_id, prompts=prompts, target=target, edit_images=sources,
-                    back_mask=back_mask, ref_gt=ref_gt, dataset=dataset, inverse=False)]
+                    back_mask=back_mask, ref_gt=ref_gt, dataset=dataset, inverse=False, rejected=rejected)]
     if inverse_prompts and len(sources) == 1 and not disable_inverse:
-        # The edit region is the same in both directions; ref_gt describes the
-        # forward target only, so the inverse row has none.
+        # The edit region is the same in both directions; ref_gt and a rejected output
+        # describe the forward target only, so the inverse row has neither.
         rows.append(EditRow(row_id=f"{row_id}#inverse", prompts=inverse_prompts, target=sources[0],
                             edit_images=[target], back_mask=back_mask, ref_gt=None, dataset=dataset,
                             inverse=True))

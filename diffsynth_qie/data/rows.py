@@ -56,6 +56,7 @@ class EditRow:
     ref_gt: Path | None = None
     dataset: str = "default"
     inverse: bool = False
+    rejected: Path | None = None  # a preference row's rejected output (the target is the chosen one)
 
     @property
     def num_sources(self) -> int:
@@ -79,6 +80,8 @@ class EditRow:
             paths["back_mask"] = self.back_mask
         if self.ref_gt is not None:
             paths["ref_gt"] = self.ref_gt
+        if self.rejected is not None:
+            paths["rejected"] = self.rejected
         return paths
 
     def to_json(self) -> dict:
@@ -88,13 +91,14 @@ class EditRow:
         d["edit_images"] = [str(p) for p in self.edit_images]
         d["back_mask"] = None if self.back_mask is None else str(self.back_mask)
         d["ref_gt"] = None if self.ref_gt is None else str(self.ref_gt)
+        d["rejected"] = None if self.rejected is None else str(self.rejected)
         return d
 
 
 @dataclass
 class SkippedRow:
     """Why a row was left out. ``field`` names the EditRow field (``target``,
-    ``edit_images[1]``, ``back_mask``, ``ref_gt``, ``prompts``) or, for parse
+    ``edit_images[1]``, ``back_mask``, ``ref_gt``, ``rejected``, ``prompts``) or, for parse
     problems, the metadata field; ``path`` is the offending file if any."""
 
     row_id: str
@@ -142,7 +146,26 @@ def _check_row(row: EditRow, check_images: bool, sizes: dict) -> SkippedRow | No
             return SkippedRow(row.row_id, "back_mask", str(row.back_mask),
                               f"mask size {mask_size[0]}x{mask_size[1]} differs from target image size "
                               f"{target_size[0]}x{target_size[1]} (after EXIF rotation)")
-    return None
+    return identical_pair(row) if check_images else None
+
+
+IDENTICAL_PAIR = ("the rejected image has the same pixels as the chosen target {target}, so the pair teaches "
+                  "no preference; point 'rejected' at the other output or drop the row")
+
+
+def identical_pair(row: EditRow) -> SkippedRow | None:
+    """A preference row whose rejected image has its chosen target's pixels (it teaches nothing), else None."""
+    if row.rejected is None or not same_pixels(row.target, row.rejected):
+        return None
+    return SkippedRow(row.row_id, "rejected", str(row.rejected), IDENTICAL_PAIR.format(target=row.target))
+
+
+def same_pixels(a: Path, b: Path) -> bool:
+    """Whether two image files decode to the same RGB pixels (the same file, or equal sizes and values)."""
+    if Path(a).resolve() == Path(b).resolve():
+        return True
+    ia, ib = load_rgb(a), load_rgb(b)
+    return ia.size == ib.size and ia.tobytes() == ib.tobytes()
 
 
 def check_row(row: EditRow, *, check_images: bool = True) -> SkippedRow | None:
@@ -154,8 +177,9 @@ def validate_rows(rows: Iterable[EditRow], *, check_images: bool = True) -> tupl
     """Split ``rows`` into good rows and :class:`SkippedRow` records (logged).
 
     Checks: non-empty prompt; every referenced file exists; with ``check_images``
-    every image (target, sources, ref_gt) and the mask fully decode, and the
-    mask has the target's size (after EXIF rotation). Each bad row is reported
+    every image (target, sources, ref_gt, rejected) and the mask fully decode, the
+    mask has the target's size (after EXIF rotation), and a preference row's
+    rejected image is not the target's pixels again. Each bad row is reported
     once, with its first problem.
     """
     good: list[EditRow] = []

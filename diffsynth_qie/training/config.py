@@ -1,11 +1,11 @@
 """Typed configuration of phase-2 training, one small dataclass per area.
 
-``qie train`` turns every field into a flag (``utils/config_cli.py``): the field name *is* the flag name.
-Values that depend on other choices (the optimizer's learning rate, the preset's LoRA targets and
-``zero_cond_t``) default to ``None`` and are filled in by :meth:`RunConfig.resolved`; nothing is read back
-from the cache except tensors. :attr:`LossConfig.loss` picks a loss from ``losses/registry.py``: its
-:class:`~.losses.spec.LossSpec` carries its capabilities (checked here) and its own config, held by
-``RunConfig.<name>`` (``sft``, ``lbm``). The losses import no torch at import time (cheap flags).
+``qie train`` turns every field into a flag (``utils/config_cli.py``): the field name *is* the flag name. Values
+that depend on other choices (the optimizer's learning rate, the preset's LoRA targets and ``zero_cond_t``)
+default to ``None`` and are filled in by :meth:`RunConfig.resolved`; nothing is read back from the cache except
+tensors. :attr:`LossConfig.loss` picks a loss from ``losses/registry.py``: its :class:`~.losses.spec.LossSpec`
+carries its capabilities (checked here) and its own config, held by ``RunConfig.<name>`` (``sft``, ``lbm``,
+``dpo``). The losses import no torch at import time (cheap flags).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ..metrics.judge_spec import VAL_JUDGE_HELP, judge_spec_type
 from ..models.preset_flags import preset_help, preset_list, preset_type
 from ..utils.cli_checks import INT64_MAX
 from ..utils.config_cli import cli_help as _help
+from .losses.dpo import DPOConfig
 from .losses.lbm import LBMConfig
 from .losses.registry import loss_help, loss_names, loss_spec
 from .losses.sft import SFTConfig
@@ -230,6 +231,7 @@ class RunConfig:
     # each registered loss's own config, named after it (losses/registry.py)
     sft: SFTConfig = field(default_factory=SFTConfig)  # used with --loss sft
     lbm: LBMConfig = field(default_factory=LBMConfig)  # used with --loss lbm
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # used with --loss dpo
     onthefly: OnTheFlyConfig = field(default_factory=OnTheFlyConfig)  # --on_the_fly, with the two below
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     fields: FieldNames = field(default_factory=FieldNames)
@@ -345,6 +347,5 @@ def validate(cfg: RunConfig) -> None:
     if ts.logit_std <= 0 or not math.isfinite(ts.logit_mean):
         raise ValueError(f"--logit_std must be > 0 (got {ts.logit_std}) and --logit_mean finite")
     if ls.mask_loss_weights is not None:
-        w = tuple(ls.mask_loss_weights)
-        if len(w) != 2 or min(w) < 0 or max(w) == 0:
+        if len(w := tuple(ls.mask_loss_weights)) != 2 or min(w) < 0 or max(w) == 0:
             raise ValueError(f"--mask_loss_weights takes INSIDE OUTSIDE, two non-negative numbers not both 0; got {list(w)}")

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # Keys whose values are tensors (or lists of tensors, or None) moved to the DiT's device/dtype.
 TENSOR_KEYS = ("target_latents", "edit_latents", "prompt_emb", "empty_prompt_emb", "back_mask", "ref_gt_latents",
-               "sub_noise", "sub_noise_ref_gt", "lbm_source_latents")
+               "sub_noise", "sub_noise_ref_gt", "lbm_source_latents", "rejected_latents")
 
 
 def sample_rng(seed: int, epoch: int, index: "int | str", purpose: str) -> random.Random:
@@ -155,6 +155,7 @@ class CacheDataset(torch.utils.data.Dataset):
             "sub_noise": entry.sub_noise,
             "sub_noise_ref_gt": entry.sub_noise_ref_gt,
             "lbm_source_latents": entry.lbm_source_latents,
+            "rejected_latents": entry.rejected_latents,  # a preference row's rejected output (--loss dpo)
         }
 
 

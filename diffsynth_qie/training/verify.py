@@ -99,7 +99,8 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
     from .verify_onthefly import on_the_fly
 
     report = StepReport()
-    t, family, lbm = cfg.train, family_of(preset), loss_spec(cfg.loss.loss).bridge
+    t, family, spec = cfg.train, family_of(preset), loss_spec(cfg.loss.loss)
+    lbm = spec.bridge
     with FakeCuda() as fc, family.fake_device_standin(), library_host_reads(cfg.optim.optimizer):
         torch.manual_seed(t.seed)
         # built on the device (a real load goes through the host first for FP8; the step is what counts);
@@ -121,7 +122,7 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
         report.weights = fc.current_bytes
         dim = text_dim(module.dit)
         masks = cfg.loss.mask_loss_weights is not None  # the masked samples' path (every sample has a mask)
-        batch = fake_batch(shapes, family, dim, lbm=lbm, masks=masks, dtype=dtype)
+        batch = fake_batch(shapes, family, dim, lbm=lbm, masks=masks, dtype=dtype, pairs=spec.preference)
         generator = torch.Generator().manual_seed(t.seed)
         with compiled(cfg, module):
             with fc.phase("forward + backward"):

@@ -3,7 +3,8 @@
 Per sample: a target latent ``[C, H/f, W/f]`` (the family's latent channels and VAE factor), reference latents, a
 prompt embedding ``[L, D]``, the family's prompt tensors (Qwen-Image-2.1: the references' slot mask ``pad``
 ``[L]`` on the host, as the cache gives it), the edit mask ``back_mask [1, H/f, W/f]`` when
-``--mask_loss_weights`` weighs the loss with it, and the bridge loss's extra latents (LBM). Values do not
+``--mask_loss_weights`` weighs the loss with it, the bridge loss's extra latents (LBM) and a preference loss's
+rejected latents (DPO). Values do not
 exist; only shapes, dtypes and devices, as ``TrainingModule.to_compute`` leaves them.
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ def text_dim(dit: torch.nn.Module) -> int:
 
 
 def fake_batch(shapes: Sequence[SampleShape], family, dim: int, *, lbm: bool, masks: bool,
-               dtype: torch.dtype) -> dict:
+               dtype: torch.dtype, pairs: bool = False) -> dict:
     """A collated batch on the fake device for ``family`` (a ``models.family.Family``)."""
     from ..memory.standin21 import slot_mask21
 
@@ -80,4 +81,6 @@ def fake_batch(shapes: Sequence[SampleShape], family, dim: int, *, lbm: bool, ma
     if lbm:
         batch["lbm_source_latents"] = [lat(s.height, s.width) for s in shapes]
         batch["sub_noise"] = [lat(s.height, s.width) for s in shapes]
+    if pairs:  # a preference row's rejected output, at its target's size
+        batch["rejected_latents"] = [lat(s.height, s.width) for s in shapes]
     return batch

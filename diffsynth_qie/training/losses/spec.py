@@ -34,6 +34,8 @@ class LossSpec:
     sigma_note: str = ""                  # how it draws its σ's otherwise (for the error naming the fix)
     default_optimizer: str = "adamw"      # when --optimizer is not given (training/config.py's OPTIMIZER_DEFAULTS)
     needs_rollouts: bool = False          # trains on samples the model generates during training
+    preference: bool = False              # trains on chosen/rejected pairs (the cache's rejected_latents): two
+    #                                       samples' activations per row and a reference pass (qie plan, verify)
     setup: Optional[Callable[..., None]] = None  # setup(module, cfg, preset, device, dtype, ds_config) after the
     #                                              module is built (e.g. LBM's pixel critic); None: nothing
 
