@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffsynth_qie.metrics.rewards import ProcessReward, RewardBatch, parse_reward
-from diffsynth_qie.training.losses.nft import nft_loss, optimality, soft_update_
+from diffsynth_qie.training.losses.nft_math import nft_loss, optimality, soft_update_
 
 
 def _batch(n=4, size=64, seed=0, change_outside=0.0):

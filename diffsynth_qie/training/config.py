@@ -5,7 +5,7 @@ that depend on other choices (the optimizer's learning rate, the preset's LoRA t
 default to ``None`` and are filled in by :meth:`RunConfig.resolved`; nothing is read back from the cache except
 tensors. :attr:`LossConfig.loss` picks a loss from ``losses/registry.py``: its :class:`~.losses.spec.LossSpec`
 carries its capabilities (checked here) and its own config, held by ``RunConfig.<name>`` (``sft``, ``lbm``,
-``dpo``). The losses import no torch at import time (cheap flags).
+``dpo``, ``nft``). The losses import no torch at import time (cheap flags).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ..utils.cli_checks import INT64_MAX
 from ..utils.config_cli import cli_help as _help
 from .losses.dpo import DPOConfig
 from .losses.lbm import LBMConfig
+from .losses.nft import NFTConfig
 from .losses.registry import loss_help, loss_names, loss_spec
 from .losses.sft import SFTConfig
 from .onthefly_config import OnTheFlyConfig  # noqa: F401 (part of RunConfig; its own module, as the next)
@@ -208,6 +209,7 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)  # used with --loss sft
     lbm: LBMConfig = field(default_factory=LBMConfig)  # used with --loss lbm
     dpo: DPOConfig = field(default_factory=DPOConfig)  # used with --loss dpo
+    nft: NFTConfig = field(default_factory=NFTConfig)  # used with --loss nft
     onthefly: OnTheFlyConfig = field(default_factory=OnTheFlyConfig)  # --on_the_fly, with the two below
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     fields: FieldNames = field(default_factory=FieldNames)
@@ -320,6 +322,8 @@ def validate(cfg: RunConfig) -> None:
         allowed = ", ".join(n for n in loss_names() if loss_spec(n).stratified_sigma)
         raise ValueError(f"--timestep_sampling stratified applies to --loss {allowed}; --loss {spec.name} "
                          f"{spec.sigma_note or 'draws its own σs'}")
+    if spec.check is not None:  # the loss's own checks (--loss nft: its --reward resolves)
+        spec.check(cfg)
     if ts.logit_std <= 0 or not math.isfinite(ts.logit_mean):
         raise ValueError(f"--logit_std must be > 0 (got {ts.logit_std}) and --logit_mean finite")
     if ls.mask_loss_weights is not None:

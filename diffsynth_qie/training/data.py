@@ -146,6 +146,7 @@ class CacheDataset(torch.utils.data.Dataset):
             "prompt_index": prompt_index,
             "dropped": dropped,
             "prompt_emb": prompt,
+            "prompt_text": prompt_text(part.store, store_index, prompt_index),  # (a reward's instruction)
             "prompt_extras": entry.extras_of(prompt_index),  # the family's prompt tensors (Family.prompt_tensors)
             "empty_prompt_emb": entry.empty_prompt_emb,
             "target_latents": entry.target_latents,
@@ -157,6 +158,12 @@ class CacheDataset(torch.utils.data.Dataset):
             "lbm_source_latents": entry.lbm_source_latents,
             "rejected_latents": entry.rejected_latents,  # a preference row's rejected output (--loss dpo)
         }
+
+
+def prompt_text(store, index: int, prompt_index: int) -> str:
+    """The text of a cached row's prompt (``""`` for the dropped one or a store that keeps none)."""
+    prompts = getattr(store.meta(index), "prompts", None) or []
+    return prompts[prompt_index] if 0 <= prompt_index < len(prompts) else ""
 
 
 def collate(samples: list[dict]) -> dict:

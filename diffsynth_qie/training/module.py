@@ -65,6 +65,7 @@ class QIETrainingModule(DiffusionTrainingModule):
         self.preset_name = preset_name
         self.loss_fn = get_loss(config.loss.loss)
         self.pixel_critic = None  # LBM's --lbm_pixel_loss (frozen VAE + LPIPS, not part of the module's state)
+        self.loss_extras: dict = {}  # what a loss's set-up gives its function by keyword (--loss nft: its state)
         dit.requires_grad_(False)
         self.frozen = None  # --frozen_lora: unmerged branches (buffers: no gradient, not in any saved state)
         if lo.frozen_lora:
@@ -279,5 +280,5 @@ class QIETrainingModule(DiffusionTrainingModule):
         if not batch["target_latents"]:  # an empty micro-batch (a rank with nothing left): a zero loss that
             # reaches every trainable parameter, so DDP / DeepSpeed reduce the same gradients on every rank
             return sum((p.float() * 0).sum() for p in self.trainable_modules()), {}
-        extra = {"pixel_critic": self.pixel_critic} if self.pixel_critic is not None else {}
+        extra = dict(self.loss_extras, **({"pixel_critic": self.pixel_critic} if self.pixel_critic is not None else {}))
         return self.loss_fn(self.dit, self.to_compute(batch), self.config, generator, **extra)

@@ -183,6 +183,9 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     loss = loss_spec(cfg.loss.loss)
     if loss.setup is not None:  # the loss's own set-up (LBM: --lbm_pixel_loss's critic)
         loss.setup(module, cfg, preset, accelerator.device, weight_dtype(accelerator), ds_config)
+        for state in module.loss_extras.values():  # a loss's own state (--loss nft's old policy) is checkpointed
+            if hasattr(state, "state_dict"):
+                accelerator.register_for_checkpointing(state)
     if t.compile:
         compile_blocks(module.dit)
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim)

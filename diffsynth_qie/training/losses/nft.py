@@ -1,62 +1,268 @@
-"""DiffusionNFT's objective (Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward
-Process", arXiv 2509.16117): the pieces that turn rewarded rollouts into a flow-matching loss.
+"""DiffusionNFT (``--loss nft``): online reward tuning on the forward process (``docs/REWARD.md``).
 
-``docs/REWARD.md`` writes out the equations these follow:
+Each training sample is a *source*: its references, prompt and (for the reward) target and mask from the
+cache. Per source, the loss
 
-- :func:`optimality` — rewards of ``K`` rollouts per source → optimality probabilities ``r`` in [0, 1]: the
-  group-normalised advantage ``A = (R − mean_group) / std_group``, clipped to ``±adv_clip``, mapped by
-  ``r = 1/2 + A / (2 adv_clip)``;
-- :func:`nft_loss` — per rollout, with the old policy's velocity ``v_old`` (no gradient), the current one
-  ``v_θ`` and the flow-matching target ``v = ε − x₀`` at the same noisy point:
-  ``v⁺ = (1 − β) v_old + β v_θ`` (the implicit positive policy), ``v⁻ = (1 + β) v_old − β v_θ`` (the implicit
-  negative one), and ``L = [r ‖v⁺ − v‖² + (1 − r) ‖v⁻ − v‖²] / β`` (the ``1/β`` keeps the gradient's scale
-  independent of β, as the authors' code does);
-- :func:`soft_update_` — the old policy follows the trained one: ``θ_old ← η θ_old + (1 − η) θ``.
+1. lets the old policy follow the trained one (``θ_old ← η θ_old + (1 − η) θ``, once per optimizer step);
+2. samples ``K`` edits with the old policy at ``--nft_rollout_steps`` steps, through the family's own sampler
+   (2511 keeps ``zero_cond_t``; 2.1 reuses each rollout's prefix KV cache), from noise drawn on the loss's
+   generator;
+3. decodes them with the VAE and scores them with ``--reward`` (``metrics/rewards.py``) against the decoded
+   source, target and mask; turns the rewards into optimality probabilities, group by group;
+4. trains on the clean rollouts: one flow-matching point each, the current and the old policy's velocity there,
+   and ``nft_math.nft_loss`` (the implicit positive / negative policy contrast).
 
-All three keep the batch dimension: one value per rollout.
+The old policy is a copy of the trainable weights kept by :class:`NFTState`, saved in every checkpoint
+(accelerate's custom objects), so a resume is exact. Rollouts need the whole trainable weights on each rank:
+not under DeepSpeed ZeRO-3. Torch-free at import (the registry builds the flags from it).
 """
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
 
-import torch
-
-Tensor = torch.Tensor
-
-
-def optimality(rewards: Tensor, group_size: int, adv_clip: float = 5.0, eps: float = 1e-4) -> Tensor:
-    """``r`` for ``rewards`` [G·K] laid out group by group (``K = group_size`` rollouts of one source each)."""
-    if group_size < 2:
-        raise ValueError(f"--nft_group_size {group_size}: DiffusionNFT compares the rollouts of one source, so it "
-                         "needs at least 2 per source")
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    if adv_clip <= 0:
-        raise ValueError(f"--nft_adv_clip {adv_clip} must be > 0")
-    grouped = rewards.double().reshape(-1, group_size)
-    adv = (grouped - grouped.mean(1, keepdim=True)) / grouped.std(1, keepdim=True).clamp_min(eps)
-    return (0.5 + adv.clamp(-adv_clip, adv_clip) / (2 * adv_clip)).reshape(-1).to(rewards.dtype)
+from ...utils.config_cli import cli_help
+from .spec import LossSpec
 
 
-def nft_loss(v_theta: Tensor, v_old: Tensor, v_target: Tensor, r: Tensor, beta: float) -> Tensor:
-    """Per-rollout DiffusionNFT loss ``[B]`` (mean squared error over each rollout's elements)."""
-    if beta <= 0:
-        raise ValueError(f"--nft_beta {beta} must be > 0")
-    v_old = v_old.detach().float()
-    v_theta, v_target = v_theta.float(), v_target.float()
-    positive = (1 - beta) * v_old + beta * v_theta
-    negative = (1 + beta) * v_old - beta * v_theta
-    dims = tuple(range(1, v_theta.ndim))
-    pos_err = (positive - v_target).square().mean(dims)
-    neg_err = (negative - v_target).square().mean(dims)
-    r = r.to(pos_err)
-    return (r * pos_err + (1 - r) * neg_err) / beta
+@dataclass
+class NFTConfig:
+    """DiffusionNFT (used with --loss nft)."""
+
+    reward: str = field(default="", metadata=cli_help(
+        "--loss nft: what rollouts are scored by, a weighted sum of terms (docs/REWARD.md): preserve, fidelity, "
+        "drift, colour, judge, module:function, jsonl:PATH; e.g. 'preserve:0.5,mypkg.rewards:blue:1'"))
+    reward_judge: Optional[str] = field(default=None, metadata=cli_help(
+        "--reward judge's judge: an OpenAI-compatible URL#MODEL or a local EditScore directory"))
+    nft_group_size: int = field(default=4, metadata=cli_help(
+        "--loss nft: rollouts per source, compared with each other (K >= 2)", min=2, max=256))
+    nft_rollout_steps: int = field(default=8, metadata=cli_help(
+        "--loss nft: sampling steps of each rollout", min=1, max=1000))
+    nft_beta: float = field(default=1.0, metadata=cli_help(
+        "--loss nft: β of the implicit policies v± = v_old ± β (v_θ − v_old)", min=1e-6, max=100.0))
+    nft_old_decay: float = field(default=0.5, metadata=cli_help(
+        "--loss nft: η of the old policy's update θ_old ← η θ_old + (1 − η) θ, once per optimizer step", min=0.0,
+        max=0.999999))
+    nft_adv_clip: float = field(default=5.0, metadata=cli_help(
+        "--loss nft: the group-normalised advantage is clipped to ± this before it becomes a probability",
+        min=1e-6, max=1000.0))
+
+    def __post_init__(self):
+        if not 0.0 <= float(self.nft_old_decay) < 1.0:
+            raise ValueError(f"--nft_old_decay must be in [0, 1), got {self.nft_old_decay}")
+        if int(self.nft_group_size) < 2:
+            raise ValueError(f"--nft_group_size {self.nft_group_size}: DiffusionNFT compares the rollouts of one "
+                             "source, so it needs at least 2")
 
 
-@torch.no_grad()
-def soft_update_(old: Iterable[Tensor], current: Iterable[Tensor], decay: float) -> None:
-    """``old ← decay · old + (1 − decay) · current``, in place, tensor by tensor."""
-    if not 0.0 <= decay < 1.0:
-        raise ValueError(f"--nft_old_decay {decay} must be in [0, 1)")
-    for o, c in zip(old, current, strict=True):
-        o.mul_(decay).add_(c.detach().to(o.dtype), alpha=1 - decay)
+def nft_config_of(config) -> NFTConfig:
+    return SPEC.config_of(config)
+
+
+class NFTState:
+    """The old policy (a copy of the trainable weights, by name), the last weights it followed, the VAE that
+    decodes rollouts and the reward. ``state_dict``/``load_state_dict``: accelerate's checkpointing protocol."""
+
+    def __init__(self, dit, vae, reward, decay: float):
+        import torch
+
+        self.vae, self.reward, self.decay = vae, reward, float(decay)
+        self.names = [n for n, p in dit.named_parameters() if p.requires_grad]
+        params = dict(dit.named_parameters())
+        with torch.no_grad():
+            self.old = {n: params[n].detach().clone() for n in self.names}
+            self.last = {n: params[n].detach().clone() for n in self.names}
+
+    def _params(self, dit) -> list:
+        params = dict(dit.named_parameters())
+        return [params[n] for n in self.names]
+
+    def follow(self, dit) -> bool:
+        """One soft update toward the current weights if they moved since the last (an optimizer step); True if
+        it did. Micro-batches of one step see one update."""
+        import torch
+
+        from .nft_math import soft_update_
+
+        current = self._params(dit)
+        if all(torch.equal(p.detach(), self.last[n]) for n, p in zip(self.names, current)):
+            return False
+        soft_update_([self.old[n] for n in self.names], current, self.decay)
+        with torch.no_grad():
+            for n, p in zip(self.names, current):
+                self.last[n].copy_(p.detach())
+        return True
+
+    @contextlib.contextmanager
+    def old_policy(self, dit):
+        """The DiT with the old policy's weights in (copied in and back: views of a flat buffer stay views)."""
+        import torch
+
+        current = self._params(dit)
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in current]
+            for n, p in zip(self.names, current):
+                p.copy_(self.old[n])
+        try:
+            yield dit
+        finally:
+            with torch.no_grad():
+                for p, s in zip(current, saved):
+                    p.copy_(s)
+
+    def decode(self, latents):
+        """``[C, h, w]`` latents -> ``[3, H, W]`` in [0, 1] (the RGB channels)."""
+        dtype = next(self.vae.parameters()).dtype
+        image = self.vae.decode(latents[None].to(dtype))
+        return ((image[0, :3].float() + 1) / 2).clamp(0, 1)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "old": {n: t.cpu() for n, t in self.old.items()},
+                "last": {n: t.cpu() for n, t in self.last.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["old"]) != set(self.old):
+            raise ValueError("the checkpoint's DiffusionNFT old policy holds other tensors than this run trains; "
+                             "resume with the checkpoint's LoRA settings")
+        for n in self.names:
+            self.old[n].copy_(state["old"][n])
+            self.last[n].copy_(state["last"][n])
+
+
+def build_reward(nft: NFTConfig):
+    """The ``--reward`` of ``nft`` (``ValueError`` naming what is missing, before any rollout)."""
+    from ...metrics.rewards import ProcessReward, parse_reward
+
+    if not nft.reward:
+        raise ValueError("--loss nft needs --reward SPEC: what to reward, e.g. 'preserve:0.5,mypkg.rewards:blue' "
+                         "(docs/REWARD.md)")
+    judge = None
+    if nft.reward_judge:
+        from ...metrics.judge_spec import build_judge
+
+        judge = build_judge(nft.reward_judge, "--reward_judge")
+    return parse_reward(nft.reward, judge=judge)
+
+
+def check_nft(cfg) -> None:
+    """``config.validate``'s check of ``--loss nft``: the reward resolves (a module imports, a file reads), before
+    anything is loaded; the judge itself loads in the set-up."""
+    from ...metrics.rewards import parse_reward
+
+    nft = nft_config_of(cfg)
+    if not nft.reward:
+        raise ValueError("--loss nft needs --reward SPEC: what to reward, e.g. 'preserve:0.5,mypkg.rewards:blue' "
+                         "(docs/REWARD.md)")
+    parse_reward(nft.reward, judge=object() if nft.reward_judge else None)
+
+
+def attach_rollouts(module, cfg, preset, device, dtype, ds_config) -> None:
+    """Run set-up: the reward (checked now), the VAE (alone), and the old policy as a copy of the LoRA."""
+    from ...models.load.loading import load_pipeline
+
+    nft = nft_config_of(cfg)
+    if (ds_config or {}).get("zero_optimization", {}).get("stage") == 3:
+        raise ValueError("--loss nft does not run under DeepSpeed ZeRO-3 (rollouts need the whole LoRA on every "
+                         "rank); use DDP or ZeRO-2 (e.g. --config_file deepspeed_configs/zero2.yaml)")
+    reward = build_reward(nft)  # (its terms were resolved by check_nft; a judge loads now)
+    device_name = "cpu" if str(device) == "cpu" else str(device)
+    vae = load_pipeline(preset, model_dir=cfg.train.model_dir, components=("vae",), device=device_name,
+                        torch_dtype=dtype).vae.to(device).requires_grad_(False).eval()
+    module.loss_extras["nft"] = NFTState(module.dit, vae, reward, nft.nft_old_decay)
+
+
+def rollouts(dit, ops, nft: NFTConfig, prompts, refs, targets, zero_cond_t: bool, generator):
+    """``K`` clean samples per source ``[K, C, h, w]`` from noise of ``generator`` (no graph)."""
+    import torch
+
+    from ...models.samplers.sampling import sample_flow_match
+    from ...models.samplers.schedules import ScheduleSpec
+
+    k, out = nft.nft_group_size, []
+    for prompt, ref, target in zip(prompts, refs, targets):
+        cond = ops.conditioning([prompt] * k, None, [list(ref)] * k, zero_cond_t, lambda t: t)
+        noise = torch.randn((k, *target.shape), generator=generator).to(target.device, target.dtype)
+        spec = ScheduleSpec(steps=nft.nft_rollout_steps, latent_hw=tuple(target.shape[-2:]))
+        out.append(sample_flow_match(ops.velocity(dit, cond, 1.0), noise, spec, ops.schedule))
+    return out
+
+
+def score(state: NFTState, samples, batch: dict):
+    """Rewards ``[B·K]`` of the rollouts (decoded) against each source's decoded source, target and mask."""
+    import torch
+    import torch.nn.functional as F
+
+    from ...metrics.rewards import RewardBatch
+
+    values = []
+    for b, group in enumerate(samples):
+        k = group.shape[0]
+        output = torch.stack([state.decode(x) for x in group]).cpu()
+        source = state.decode(batch["edit_latents"][b][0]).cpu()
+        target = state.decode(batch["target_latents"][b]).cpu()
+        mask = batch["back_mask"][b]
+        if mask is not None:
+            mask = F.interpolate(mask.float().reshape(1, 1, *mask.shape[-2:]).cpu(), size=output.shape[-2:],
+                                 mode="nearest").expand(k, -1, -1, -1)
+        if source.shape != output.shape[1:]:  # a reference of another size: compare at the output's size
+            source = F.interpolate(source[None], size=output.shape[-2:], mode="bilinear", align_corners=False)[0]
+        text = (batch.get("prompt_text") or [""] * len(samples))[b]
+        key = str((batch.get("entry_id") or [b] * len(samples))[b])
+        values.append(state.reward(RewardBatch(
+            source=source.expand(k, -1, -1, -1), output=output, target=target.expand(k, -1, -1, -1), mask=mask,
+            instructions=[text] * k, keys=[key] * k)))
+    return torch.cat(values)
+
+
+def nft_loss_fn(dit, batch: dict, config, generator=None, nft=None):
+    """DiffusionNFT's loss of a batch of sources (the module docstring); ``nft``: the run's :class:`NFTState`."""
+    import torch
+
+    from ...models.family_ops import ops_for
+    from ...models.presets import family_of
+    from ..timesteps import draw_timesteps
+    from .common import add_noise, flow_target, sample_noise
+    from .nft_math import nft_loss, optimality
+
+    if nft is None:
+        raise ValueError("--loss nft needs its rollout state; the loss's set-up (attach_rollouts) did not run")
+    c = nft_config_of(config)
+    ops = ops_for(family_of(config.train.model))
+    n, k = len(batch["target_latents"]), c.nft_group_size
+    extras = batch.get("prompt_extras") or [{}] * n
+    prompts = [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)]
+    zero_cond_t = bool(config.train.zero_cond_t)
+    nft.follow(dit)
+    with torch.no_grad(), nft.old_policy(dit):
+        samples = rollouts(dit, ops, c, prompts, batch["edit_latents"], batch["target_latents"], zero_cond_t,
+                           generator)
+        rewards = score(nft, samples, batch)
+    r = optimality(rewards, k, c.nft_adv_clip)
+    x0 = [x for group in samples for x in group]
+    flat_prompts = [p for p in prompts for _ in range(k)]
+    flat_refs = [list(ref) for ref in batch["edit_latents"] for _ in range(k)]
+    noisy, target, steps = [], [], []
+    for x in x0:
+        d = draw_timesteps(1, config.timesteps, generator, weighting="none", family=ops.family)
+        eps = sample_noise(x, generator)
+        sigma = d.sigmas[0].to(x.device, torch.float32)
+        noisy.append(add_noise(x.float(), eps.float(), sigma).to(x.dtype))
+        target.append(flow_target(x.float(), eps.float()))
+        steps.append(d.timesteps)
+    timesteps = torch.cat(steps).to(x0[0].device)
+    with torch.no_grad(), nft.old_policy(dit):
+        v_old = ops.forward(dit, noisy, timesteps, flat_prompts, flat_refs, zero_cond_t=zero_cond_t)
+    v_theta = ops.forward(dit, noisy, timesteps, flat_prompts, flat_refs, zero_cond_t=zero_cond_t,
+                          use_gradient_checkpointing=config.train.gradient_checkpointing and torch.is_grad_enabled())
+    losses = torch.stack([nft_loss(vt[None], vo[None], v[None].to(vt.device), r[i:i + 1].to(vt.device),
+                                   c.nft_beta)[0] for i, (vt, vo, v) in enumerate(zip(v_theta, v_old, target))])
+    grouped = rewards.reshape(n, k)
+    metrics = {"reward_mean": float(rewards.mean()), "reward_group_std": float(grouped.std(1).mean()),
+               "nft_loss": losses.detach().mean()}
+    return losses.mean(), metrics
+
+
+SPEC = LossSpec(
+    name="nft", summary="DiffusionNFT: online reward tuning on K rollouts per source (--reward)", fn=nft_loss_fn,
+    config=NFTConfig, needs_rollouts=True, check=check_nft, setup=attach_rollouts)
