@@ -272,7 +272,7 @@ class Editor:
                 keep = self._latent_blend(request, z_src=to_dit(z_src).expand_as(prior), prior=prior)
                 generator = torch.Generator("cpu").manual_seed(int(request.seed))
                 return sample_bridge(velocity, prior, int(request.lbm_steps), request.lbm_noise, generator, keep,
-                                     request.progress, strength=request.strength)
+                                     request.progress, strength=request.strength, preview=self._previews(request))
             noise = seeded_noise((1, self.family.latent_channels, *latent_hw), request.seed, self.dtype, dit_device)
             velocity = self.ops.velocity(self.pipe.dit, cond, cfg)
             keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
@@ -281,7 +281,24 @@ class Editor:
             spec = ScheduleSpec.for_preset(self.preset, steps, latent_hw, request.scheduler, request.strength,
                                            request.sigmas)
             return sample_flow_match(velocity, noise, spec, self.ops.schedule, keep, request.progress,
-                                     source=None if z_src is None else to_dit(z_src)[None])
+                                     source=None if z_src is None else to_dit(z_src)[None],
+                                     preview=self._previews(request))
+
+    def _previews(self, request: EditRequest):
+        """The sampler's preview hook for ``request.preview``: every ``preview_every`` steps (not the last), the
+        first stream's predicted clean latents decoded by the VAE. None when not asked for, and with CPU offload or
+        DiffSynth's VRAM management (a decode there would move the DiT off its device between steps)."""
+        every, show = request.preview_every, request.preview
+        if show is None or every <= 0:
+            return None
+        if self.cpu_offload or getattr(self.pipe, "vram_management_enabled", False):
+            log.info("no live previews with CPU offload or VRAM management (each would move the DiT off its device)")
+            return None
+
+        def preview(step: int, total: int, x0: Tensor) -> None:
+            if step % every == 0 and step < total:
+                show(step, total, self._decode(x0[0]))
+        return preview
 
     def default_steps(self) -> int:
         """The model's own step count: a fixed grid's length (2.1-turbo), else the family's default (40)."""
