@@ -94,3 +94,16 @@ def test_preview_every_is_checked(editor):
     finally:
         del editor._decode
     assert len(calls) == 1  # the result only
+
+
+def test_large_previews_are_decoded_small():
+    """A preview's decode costs about its pixels: latents of a large output are averaged down to the preview cap."""
+    from diffsynth_qie.inference.editor import PREVIEW_MAX_PIXELS, preview_latents
+
+    small = torch.randn(16, 8, 6)
+    assert preview_latents(small, 8) is small
+    big = torch.ones(16, 128, 96) * torch.arange(16.0)[:, None, None]  # a 1024x768 output
+    out = preview_latents(big, 8)
+    assert out.shape[0] == 16 and out.shape[1] * out.shape[2] * 64 <= PREVIEW_MAX_PIXELS
+    assert out.shape[1] / out.shape[2] == pytest.approx(128 / 96, rel=0.1)
+    assert torch.allclose(out, torch.arange(16.0)[:, None, None].expand_as(out))  # an average, channel by channel
