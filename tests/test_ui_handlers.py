@@ -543,7 +543,7 @@ def test_a_failed_run_keeps_the_result_and_says_so(ui, monkeypatch):
     cb = Callbacks(ui)
     monkeypatch.setattr(cb, "named", lambda values: {"history": [], "queued_at": None})
     monkeypatch.setattr(cb, "inputs", lambda values: _inputs(lora="bad.safetensors"))  # fails inside the run
-    out = cb.run({}, None, progress=lambda *a, **k: None)
+    *_, out = cb.run({}, None, progress=lambda *a, **k: None)  # a generator: its last yield is the outcome
     shown = out[:6]
     assert all(isinstance(v, dict) and v.get("__type__") == "update" and len(v) == 1 for v in shown), shown
     assert out[6].startswith("Failed: ") and "not_a_module" in out[6]

@@ -29,7 +29,7 @@ from diffsynth_qie.ui.handlers import NO_LORA, GenerateInputs, UIHandlers
 from diffsynth_qie.ui.results import PNG_KEY, EditSettings, qie_edit_command
 
 W, H = 64, 48
-STATES = ("history", "queued_at")
+STATES = ("history", "queued_at", "current")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def _distinct(mode: str) -> dict:
     painted[4:20, 4:30] = (255, 0, 255, 255)
     return dict(
         prompt="turn the square teal", negative_prompt="blurry edges", mode=mode, steps=7, lbm_steps=3, cfg=2.5,
-        seed=123, variations=2, lora="a.safetensors", lora_scale=0.35, lora2="b.safetensors", lora2_scale=-0.45,
+        seed=123, variations=2, live_preview=2, lora="a.safetensors", lora_scale=0.35, lora2="b.safetensors", lora2_scale=-0.45,
         mask_grow=3, width=48, height=32, strength=0.55, mask_blend=0.65, mask_feather=1.5, mask_invert=True,
         editor={"background": Image.new("RGB", (W, H), (30, 60, 90)), "layers": [Image.fromarray(painted, "RGBA")],
                 "composite": None},
@@ -97,11 +97,12 @@ def flow_problems(demo, fake: FakeEditor, given: dict) -> list[str]:
     widget_ids = {c.elem_id for c in run.inputs if names[c] not in STATES}
     if widget_ids != set(by_id) or {c.elem_id for c in precheck.inputs} != set(by_id):
         problems.append(f"Generate's inputs are not the table's widgets: {sorted(widget_ids ^ set(by_id))}")
-    values = {c: given[by_id[c.elem_id]] if names[c] not in STATES else {"history": [], "queued_at": None}[names[c]]
+    values = {c: given[by_id[c.elem_id]] if names[c] not in STATES else {"history": [], "queued_at": None, "current": None}[names[c]]
               for c in run.inputs}
     precheck.fn({c: v for c, v in values.items() if c in precheck.inputs}, None)
     fake.requests.clear()
-    out = dict(zip(run.outputs, run.fn(values, None, lambda *a, **k: None)))
+    *_, last = run.fn(values, None, lambda *a, **k: None)  # a generator: live previews, then the result
+    out = dict(zip(run.outputs, last))
     history = out[next(c for c in run.inputs if names[c] == "history")]
     lbm = given["mode"] == table.MODE_LBM
 

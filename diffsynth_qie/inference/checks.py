@@ -43,6 +43,9 @@ def check_request(request) -> None:
     if request.strength > 1:
         raise ValueError(f"strength must be in [0, 1] (0 = the source, 1 = the full edit), got {request.strength}")
     _finite("lbm_noise", request.lbm_noise, 0)
+    every = getattr(request, "preview_every", 0)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ValueError(f"preview_every must be a whole number of steps >= 0 (0 = no previews), got {every!r}")
     check_strength(request.mask_blend)
     if request.height is not None and request.width is not None \
             and request.height * request.width > request.max_output_pixels:

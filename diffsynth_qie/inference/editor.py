@@ -54,6 +54,20 @@ from .masking import LatentMaskBlend, blend_pixels, latent_keep_weight
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
+PREVIEW_MAX_PIXELS = 192 * 192  # a live preview's size at most: latents larger than this are area-averaged first
+
+
+def preview_latents(latents: Tensor, vae_factor: int, max_pixels: int = PREVIEW_MAX_PIXELS) -> Tensor:
+    """``[C, h, w]`` latents averaged down so that they decode to at most ``max_pixels`` (a preview: a VAE decode
+    costs about its pixels); as they are when already small enough."""
+    h, w = latents.shape[-2:]
+    scale = (max_pixels / (h * w * vae_factor ** 2)) ** 0.5
+    if scale >= 1:
+        return latents
+    size = (max(1, int(h * scale)), max(1, int(w * scale)))
+    return torch.nn.functional.interpolate(latents[None].float(), size=size, mode="area")[0].to(latents.dtype)
+
+
 # --- the editor ---------------------------------------------------------------------
 class Editor:
     """Edit images with a loaded pipeline (text encoder + DiT + VAE) of either family; what differs between
@@ -272,7 +286,7 @@ class Editor:
                 keep = self._latent_blend(request, z_src=to_dit(z_src).expand_as(prior), prior=prior)
                 generator = torch.Generator("cpu").manual_seed(int(request.seed))
                 return sample_bridge(velocity, prior, int(request.lbm_steps), request.lbm_noise, generator, keep,
-                                     request.progress, strength=request.strength)
+                                     request.progress, strength=request.strength, preview=self._previews(request))
             noise = seeded_noise((1, self.family.latent_channels, *latent_hw), request.seed, self.dtype, dit_device)
             velocity = self.ops.velocity(self.pipe.dit, cond, cfg)
             keep = self._latent_blend(request, z_src=None if z_src is None else to_dit(z_src)[None], prior=noise)
@@ -281,7 +295,25 @@ class Editor:
             spec = ScheduleSpec.for_preset(self.preset, steps, latent_hw, request.scheduler, request.strength,
                                            request.sigmas)
             return sample_flow_match(velocity, noise, spec, self.ops.schedule, keep, request.progress,
-                                     source=None if z_src is None else to_dit(z_src)[None])
+                                     source=None if z_src is None else to_dit(z_src)[None],
+                                     preview=self._previews(request))
+
+    def _previews(self, request: EditRequest):
+        """The sampler's preview hook for ``request.preview``: every ``preview_every`` steps (not the last), the
+        first stream's predicted clean latents decoded by the VAE, at most :data:`PREVIEW_MAX_PIXELS` (the decode's
+        cost grows with the pixels). None when not asked for, and with CPU offload or
+        DiffSynth's VRAM management (a decode there would move the DiT off its device between steps)."""
+        every, show = request.preview_every, request.preview
+        if show is None or every <= 0:
+            return None
+        if self.cpu_offload or getattr(self.pipe, "vram_management_enabled", False):
+            log.info("no live previews with CPU offload or VRAM management (each would move the DiT off its device)")
+            return None
+
+        def preview(step: int, total: int, x0: Tensor) -> None:
+            if step % every == 0 and step < total:
+                show(step, total, self._decode(preview_latents(x0[0], self.family.vae_factor)))
+        return preview
 
     def default_steps(self) -> int:
         """The model's own step count: a fixed grid's length (2.1-turbo), else the family's default (40)."""

@@ -45,6 +45,11 @@ class EditRequest:
                                              # recomputes them at every step: slower, GiBs less at 10 references
     sigmas: Optional[Sequence[float]] = None  # a fixed grid (a LoRA's declared schedule); None: the model's own
     progress: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
+    preview_every: int = 0                   # a live preview every N denoising steps (0 = none; the last step never:
+                                             # that is the result); needs ``preview``
+    # preview(step, total, image): the decoded clean latents that step predicted (flow matching: x − σ·v; LBM: the
+    # main stream's); the result is bit-identical with and without previews
+    preview: Optional[Callable[[int, int, Image.Image], None]] = field(default=None, repr=False)
 
 
 @dataclass

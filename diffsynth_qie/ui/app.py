@@ -162,6 +162,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                     add("mask_blend")
                     lora2 = add("lora2", choices=handlers.lora_options())
                     add("lora2_scale")
+                    add("live_preview")
                     with gr.Row(equal_height=True):
                         add("width")
                         add("height")
@@ -173,7 +174,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         shown = [result, sub_output, downloads, command, edit_this, current]
         # Generate's inputs: every setting's widget, given to the callbacks as one dict (named by Callbacks.bind).
         gen_inputs = cb.bind(widgets)
-        run_inputs = cb.bind(widgets, history=history, queued_at=queued_at)
+        run_inputs = cb.bind(widgets, history=history, queued_at=queued_at, current=current)
 
         lora_outputs = [lora, lora2, lora_status, mode, stack]
         demo.load(cb.refresh_loras, [lora, lora2], lora_outputs, queue=False)

@@ -15,6 +15,7 @@ from typing import Any
 import gradio as gr
 
 from . import history as hist
+from . import live
 from . import masks
 from . import restore as back
 from .examples import Example, examples_file, load_examples
@@ -180,24 +181,39 @@ class Callbacks(LoraEvents):
         return gr.update(interactive=False), time.time(), note if note else gr.skip()
 
     def run(self, values: dict, request: gr.Request, progress=gr.Progress()):
-        """Generate (``values``: the settings' widgets, ``history`` and ``queued_at``, as :meth:`bind` made them)."""
-        history = self.named(values)["history"]
+        """Generate (``values``: the settings' widgets, ``history`` and ``queued_at``, as :meth:`bind` made them): a
+        generator, so the live previews reach the result slider while it runs (``ui/live.py``); the last yield is
+        the result, or on a failure or Stop a status that leaves everything on screen as it was."""
+        named, session = self.named(values), getattr(request, "session_hash", None)
+        previewed = []
+
+        def frame(before, image):
+            previewed.append(True)
+            return (gr.update(value=(before, image)), *(gr.skip(),) * 11)
+
         try:
-            out = self.h.generate(self.inputs(values), lambda done, total, desc: progress((done, total), desc=desc),
-                                  queued_at=self.named(values)["queued_at"],
-                                  session=getattr(request, "session_hash", None))
-        except Stopped as exc:  # what the user asked for: no error, everything on screen stays
-            return (*(gr.skip(),) * 6, f"{user_message(exc)}.", self.h.model_status(), *(gr.skip(),) * 4)
-        except Exception as exc:  # noqa: BLE001 - a toast; the last result stays, and `finished` unlocks Generate
+            inputs = self.inputs(values)
+            out = yield from live.stream(
+                lambda report, preview: self.h.generate(inputs, report, queued_at=named["queued_at"], session=session,
+                                                        preview=preview),
+                lambda done, total, desc: progress((done, total), desc=desc), frame,
+                lambda: self.h.request_stop(session))
+        except Exception as exc:  # noqa: BLE001 - the last result back in place of a preview, and a status
+            # a Stop is what the user asked for: no toast; a failure: a toast. `finished` unlocks Generate.
             message = user_message(exc)  # logs the traceback of an unexpected error
-            gr.Warning(toast_html(message), duration=None, title="Generate failed")
-            return (*(gr.skip(),) * 6, f"Failed: {message} (the last result is kept; fix it and press Generate).",
-                    self.h.model_status(), *(gr.skip(),) * 4)
-        history = hist.add(history, out.entries)
+            if not isinstance(exc, Stopped):
+                gr.Warning(toast_html(message), duration=None, title="Generate failed")
+            entry = named.get("current")
+            kept = gr.skip() if not previewed else gr.update(value=(entry.before, entry.image) if entry else None)
+            yield (kept, *(gr.skip(),) * 5, f"{message}." if isinstance(exc, Stopped) else
+                   f"Failed: {message} (the last result is kept; fix it and press Generate).",
+                   self.h.model_status(), *(gr.skip(),) * 4)
+            return
+        history = hist.add(named["history"], out.entries)
         many = len(out.entries) > 1
-        return (*self._show(out.entries[0]), out.status, self.h.model_status(),
-                gr.update(value=[e.image for e in out.entries] if many else None, visible=many),
-                history, hist.gallery(history), out.entries)
+        yield (*self._show(out.entries[0]), out.status, self.h.model_status(),
+               gr.update(value=[e.image for e in out.entries] if many else None, visible=many),
+               history, hist.gallery(history), out.entries)
 
     def _release(self, request: gr.Request | None) -> None:
         with self._pending_lock:

@@ -31,7 +31,7 @@ from .job import GenerateInputs, Job, check_job, lightning_loras  # noqa: F401
 from .lora_picker import LORA_SUFFIX, NO_LORA, LoraInfo, list_loras, lora_info, resolve_lora  # noqa: F401
 from .outputs import GenerateOutput, save_entry, save_inputs, status_line
 from .model_fit import check_lora_size, check_output_size, check_prompt_tokens, check_sampler, licence_note
-from .runner import ProgressFn, Stopped, Where, queue_eta, run_variations
+from .runner import PreviewFn, ProgressFn, Stopped, Where, previews, queue_eta, run_variations
 from .settings import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING, MODES, request_fields  # noqa: F401
 from .uploads import UIError, prune_temp_files
 
@@ -231,11 +231,13 @@ class UIHandlers(LoraChoices):
             self._stop_queued.discard(session)
 
     def generate(self, inputs: GenerateInputs, progress: ProgressFn | None = None,
-                 queued_at: float | None = None, session: str | None = None) -> GenerateOutput:
+                 queued_at: float | None = None, session: str | None = None,
+                 preview: PreviewFn | None = None) -> GenerateOutput:
         """Check, then run one edit per variation seed. Raises UIError for user mistakes, Stopped on a Stop before
         any variation finished (a later Stop keeps the finished ones and says where it stopped).
 
-        ``session`` names the browser tab asking, so its Stop stops only its own generation.
+        ``session`` names the browser tab asking, so its Stop stops only its own generation. ``preview(before,
+        image)`` gets a live preview every ``live_preview`` steps (the input at the preview's size, the preview).
         """
         from ..inference.editor import EditRequest
 
@@ -245,10 +247,13 @@ class UIHandlers(LoraChoices):
         lbm = s.mode == MODE_LBM
         folder = self.config.resolved_outputs_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
 
+        show = None if preview is None or not job.preview_every else previews(job.image, preview)
+
         def edit(seed: int, step) -> object:
             return editor.edit(EditRequest(
                 images=[job.image, *job.references], mask=job.mask, scheduler=job.scheduler, sigmas=job.sigmas,
-                max_prompt_tokens=self.config.max_prompt_tokens, progress=step, **request_fields(s.with_seed(seed))))
+                max_prompt_tokens=self.config.max_prompt_tokens, progress=step, preview=show,
+                preview_every=job.preview_every if show else 0, **request_fields(s.with_seed(seed))))
 
         with self._lock, self._running_as(session):
             if self._stop.is_set():  # stopped while queued: before any work

@@ -46,6 +46,7 @@ class Job:
     lightning_lora: Path | None = None  # the Lightning LoRA the Lightning sampler stacked with the chosen ones
     mask_source: Image.Image | None = None  # the paint and mask file united, before invert and grow (a restore's file)
     sigmas: tuple[float, ...] | None = None  # flow matching on the grid a picked LoRA declares (ui/schedules.py)
+    preview_every: int = 0               # a live preview every N steps (0 = none): ``EditRequest.preview_every``
 
 
 def lightning_loras(loras: list, lightning_lora: str | None, steps: int) -> tuple[list, int, float]:
@@ -123,7 +124,7 @@ def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | No
     refs = reference_images(inputs.references, limit)
     loras = [(resolve_lora(config.lora_dir, name), scale) for name, scale in settings.loras()]
     job = Job(settings=settings, image=image, mask=mask, references=refs, loras=loras, scheduler="default",
-              seeds=[settings.seed + i for i in range(values["variations"])],
+              seeds=[settings.seed + i for i in range(values["variations"])], preview_every=values["live_preview"],
               mask_source=combine(painted, mask_file, image.size) if mask is not None else None)
     if settings.mode == MODE_LIGHTNING:
         job.loras, steps, cfg = lightning_loras(loras, lightning_lora or config.lightning_lora, settings.steps)

@@ -11,6 +11,8 @@ from .uploads import UIError
 
 # progress(done, total, description)
 ProgressFn = Callable[[int, int, str], None]
+# preview(before, image): a live preview (``image``) and the input at its size (the slider's left side)
+PreviewFn = Callable[[Any, Any], None]
 
 
 class Stopped(UIError):
@@ -95,3 +97,14 @@ def queued_note(ahead: int, eta: float | None) -> str | None:
     when = f", about {eta:.0f} s (from measured step times)" if eta is not None else \
         "; it starts when they end (no step time measured yet)" if ahead > 1 else "; it starts when that one ends"
     return f"Queued behind {jobs}{when}."
+
+
+def previews(image: Any, preview: PreviewFn) -> Callable[[int, int, Any], None]:
+    """``EditRequest.preview`` for the UI's ``preview(before, image)``: the input resized once per preview size."""
+    before: dict[tuple[int, int], Any] = {}
+
+    def show(step: int, total: int, decoded: Any) -> None:
+        if decoded.size not in before:
+            before[decoded.size] = image.resize(decoded.size)
+        preview(before[decoded.size], decoded)
+    return show

@@ -186,6 +186,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("variations", 1, _SLIDER, dict(minimum=1, maximum=MAX_VARIATIONS, step=1,
                                            label="Variations (seed, seed+1, …)"),
             check=whole("variations", 1, MAX_VARIATIONS)),
+    # Not a setting of the result (the pixels are the same with and without previews): no record, flag or restore.
+    Setting("live_preview", 5, "Number", dict(precision=0, minimum=0, step=1,
+                                              label="Live preview every N steps (0 = off; each costs a VAE decode)"),
+            check=whole("live preview", 0, MAX_STEPS)),
     Setting("lora", None, "Dropdown", dict(label="LoRA", scale=5), check=_lora_name, record=True, flag="--lora",
             flag_when=lambda s, ctx: bool(s.lora), flag_value=_lora_path("lora"), summary=_loras, restore=True),
     Setting("lora_scale", 1.0, _SLIDER, dict(minimum=-2.0, maximum=2.0, step=0.05, label="LoRA scale"),

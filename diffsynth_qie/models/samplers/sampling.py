@@ -44,6 +44,9 @@ VelocityFn = Callable[[Tensor, Tensor], Tensor]
 KeepFn = Callable[[Tensor, float], Tensor]
 #: progress(step, total), step counts from 1
 ProgressFn = Callable[[int, int], None]
+#: preview(step, total, x0): after step ``step`` (from 1), the clean latents the step predicted, x0 = x − σ·v (the
+#: kept region reset with ``keep(x0, 0)``); a copy, so a preview cannot change the sampling
+PreviewFn = Callable[[int, int, Tensor], None]
 #: a model family's schedule for a spec (``FamilyOps.schedule``) -> DiffSynth ``FlowMatchScheduler``
 ScheduleFn = Callable[[ScheduleSpec], Any]
 
@@ -141,7 +144,7 @@ def dit_velocity(dit, cond: Conditioning, cfg: float = 1.0) -> VelocityFn:
 @torch.no_grad()
 def sample_flow_match(velocity: VelocityFn, noise: Tensor, spec: ScheduleSpec, schedule: ScheduleFn,
                       keep: KeepFn | None = None, progress: ProgressFn | None = None,
-                      source: Tensor | None = None) -> Tensor:
+                      source: Tensor | None = None, preview: PreviewFn | None = None) -> Tensor:
     """Integrate from ``noise`` [B, C, h, w] (σ = 1) to σ = 0 with DiffSynth's Euler step on the schedule the
     model family builds for ``spec`` (``schedule(spec)``: the family's ``FamilyOps.schedule``).
 
@@ -149,6 +152,7 @@ def sample_flow_match(velocity: VelocityFn, noise: Tensor, spec: ScheduleSpec, s
     latents are now at (the mask's latent blend).
     ``spec.strength`` < 1 (SDEdit): the schedule starts part-way (DiffSynth's ``denoising_strength``) from
     ``source`` noised to the first σ, ``(1 − σ₀)·source + σ₀·noise``; 0 returns ``source``; 1 is the plain sampler.
+    ``preview`` (:data:`PreviewFn`) gets each step's predicted clean latents; it leaves the result as it is.
     """
     strength = spec.strength
     if strength < 1.0 and source is None:
@@ -165,6 +169,8 @@ def sample_flow_match(velocity: VelocityFn, noise: Tensor, spec: ScheduleSpec, s
     total = len(scheduler.timesteps)
     for i, timestep in enumerate(scheduler.timesteps):
         v = velocity(x, timestep.reshape(1).expand(x.shape[0]))
+        if preview is not None:
+            preview(i + 1, total, predicted_clean(x, v, sigmas[i], keep))
         # BasePipeline.step without inpaint: x + v·(σ_next − σ) in the latents' dtype.
         x = scheduler.step(v, scheduler.timesteps[i], x)
         if keep is not None:
@@ -174,17 +180,25 @@ def sample_flow_match(velocity: VelocityFn, noise: Tensor, spec: ScheduleSpec, s
     return x
 
 
+def predicted_clean(x: Tensor, v: Tensor, sigma: float, keep: KeepFn | None = None) -> Tensor:
+    """The clean latents a step predicts from ``x`` at ``sigma`` and its velocity: x0 = x − σ·v (v = dx/dσ, so the
+    straight path's end at σ = 0), in fp32, with the kept region reset by ``keep(x0, 0)``; a new tensor."""
+    x0 = x.float() - float(sigma) * v.float()
+    return keep(x0.to(x.dtype), 0.0) if keep is not None else x0.to(x.dtype)
+
+
 # --- latent bridge (LBM) ----------------------------------------------------------
 @torch.no_grad()
 def sample_bridge(velocity: VelocityFn, prior: Tensor, steps: int, bridge_noise: float = 0.005,
                   generator: torch.Generator | None = None, keep: KeepFn | None = None,
-                  progress: ProgressFn | None = None, strength: float = 1.0) -> Tensor:
+                  progress: ProgressFn | None = None, strength: float = 1.0,
+                  preview: PreviewFn | None = None) -> Tensor:
     """Few-step LBM sampling from ``prior`` [B, 16, h, w] (σ = 1) to σ = 0.
 
     Re-injected noise is drawn on the CPU from ``generator`` (device-independent
     results), one draw of the whole batch per intermediate step. ``strength`` < 1 starts the bridge part-way:
     the prior is taken as the state at σ = strength (every σ scaled by it), so less of the edit is made;
-    0 returns the prior.
+    0 returns the prior. ``preview`` as in :func:`sample_flow_match` (x0 of both streams).
     """
     if strength <= 0.0:
         return prior
@@ -196,6 +210,8 @@ def sample_bridge(velocity: VelocityFn, prior: Tensor, steps: int, bridge_noise:
         sigma, sigma_next = sigmas[k], sigmas[k + 1]
         timesteps = torch.full((x.shape[0],), 1000.0 * sigma, dtype=torch.float32)
         v = velocity(x, timesteps)
+        if preview is not None:
+            preview(k + 1, steps, predicted_clean(x, v, sigma, keep))
         noise = None
         if sigma_next > 0 and bridge_noise:
             noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(device=x.device, dtype=x.dtype)
