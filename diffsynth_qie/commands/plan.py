@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no_cfg", action="store_true", help="edit: --cfg 1 (no negative pass)")
     parser.add_argument("--on_the_fly", action="store_true",
                         help="train: the text encoder and VAE run beside the DiT (qie train --on_the_fly)")
+    parser.add_argument("--nft_group_size", type=checked(int, 2, 256), default=4,
+                        help="train, --loss nft: rollouts per source (qie train --nft_group_size)")
     parser.add_argument("--ema_decay", type=checked(float, 0.0, 1.0), default=0.0,
                         help="train: keep an fp32 EMA of the LoRA (qie train --ema_decay; 0 = none)")
     parser.add_argument("--validate_with", default="raw", choices=("raw", "ema", "both"),
@@ -121,14 +123,15 @@ def options_of(args):
                        num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
                        text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu",
                        ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),
-                       kv_cache=args.kv_cache, pairs=args.task == "train" and loss_spec(args.loss).preference)
+                       kv_cache=args.kv_cache, pairs=args.task == "train" and loss_spec(args.loss).preference,
+                       rollouts=args.nft_group_size if args.task == "train" and loss_spec(args.loss).needs_rollouts else 0)
 
 
 def _census(args):
     from ..memory.census import census_from_files, dit_files, preset_census
     from ..models.presets import family_of, get_preset
 
-    encoders = args.task == "edit" or args.on_the_fly
+    encoders = args.task == "edit" or args.on_the_fly or (args.task == "train" and loss_spec(args.loss).needs_rollouts)
     if args.model_dir is None:
         return preset_census(args.model, with_encoders=encoders)
     preset = get_preset(args.model)

@@ -51,6 +51,9 @@ def train_config(args, options):
         lora=dataclasses.replace(cfg.lora, lora_rank=options.lora_rank),
         optim=dataclasses.replace(cfg.optim, optimizer=options.optimizer),
         loss=dataclasses.replace(cfg.loss, loss=args.loss))
+    if options.rollouts:  # --loss nft: K rollouts; the fake run's reward is a stand-in (training/verify_extras.py)
+        cfg = dataclasses.replace(cfg, nft=dataclasses.replace(cfg.nft, reward="preserve",
+                                                               nft_group_size=options.rollouts))
     if options.on_the_fly:
         cfg = dataclasses.replace(
             cfg, train=dataclasses.replace(cfg.train, cache_dir=None),

@@ -97,6 +97,7 @@ class PlanOptions:
     kv_cache: Literal["on", "off"] = "on"  # edit, a DiT with a prefix KV cache: kept on the GPU, or recomputed
     dtype_bytes: int = 2  # bf16 on GPUs; the CPU calibration runs fp32 (4)
     pairs: bool = False  # train, a preference loss (--loss dpo): chosen + rejected per row, and a reference pass
+    rollouts: int = 0  # train, --loss nft: K rollouts per source trained on (memory/plan_rollouts.py)
     overhead_bytes: int = CUDA_OVERHEAD
 
     def validate(self, census: DiTCensus) -> None:
@@ -169,7 +170,7 @@ def activation_bytes(c: DiTCensus, o: PlanOptions) -> int:
         per = (c.num_layers * k["K_BOUNDARY"] + k["K_BLOCK"] + lora + k["K_OUTSIDE_CKPT"]) * GPU_CHECKPOINTED_ACTIVATION_SCALE
     else:
         per = c.num_layers * (k["K_BLOCK"] + lora) + k["K_OUTSIDE"]
-    return round(o.batch_size * (2 if o.pairs else 1) * o.tokens * c.dim * per * o.dtype_bytes)
+    return round(o.batch_size * (2 if o.pairs else 1) * max(1, o.rollouts) * o.tokens * c.dim * per * o.dtype_bytes)
 
 
 def lora_bytes(c: DiTCensus, o: PlanOptions) -> tuple[int, int]:
@@ -208,6 +209,10 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         plan.gpu["activations" + (" (checkpointed)" if o.gradient_checkpointing else "")] = activation_bytes(c, o)
         if o.pairs:  # the reference (LoRA off, no graph) after the policy's forward: one block's working set
             plan.gpu["reference forward (no graph)"] = round(2 * o.batch_size * o.tokens * c.dim * CALIBRATION["K_BLOCK"] * o.dtype_bytes)
+        if o.rollouts:
+            from .plan_rollouts import rollout_terms
+
+            rollout_terms(plan, c, o)
         if o.ema:
             plan.gpu["EMA shadow (fp32)"] = 4 * c.lora_params(o.lora_rank) // (o.num_gpus if o.zero_stage == 3 else 1)
             if o.validate_with != "raw":  # LoraEMA.applied: the live weights' copy while the average is in

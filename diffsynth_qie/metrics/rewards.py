@@ -149,6 +149,20 @@ class Reward:
         return total.float()
 
 
+def probe(reward: Reward) -> None:
+    """Call each scorecard and function term of ``reward`` once on a small made-up batch (two 64 px rows with a
+    target and a mask), so a term that returns NaN or the wrong shape is refused before any rollout starts."""
+    g = torch.Generator().manual_seed(0)
+    source = torch.rand(2, 3, 64, 64, generator=g)
+    mask = torch.zeros(2, 1, 64, 64)
+    mask[..., 16:48, 16:48] = 1
+    output = (source + 0.1 * mask * torch.rand(2, 3, 64, 64, generator=g)).clamp(0, 1)
+    batch = RewardBatch(source=source, output=output, instructions=["make it blue"] * 2, keys=["probe-0", "probe-1"],
+                        target=output.flip(0), mask=mask)
+    kept = [t for t in reward.terms if t[0] in BUILTIN or (":" in t[0] and not t[0].startswith("jsonl:"))]
+    Reward(reward.spec, kept)(batch)
+
+
 def parse_reward(spec: str, judge=None) -> Reward:
     """Resolve a ``--reward`` spec (see the module docstring); every term is loaded now."""
     if not spec or not spec.strip():

@@ -31,7 +31,8 @@ import torch
 
 from ..memory.fake_device import FakeCuda, backward
 from .verify_batch import DEVICE, SampleShape, batch_shapes, fake_batch, text_dim  # noqa: F401 (public here)
-from .verify_extras import build_ema, compiled, library_host_reads, validate_once, validation_entry
+from .verify_extras import (build_ema, compiled, library_host_reads, rollout_state, validate_once,
+                            validation_entry)
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
             swapper = BlockSwapper(module.dit, t.blocks_to_swap, DEVICE, record_events=True).install()
             report.swap_events = swapper.events
         optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
+        if spec.needs_rollouts:  # --loss nft: the VAE and the old policy, as its set-up gives them
+            module.loss_extras["nft"] = rollout_state(fc, cfg, preset, family, module, dtype)
         ema = build_ema(cfg, module)  # (built after the optimizer, as qie train builds it)
         encoders = on_the_fly(fc, cfg, preset, family, shapes[0], report, encode, dtype)  # (kept to the end)
         report.weights = fc.current_bytes

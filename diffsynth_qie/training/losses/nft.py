@@ -61,37 +61,40 @@ def nft_config_of(config) -> NFTConfig:
 
 
 class NFTState:
-    """The old policy (a copy of the trainable weights, by name), the last weights it followed, the VAE that
-    decodes rollouts and the reward. ``state_dict``/``load_state_dict``: accelerate's checkpointing protocol."""
+    """The old policy (a copy of the trainable weights, by name), the VAE that decodes rollouts and the reward.
+    ``state_dict``/``load_state_dict``: accelerate's checkpointing protocol (the old policy travels with every
+    checkpoint)."""
 
     def __init__(self, dit, vae, reward, decay: float):
         import torch
 
         self.vae, self.reward, self.decay = vae, reward, float(decay)
         self.names = [n for n, p in dit.named_parameters() if p.requires_grad]
-        params = dict(dit.named_parameters())
+        params = self._params(dit)
         with torch.no_grad():
-            self.old = {n: params[n].detach().clone() for n in self.names}
-            self.last = {n: params[n].detach().clone() for n in self.names}
+            self.old = {n: p.detach().clone() for n, p in zip(self.names, params)}
+        self.versions = self._versions(params)
 
     def _params(self, dit) -> list:
         params = dict(dit.named_parameters())
         return [params[n] for n in self.names]
 
-    def follow(self, dit) -> bool:
-        """One soft update toward the current weights if they moved since the last (an optimizer step); True if
-        it did. Micro-batches of one step see one update."""
-        import torch
+    @staticmethod
+    def _versions(params) -> list[int]:
+        """The weights' in-place write counters: an optimizer step moves them (no device value is read)."""
+        return [p._version for p in params]
 
+    def follow(self, dit) -> bool:
+        """One soft update toward the current weights if an optimizer step wrote them since the last; True if it
+        did. The micro-batches of one step see one update."""
         from .nft_math import soft_update_
 
         current = self._params(dit)
-        if all(torch.equal(p.detach(), self.last[n]) for n, p in zip(self.names, current)):
+        versions = self._versions(current)
+        if versions == self.versions:
             return False
         soft_update_([self.old[n] for n in self.names], current, self.decay)
-        with torch.no_grad():
-            for n, p in zip(self.names, current):
-                self.last[n].copy_(p.detach())
+        self.versions = versions
         return True
 
     @contextlib.contextmanager
@@ -100,6 +103,7 @@ class NFTState:
         import torch
 
         current = self._params(dit)
+        in_step = self._versions(current) == self.versions
         with torch.no_grad():
             saved = [p.detach().clone() for p in current]
             for n, p in zip(self.names, current):
@@ -110,6 +114,8 @@ class NFTState:
             with torch.no_grad():
                 for p, s in zip(current, saved):
                     p.copy_(s)
+            if in_step:  # these copies are no optimizer step
+                self.versions = self._versions(current)
 
     def decode(self, latents):
         """``[C, h, w]`` latents -> ``[3, H, W]`` in [0, 1] (the RGB channels)."""
@@ -117,9 +123,12 @@ class NFTState:
         image = self.vae.decode(latents[None].to(dtype))
         return ((image[0, :3].float() + 1) / 2).clamp(0, 1)
 
+    def score(self, samples, batch: dict):
+        """Rewards ``[B·K]`` on the host (see :func:`score`)."""
+        return score(self, samples, batch)
+
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "old": {n: t.cpu() for n, t in self.old.items()},
-                "last": {n: t.cpu() for n, t in self.last.items()}}
+        return {"decay": self.decay, "old": {n: t.cpu() for n, t in self.old.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if set(state["old"]) != set(self.old):
@@ -127,7 +136,6 @@ class NFTState:
                              "resume with the checkpoint's LoRA settings")
         for n in self.names:
             self.old[n].copy_(state["old"][n])
-            self.last[n].copy_(state["last"][n])
 
 
 def build_reward(nft: NFTConfig):
@@ -148,13 +156,13 @@ def build_reward(nft: NFTConfig):
 def check_nft(cfg) -> None:
     """``config.validate``'s check of ``--loss nft``: the reward resolves (a module imports, a file reads), before
     anything is loaded; the judge itself loads in the set-up."""
-    from ...metrics.rewards import parse_reward
+    from ...metrics.rewards import parse_reward, probe
 
     nft = nft_config_of(cfg)
     if not nft.reward:
         raise ValueError("--loss nft needs --reward SPEC: what to reward, e.g. 'preserve:0.5,mypkg.rewards:blue' "
                          "(docs/REWARD.md)")
-    parse_reward(nft.reward, judge=object() if nft.reward_judge else None)
+    probe(parse_reward(nft.reward, judge=object() if nft.reward_judge else None))  # NaN / shape, before any rollout
 
 
 def attach_rollouts(module, cfg, preset, device, dtype, ds_config) -> None:
@@ -237,7 +245,7 @@ def nft_loss_fn(dit, batch: dict, config, generator=None, nft=None):
     with torch.no_grad(), nft.old_policy(dit):
         samples = rollouts(dit, ops, c, prompts, batch["edit_latents"], batch["target_latents"], zero_cond_t,
                            generator)
-        rewards = score(nft, samples, batch)
+        rewards = nft.score(samples, batch)
     r = optimality(rewards, k, c.nft_adv_clip)
     x0 = [x for group in samples for x in group]
     flat_prompts = [p for p in prompts for _ in range(k)]

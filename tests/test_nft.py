@@ -1,0 +1,105 @@
+"""--loss nft (DiffusionNFT) in qie train: rollouts scored by --reward, the old policy (its update once per optimizer
+step, swapped in without a trace, checkpointed), exact resume, the checks that run before any rollout, and the
+step on the fake device beside qie plan."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import kill_and_resume  # noqa: E402
+
+REWARD = "preserve:1,diffsynth_qie.metrics.demo_reward:blue_inside:1"
+
+
+def _train(tiny_model_dir, cache_dir, *extra):
+    return [sys.executable, "-m", "diffsynth_qie.cli", "train", "--model", "tiny", "--model_dir", str(tiny_model_dir),
+            "--cache_dir", str(cache_dir), "--loss", "nft", "--batch_size", "1", "--lora_rank", "4",
+            "--learning_rate", "1e-2", "--mixed_precision", "no", "--device", "cpu", "--validate_every", "0",
+            "--nft_group_size", "2", "--nft_rollout_steps", "2", *extra]
+
+
+def test_nft_trains_on_rewarded_rollouts_and_resumes_exactly(tiny_model_dir, cache_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    base = _train(tiny_model_dir, cache_dir, "--reward", REWARD, "--max_steps", "4", "--save_every", "2")
+    ref, out = kill_and_resume(base, tmp_path, "checkpoint-2", "lora.safetensors")
+    a, b = load_file(str(out / "lora.safetensors")), load_file(str(ref / "lora.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)  # it trained
+    rows = [[json.loads(line) for line in (d / "loss.jsonl").read_text().splitlines() if '"loss"' in line]
+            for d in (ref, out)]
+    assert [r["loss"] for r in rows[1][-2:]] == [r["loss"] for r in rows[0][-2:]]
+    assert all("reward_mean" in r and "reward_group_std" in r for r in rows[0])
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "--loss nft needs --reward SPEC"),
+    (["--reward", "nosuch_module_xyz:fn"], "cannot load 'fn' from module 'nosuch_module_xyz'"),
+    (["--reward", "myrew:broken"], "'myrew:broken' returned a non-finite value"),
+    (["--reward", "myrew:short"], "'myrew:short' returned 1 values for 2 rows"),
+    (["--reward", "preserve", "--nft_group_size", "1"], "--nft_group_size"),
+])
+def test_nft_refuses_in_one_line_before_any_rollout(tiny_model_dir, cache_dir, tmp_path, monkeypatch, capsys,
+                                                     extra, message):
+    from diffsynth_qie.cli import main
+
+    (tmp_path / "myrew.py").write_text(textwrap.dedent("""
+        def broken(batch):
+            return [float("nan")] * len(batch)
+        def short(batch):
+            return [1.0]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code = main(_train(tiny_model_dir, cache_dir, "--max_steps", "1", "--output_dir", str(tmp_path / "o"),
+                           *extra)[3:])
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    assert code != 0 and message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "loss.jsonl").exists()  # nothing trained
+
+
+def test_the_old_policy_follows_once_per_optimizer_step_and_swaps_without_a_trace():
+    from diffsynth_qie.training.losses.nft import NFTState
+
+    model = torch.nn.Linear(3, 2)
+    model.weight.requires_grad_(True)
+    model.bias.requires_grad_(False)
+    state = NFTState(model, vae=None, reward=None, decay=0.75)
+    start = model.weight.detach().clone()
+    assert not state.follow(model)  # nothing moved: no update
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an optimizer step
+    assert state.follow(model) and torch.allclose(state.old["weight"], start + 0.25)
+    assert not state.follow(model)  # the second micro-batch of the same step
+    with state.old_policy(model) as m:
+        assert torch.equal(m.weight, state.old["weight"])
+    assert torch.equal(model.weight, start + 1.0) and not state.follow(model)  # the swap is no step
+    restored = NFTState(model, vae=None, reward=None, decay=0.75)
+    restored.load_state_dict(state.state_dict())
+    assert torch.equal(restored.old["weight"], state.old["weight"])
+
+
+def test_the_nft_step_runs_on_the_fake_device_beside_the_plan():
+    """qie plan --loss nft --verify's step (2 blocks at full width): K rollouts, decodes and K training samples."""
+    from diffsynth_qie.commands import plan as plan_cmd
+    from diffsynth_qie.commands.plan_verify import train_config
+    from diffsynth_qie.memory.plan import predict
+    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    plan_cmd.add_arguments(parser)
+    peaks = {}
+    for loss in ("sft", "nft"):
+        args = parser.parse_args(["--model", "2511", "--loss", loss, "--resolution", "256", "--verify_blocks", "2"])
+        options = plan_cmd.options_of(args)
+        cfg, preset = train_config(args, options)
+        peaks[loss] = verify_train_step(cfg, preset, batch_shapes(256, 1, 300, 1), num_layers=2).peak
+        plan = predict(plan_cmd._census(args), options)
+    assert peaks["nft"] > peaks["sft"]  # K = 4 training samples per source
+    assert "old policy (fp32 copy of the LoRA)" in plan.gpu and "VAE weights (decodes the rollouts)" in plan.gpu
