@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from diffsynth_qie.inference.segment import Segmenter, check_sam_dir, resolve_sam_dir
+from test_ui_browser import server  # noqa: F401 - the app with a tiny SAM checkpoint, for the browser test
 
 EDGE = 64  # the tiny processor's longest side (SAM's own is 1024)
 
@@ -190,3 +191,44 @@ def test_a_click_adds_the_object_to_the_mask_file(tmp_path, sam_dir):
     hidden = ObjectSelect.from_config(MaskTools(UIHandlers(_ui_config(tmp_path, ""))))
     assert not hidden.available  # a stray point with no checkpoint changes nothing
     assert hidden.select("1,1", {"background": image, "layers": []}, None, None) == (gr.skip(), gr.skip())
+
+
+# --- in the browser --------------------------------------------------------------------------------
+@pytest.mark.browser
+@pytest.mark.slow
+def test_select_object_in_headless_chromium(server):
+    """Armed by its button, a click on the mask preview's centre reaches the server as the 64-px example's centre
+    pixel and adds the object there to the mask file; the next click is the box tool's again (disarmed)."""
+    from test_ui_browser import CHROMIUM_ARGS, EXAMPLE_SIZE, _chromium_or_skip, _given, _wait_for_server
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    chromium = _chromium_or_skip()
+    url, proc, log_path = server
+    with sync_api.sync_playwright() as p:
+        try:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, timeout=30_000)
+        except Exception as exc:  # noqa: BLE001
+            pytest.skip(f"headless Chromium at {chromium} cannot be launched: {exc}")
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(30_000)
+            _wait_for_server(url, proc, log_path, timeout=60)
+            page.goto(url)
+            page.click("#examples [data-testid='dataset-cell-0-0']")
+            _given(page, "Example 1 loaded")
+            page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText.includes('%')")
+            page.click("#select-object")
+            page.wait_for_selector("body[data-select-armed]", state="attached")
+            box = page.locator("#mask-preview img").bounding_box()
+            page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+            page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText"
+                                   ".includes('Object at')")
+            line = page.inner_text("#mask-preview-text")
+            x, y = (int(v) for v in line.split("Object at (")[1].split(")")[0].split(", "))
+            assert abs(x - EXAMPLE_SIZE[0] / 2) <= 1 and abs(y - EXAMPLE_SIZE[1] / 2) <= 1, (x, y)
+            page.wait_for_selector("#mask-file img")
+            assert page.locator("body[data-select-armed]").count() == 0  # one click per arming
+        except Exception as exc:  # what the server said, for a failure seen only in CI
+            raise AssertionError(f"{exc}\nserver log (end):\n{log_path.read_text()[-3000:]}") from exc
+        finally:
+            browser.close()

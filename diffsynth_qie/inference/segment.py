@@ -6,9 +6,10 @@ Uses transformers' ``SamModel`` / ``SamProcessor`` (no extra package), loaded fr
 of ``facebook/sam-vit-base``; ``auto`` finds one of the ``facebook/sam-vit-*`` checkpoints in the Hugging Face
 cache, looking only at files already there.
 
-Where no checkpoint is present there is no click-to-mask. The project's other automatic mask, the edit region of a
-(source, target) pair (``data/automask.py``, ``qie cache --auto_mask diff``), is no stand-in for it: it needs the
-edited image, which a mask drawn before Generate does not have.
+Where no checkpoint is present there is no click-to-mask, and the UI hides its button. The project's other
+automatic mask, the edit region of a (source, target) pair (``data/automask.py``, ``qie cache --auto_mask diff``),
+fits where both images exist, i.e. a training pair without a hand-drawn mask; it cannot stand in here, since a mask
+drawn before Generate has only the source.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ class Segmenter:
                 try:
                     processor = SamProcessor.from_pretrained(self.folder, local_files_only=True)
                     model = SamModel.from_pretrained(self.folder, local_files_only=True)
-                except (OSError, ValueError) as exc:
+                except Exception as exc:  # noqa: BLE001 - a damaged file raises its library's own error
                     raise ValueError(f"{FLAG} {self.folder}: the SAM checkpoint does not load ({exc}); "
                                      f"{_FIX}") from None
                 log.info("object selection: SAM loaded from %s", self.folder)

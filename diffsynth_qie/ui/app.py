@@ -203,7 +203,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                          queue=False)
         box_drag.change(tools.box, [box_drag, editor, loaded, mask_file], [mask_file, preview_text], queue=False)
         select_point.change(select.select, [select_point, editor, loaded, mask_file], [mask_file, preview_text],
-                            concurrency_limit=None, show_progress="minimal")  # SAM runs beside a generation
+                            queue=False)  # as the box tool: at once, beside a running generation
 
         # An image given to the editor: Generate waits for the record of it (see Callbacks.lock_generate).
         lock = dict(fn=cb.lock_generate, inputs=None, outputs=generate, queue=False, show_progress="hidden")

@@ -26,7 +26,7 @@ CSS = """
 #mask-preview-text p { margin: 0; }
 .page-input { display: none !important; }
 #mask-preview img { cursor: crosshair; touch-action: none; }
-#select-object.armed { outline: 3px solid var(--color-accent); }
+body[data-select-armed] #select-object { outline: 3px solid var(--color-accent); }
 .editor-busy { pointer-events: none !important; opacity: 0.5; }
 #downloads .filename { overflow: visible; min-width: 0; }
 #downloads .filename .stem { white-space: normal; overflow-wrap: anywhere; }
@@ -102,27 +102,31 @@ JS = """
     boxStart = null;
     const end = pixel(event, img);
     const box = document.querySelector('#box-drag textarea, #box-drag input');
-    if (!box || (start[0] === end[0] && start[1] === end[1]) || document.querySelector('#select-object.armed')) return;
+    if (!box || (start[0] === end[0] && start[1] === end[1]) || document.body.dataset.selectArmed) return;
     box.value = [...start, ...end, Date.now()].join(',');
     box.dispatchEvent(new Event('input', {bubbles: true}));
   }, true);
-  // "Select object" (shown only with a SAM checkpoint): the button arms; the next press on the mask preview sends
-  // its pixel to the hidden #select-point box (a box is not drawn then) and disarms.
+  // "Select object" (shown only with a SAM checkpoint): the button arms (body[data-select-armed]: the page's own
+  // state, which gradio's re-renders leave alone); the next press on the mask preview sends its pixel to the hidden
+  // #select-point box (a box is not drawn then) and disarms.
   let selectAt = null;
+  const arm = (on) => {
+    if (on) document.body.dataset.selectArmed = '1'; else delete document.body.dataset.selectArmed;
+  };
   document.addEventListener('click', (event) => {
-    const button = event.target instanceof Element && event.target.closest('#select-object');
-    if (button) button.classList.toggle('armed');
+    if (event.target instanceof Element && event.target.closest('#select-object'))
+      arm(!document.body.dataset.selectArmed);
   }, true);
   document.addEventListener('pointerdown', (event) => {
     const img = event.target instanceof Element && event.target.closest('#mask-preview img');
     selectAt = img && img.naturalWidth ? pixel(event, img) : null;
   }, true);
   document.addEventListener('pointerup', () => {
-    const button = document.querySelector('#select-object.armed'), at = selectAt;
+    const at = selectAt;
     selectAt = null;
     const point = document.querySelector('#select-point textarea, #select-point input');
-    if (!button || !at || !point) return;
-    button.classList.remove('armed');
+    if (!document.body.dataset.selectArmed || !at || !point) return;
+    arm(false);
     point.value = [...at, Date.now()].join(',');
     point.dispatchEvent(new Event('input', {bubbles: true}));
   }, true);
