@@ -107,6 +107,9 @@ def server(tmp_path, tiny_model_dir):
     import torch
     save_file({"not_a_module.lora_A.weight": torch.zeros(2, 3), "not_a_module.lora_B.weight": torch.zeros(3, 2)},
               str(lora_dir / "zz-broken.safetensors"))  # its keys fit no module: the run fails
+    from test_ui_select_object import save_tiny_sam
+
+    sam_dir = save_tiny_sam(tmp_path / "tiny-sam")  # random weights: "Select object" shows, its masks mean nothing
     port = free_port()
     log_path = tmp_path / "server.log"
     env = dict(os.environ, DIFFSYNTH_SKIP_DOWNLOAD="True", GRADIO_ANALYTICS_ENABLED="False",
@@ -115,7 +118,8 @@ def server(tmp_path, tiny_model_dir):
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "app_gradio.py"), "--port", str(port), "--model", "tiny",
              "--model_dir", str(tiny_model_dir), "--lora_dir", str(lora_dir), "--device", "cpu",
-             "--temp_dir", str(tmp_path / "ui-tmp"), "--outputs_dir", str(tmp_path / "kept")],
+             "--temp_dir", str(tmp_path / "ui-tmp"), "--outputs_dir", str(tmp_path / "kept"),
+             "--sam_model", str(sam_dir)],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         yield f"http://127.0.0.1:{port}", proc, log_path

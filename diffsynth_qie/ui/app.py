@@ -20,6 +20,7 @@ from .messages import toast_html
 from .masks import DEFAULT_BRUSH, MAX_BRUSH
 from .model_fit import default_cfg, family_label
 from .page import CSS, JS
+from .select_object import ObjectSelect
 from .settings import RESTORED, build_widget
 from .uploads import check_upload, to_8bit_upload
 
@@ -72,6 +73,7 @@ def guard_uploads(component: gr.components.Component, handlers: UIHandlers) -> N
 def build_ui(handlers: UIHandlers) -> gr.Blocks:
     """The whole UI; queued so that one generation runs at a time."""
     cb, tools = Callbacks(handlers), MaskTools(handlers)
+    select = ObjectSelect.from_config(tools)
     widgets: dict[str, gr.components.Component] = {}  # setting name -> its widget
 
     def add(name: str, **extra: Any) -> gr.components.Component:
@@ -112,6 +114,8 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                                        interactive=False, height=160, scale=1, elem_id="mask-preview", format="png",
                                        buttons=["fullscreen"])
                 preview_text = gr.Markdown(EMPTY, elem_id="mask-preview-text")
+                select.button()  # armed by page.JS, which then writes the clicked pixel into select_point
+                select_point = gr.Textbox(elem_id="select-point", elem_classes=["page-input"], container=False)
                 box_drag = gr.Textbox(elem_id="box-drag", elem_classes=["page-input"], container=False)  # page.JS
                 guard_uploads(editor, handlers)
                 guard_uploads(references, handlers)
@@ -199,6 +203,8 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         input_size.click(tools.input_size, [editor, loaded], [widgets["width"], widgets["height"], status],
                          queue=False)
         box_drag.change(tools.box, [box_drag, editor, loaded, mask_file], [mask_file, preview_text], queue=False)
+        select_point.change(select.select, [select_point, editor, loaded, mask_file], [mask_file, preview_text],
+                            queue=False)  # as the box tool: at once, beside a running generation
 
         # An image given to the editor: Generate waits for the record of it (see Callbacks.lock_generate).
         lock = dict(fn=cb.lock_generate, inputs=None, outputs=generate, queue=False, show_progress="hidden")

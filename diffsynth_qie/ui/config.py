@@ -71,6 +71,10 @@ class UIConfig:
     threads: int = field(default=0, metadata=cli_help(
         "torch CPU threads for generation; 0 = auto: on the CPU half the cores (at most 4), on a GPU torch's "
         "default", min=0, max=1024))
+    sam_model: str = field(default="auto", metadata={
+        "help": "a local SAM checkpoint folder (e.g. a download of facebook/sam-vit-base) for the \"Select object\" "
+                "button: click an object on the mask preview to add it to the mask; auto = a facebook/sam-vit-* "
+                "checkpoint already in the Hugging Face cache, if any (nothing is downloaded); '' = no button"})
     preload: bool = field(default=True, metadata={
         "help": "start loading the model in the background at startup (--no-preload: load it on "
                 "the first Generate)"})
@@ -92,6 +96,10 @@ class UIConfig:
             raise ValueError(f"--threads {self.threads} must be >= 0 (0 = auto)")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"--max_prompt_tokens {self.max_prompt_tokens} must be >= 1")
+        if self.sam_model not in ("", "auto", "none"):  # a wrong folder: one line at start, not at the first click
+            from ..inference.segment import check_sam_dir
+
+            check_sam_dir(self.sam_model)
         from ..models.load.devices import check_device_flags  # before anything loads, as qie edit does
 
         check_device_flags({f"--{name}": getattr(self, name)

@@ -5,6 +5,8 @@
   without a word), and a later good image clears that message.
 - Keys, as in other editors: Ctrl+Enter runs Generate; outside a text field, Ctrl+Z / Ctrl+Y (or Ctrl+Shift+Z)
   undo and redo the paint, and ``[`` / ``]`` make the brush smaller or larger.
+- "Select object" (``ui/select_object.py``): its button arms it, and the next press on the mask preview sends that
+  pixel to the server, which adds the object there to the mask file.
 - While the editor loads an image the UI gave it, Generate and the canvas take no clicks (a stroke made then
   would be dropped, and Generate would edit the whole image).
 - Layout: results fill their box; download names wrap rather than shrink to their extension; a toast's list is a
@@ -24,6 +26,7 @@ CSS = """
 #mask-preview-text p { margin: 0; }
 .page-input { display: none !important; }
 #mask-preview img { cursor: crosshair; touch-action: none; }
+body[data-select-armed] #select-object { outline: 3px solid var(--color-accent); }
 .editor-busy { pointer-events: none !important; opacity: 0.5; }
 #downloads .filename { overflow: visible; min-width: 0; }
 #downloads .filename .stem { white-space: normal; overflow-wrap: anywhere; }
@@ -99,9 +102,33 @@ JS = """
     boxStart = null;
     const end = pixel(event, img);
     const box = document.querySelector('#box-drag textarea, #box-drag input');
-    if (!box || (start[0] === end[0] && start[1] === end[1])) return;
+    if (!box || (start[0] === end[0] && start[1] === end[1]) || document.body.dataset.selectArmed) return;
     box.value = [...start, ...end, Date.now()].join(',');
     box.dispatchEvent(new Event('input', {bubbles: true}));
+  }, true);
+  // "Select object" (shown only with a SAM checkpoint): the button arms (body[data-select-armed]: the page's own
+  // state, which gradio's re-renders leave alone); the next press on the mask preview sends its pixel to the hidden
+  // #select-point box (a box is not drawn then) and disarms.
+  let selectAt = null;
+  const arm = (on) => {
+    if (on) document.body.dataset.selectArmed = '1'; else delete document.body.dataset.selectArmed;
+  };
+  document.addEventListener('click', (event) => {
+    if (event.target instanceof Element && event.target.closest('#select-object'))
+      arm(!document.body.dataset.selectArmed);
+  }, true);
+  document.addEventListener('pointerdown', (event) => {
+    const img = event.target instanceof Element && event.target.closest('#mask-preview img');
+    selectAt = img && img.naturalWidth ? pixel(event, img) : null;
+  }, true);
+  document.addEventListener('pointerup', () => {
+    const at = selectAt;
+    selectAt = null;
+    const point = document.querySelector('#select-point textarea, #select-point input');
+    if (!document.body.dataset.selectArmed || !at || !point) return;
+    arm(false);
+    point.value = [...at, Date.now()].join(',');
+    point.dispatchEvent(new Event('input', {bubbles: true}));
   }, true);
   // While the editor is given an image (its progress overlay shows), a stroke would be dropped and Generate would
   // edit the whole image: Generate and the canvas take no clicks until it is in.
