@@ -155,6 +155,7 @@ qie_launch() {
 }
 
 # after_training OUTPUT_DIR [qie edit flags]: print the LoRA path and try it on the first dataset row,
+# (the launcher's EVAL_FLAGS array, if set, goes to the CPU demo's `qie eval-edits` alone, e.g. --reward),
 # writing OUTPUT_DIR/before_after.png (reference | without LoRA | with LoRA), and the training report.
 after_training() {
   local out="$1"; shift
@@ -168,7 +169,7 @@ after_training() {
   fi
   if [ -n "$DEMO_DATA" ] && [ "$NODE_RANK" = 0 ]; then   # CPU demo: held-out PSNR, base vs LoRA
     "$PY" -m diffsynth_qie.cli eval-edits "${MODEL_ARGS[@]}" --dataset_metadata "$DEMO_DATA/heldout.json" \
-      --lora "$lora" --grid "$out/heldout_grid.png" --scorecard "$out/scorecard.json" "$@"
+      --lora "$lora" --grid "$out/heldout_grid.png" --scorecard "$out/scorecard.json" "$@" ${EVAL_FLAGS[@]+"${EVAL_FLAGS[@]}"}
   fi
   local report="not written (see the error above)"   # a failed report does not fail the finished run
   if [ "$NODE_RANK" = 0 ] && "$PY" -m diffsynth_qie.cli report "$out"; then report="$out/report.html"; fi

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", default=None, metavar="DIR",
                         help="a local CLIP model directory (transformers layout; nothing is downloaded): adds "
                              "clip_direction, the image change against the instruction's text change")
+    parser.add_argument("--reward", default=None, metavar="SPEC",
+                        help="add a reward per row, as qie train --loss nft scores rollouts (docs/REWARD.md), e.g. "
+                             "'preserve:1,diffsynth_qie.metrics.demo_reward:blue_inside:1'")
     parser.add_argument("--judge", default=None, metavar="SPEC",
                         help="add a judge's 0-10 score per row: URL#MODEL (an OpenAI-compatible endpoint, e.g. a local "
                              "vLLM) or a local EditScore-7B directory ([BASE_DIR,]DIR); nothing is downloaded")
@@ -60,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", default=None, metavar="PNG", help="write the comparison grid here")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")
+
+
+def _reward(args, judge):
+    """``--reward``'s reward (its judge term scores with ``--judge``), or None."""
+    from ..metrics.rewards import parse_reward
+
+    return None if not args.reward else parse_reward(args.reward, judge=judge)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from ..metrics.lpips import load_lpips
 
     kwargs = dict(use_mask=not args.no_mask, steps=args.steps, cfg=args.cfg, seed=args.seed,
-                  lbm_steps=args.lbm_steps, lpips_model=load_lpips(), clip=_clip(args.clip), judge=judge)
+                  lbm_steps=args.lbm_steps, lpips_model=load_lpips(), clip=_clip(args.clip), judge=judge,
+                  reward=_reward(args, judge))
     reports = {"base": evaluate(editor, cases, **kwargs)}
     scores = {"base": reports["base"].scores}
     if args.lora:

@@ -94,12 +94,13 @@ def score_case(case: EvalCase, output: Image.Image, lpips_model=None) -> dict[st
 
 
 def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True, lpips_model=None, clip=None,
-             judge=None, **request_kwargs) -> EvalReport:
+             judge=None, reward=None, **request_kwargs) -> EvalReport:
     """Edit every case with ``editor`` as it is (its LoRAs) and measure PSNR to the target.
 
     ``request_kwargs`` go to :class:`EditRequest` (steps, cfg, seed, lbm_steps, ...); the
     output has the target's size (without a target, the editor's size for the source).
-    ``judge``: a :class:`~diffsynth_qie.metrics.judge.Judge` whose scores join each row's.
+    ``judge``: a :class:`~diffsynth_qie.metrics.judge.Judge` whose scores join each row's; ``reward``: a
+    ``metrics.rewards.Reward`` (``--reward``), its value joins each row's as ``reward``.
     """
     scores, outputs, subs, cards = [], [], [], []
     for case in cases:
@@ -118,7 +119,23 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
             cards[-1]["clip_direction"] = float(clip_direction(clip, [case.images[0]], [result.image], [case.prompt])[0])
         if judge is not None:  # an absent answer adds nothing (metrics/judge.py)
             cards[-1].update(judge.score(case.images[0], case.prompt, result.image))
+        if reward is not None:
+            cards[-1]["reward"] = reward_of(reward, case, result.image)
     return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards)
+
+
+def reward_of(reward, case: EvalCase, output: Image.Image) -> float:
+    """``reward`` of one edit (``metrics/rewards.py``), at the output's size, with the row's mask and target."""
+    from ..metrics.rewards import RewardBatch
+
+    def tensor(image: Image.Image, mode: str = "RGB") -> torch.Tensor:
+        a = np.asarray(image.convert(mode).resize(output.size, Image.Resampling.BILINEAR), dtype=np.float32) / 255.0
+        return torch.from_numpy(a).reshape(a.shape[0], a.shape[1], -1).permute(2, 0, 1)[None]
+
+    mask = None if case.mask is None else (tensor(case.mask, "L") > 0.5).float()
+    return float(reward(RewardBatch(source=tensor(case.images[0]), output=tensor(output), instructions=[case.prompt],
+                                    keys=[str(case.extra.get("key", case.prompt))],
+                                    target=None if case.target is None else tensor(case.target), mask=mask))[0])
 
 
 def compare_grid(cases: Sequence[EvalCase], columns: Sequence[Sequence[Image.Image | None]]) -> Image.Image:
