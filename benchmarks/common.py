@@ -148,6 +148,24 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def record_failure(row: dict, exc: BaseException, device: torch.device, logger: logging.Logger) -> None:
+    """A failed case as a result row: ``OOM`` (with the peak it reached) or ``error: <type>: <first line>``
+    (logged with its traceback); the run goes on."""
+    if is_oom(exc):
+        row.update(status="OOM", peak_mem_gib=peak_memory_gib(device))
+        return
+    logger.exception("case %s failed", row["id"])
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    row.update(status=f"error: {type(exc).__name__}: {first}", peak_mem_gib=peak_memory_gib(device))
+
+
+def finish(rows: list[dict], out_dir, env: dict, date: str, logger: logging.Logger) -> dict:
+    """Write the rows and log the table; what a benchmark's ``main`` returns."""
+    json_path, md_path = write_results(rows, out_dir, env["gpu"], date)
+    logger.info("results: %s\n%s", json_path, md_path.read_text())
+    return {"json": json_path, "markdown": md_path, "rows": rows}
+
+
 # --- results -----------------------------------------------------------------------------
 def result_paths(out_dir: str | Path, gpu: str, date: str) -> tuple[Path, Path]:
     stem = f"{gpu_slug(gpu)}-{date}"

@@ -96,16 +96,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 row.update(status="ok", s_per_image=common.median(times), times_s=times,
                            peak_mem_gib=common.peak_memory_gib(device))
             except Exception as exc:  # noqa: BLE001 - a failed case is a result row
-                row.update(status="OOM" if common.is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:200]}")
-                if not common.is_oom(exc):
-                    log.exception("case %s failed", row["id"])
+                common.record_failure(row, exc, device, log)
             common.free_memory(device)
             log.info("%-50s %s %s", row["id"], row["status"],
                      f"{row['s_per_image']:.3f} s/image" if row["status"] == "ok" else "")
             rows.append(row)
-            json_path, md_path = common.write_results(rows, cfg.out_dir, env["gpu"], date)
-    log.info("results: %s\n%s", json_path, md_path.read_text())
-    return {"json": json_path, "markdown": md_path, "rows": rows}
+            common.write_results(rows, cfg.out_dir, env["gpu"], date)
+    return common.finish(rows, cfg.out_dir, env, date, log)
 
 
 if __name__ == "__main__":

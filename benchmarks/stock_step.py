@@ -37,14 +37,15 @@ def stock_pipeline(dit, device, dtype):
     return pipe
 
 
-def make_stock_step(pipe, params, entry, gradient_checkpointing: bool
+def make_stock_step(pipe, params, entry, gradient_checkpointing: bool, inputs: dict | None = None
                     ) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
-    """DiffSynth's step: ``FlowMatchSFTLoss`` + backward + AdamW + ``ConstantLR`` (runner.py's defaults)."""
+    """DiffSynth's step: ``FlowMatchSFTLoss`` + backward + AdamW + ``ConstantLR`` (runner.py's defaults), on
+    ``inputs`` (default: the 2511 inputs of ``entry``; ``train21.py`` passes the 2.1 pipeline's)."""
     from diffsynth.diffusion.loss import FlowMatchSFTLoss
 
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-2)
     scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer)
-    inputs = stock_inputs(entry, gradient_checkpointing)
+    inputs = inputs if inputs is not None else stock_inputs(entry, gradient_checkpointing)
 
     def step() -> torch.Tensor:
         loss = FlowMatchSFTLoss(pipe, **inputs)

@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 import torch
 
 from benchmarks import build, common
+from benchmarks.stock_step import make_stock_step
 from benchmarks.step21 import forward_flops21
 
 log = logging.getLogger("benchmarks.train21")
@@ -115,24 +116,6 @@ def stock_inputs21(entry: dict) -> dict:
             "use_gradient_checkpointing": True, "use_gradient_checkpointing_offload": False}
 
 
-def make_stock_step(pipe, params, entry) -> Callable[[], torch.Tensor]:
-    from diffsynth.diffusion.loss import FlowMatchSFTLoss
-
-    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-2)
-    scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer)
-    inputs = stock_inputs21(entry)
-
-    def step() -> torch.Tensor:
-        loss = FlowMatchSFTLoss(pipe, **inputs)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
-    return step
-
-
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.train21", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU smoke test with the tiny 2.1 (fp32; not timings)")
@@ -177,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 q.data = q.data.to(torch.float32 if impl == "ours" and autocast else dtype)
             try:
                 step = make_ours_step(module, [entry] * batch, cfg.seed, autocast) if impl == "ours" else \
-                    make_stock_step(pipe, params, entry)
+                    make_stock_step(pipe, params, entry, True, inputs=stock_inputs21(entry))[0]
                 common.free_memory(device)
                 common.reset_peak_memory(device)
                 losses: list = []
@@ -187,10 +170,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                            peak_mem_gib=common.peak_memory_gib(device), flops_step=flops,
                            mfu=flops / (med * matmul), loss_last=float(losses[-1]))
             except Exception as exc:  # noqa: BLE001 - a failed case is a result row
-                row.update(status="OOM" if common.is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:200]}",
-                           peak_mem_gib=common.peak_memory_gib(device))
-                if not common.is_oom(exc):
-                    log.exception("case %s failed", row["id"])
+                common.record_failure(row, exc, device, log)
             finally:
                 step = None
                 for q in params:
@@ -199,9 +179,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             log.info("%-50s %s %s", row["id"], row["status"], "" if row["status"] != "ok" else
                      f"{row['median_s']:.3f} s/step, MFU {100 * row['mfu']:.1f} %, peak {row['peak_mem_gib'] or 0:.1f} GiB")
             rows.append(row)
-            json_path, md_path = common.write_results(rows, cfg.out_dir, env["gpu"], date)
-    log.info("results: %s\n%s", json_path, md_path.read_text())
-    return {"json": json_path, "markdown": md_path, "rows": rows}
+            common.write_results(rows, cfg.out_dir, env["gpu"], date)
+    return common.finish(rows, cfg.out_dir, env, date, log)
 
 
 if __name__ == "__main__":

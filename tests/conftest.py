@@ -79,6 +79,39 @@ def cache_demo21(tiny21_dir, tmp_path_factory, seed: int, name: str) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def chat_server(reply):
+    """A local OpenAI-compatible chat endpoint on 127.0.0.1 for the judge tests: each POST is recorded in ``seen``
+    as (path, Authorization header, JSON body) and answered with ``reply(seen)`` as the message content.
+    Yields ``(base_url, seen)``."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    seen: list = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            seen.append((self.path, self.headers.get("Authorization"),
+                         json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            body = json.dumps({"choices": [{"message": {"content": reply(seen)}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", seen
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (for launchers and servers the tests start)."""
     with socket.socket() as s:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import io
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from conftest import chat_server
 from diffsynth_qie.cli import main
 from diffsynth_qie.inference.bench_inputs import detect, gedit_rows, read_bench
 
@@ -50,26 +49,8 @@ def _lora(path, seed, metadata=None):
 
 @pytest.fixture
 def judge_server():
-    seen = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(body)
-            reply = json.dumps({"choices": [{"message": {"content": f"{len(seen) % 10} points"}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", seen
-    httpd.shutdown()
-    httpd.server_close()
+    with chat_server(lambda seen: f"{len(seen) % 10} points") as served:
+        yield served
 
 
 def test_reads_imgedit_and_gedit_as_they_ship(tmp_path):
@@ -95,7 +76,7 @@ def test_reads_imgedit_and_gedit_as_they_ship(tmp_path):
 
 
 def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir, tmp_path, judge_server, capsys):
-    url, seen = judge_server
+    url, requests = judge_server
     bench = _imgedit_dir(tmp_path / "imgedit")
     lora = _lora(tmp_path / "mine.safetensors", 0)
     out, card = tmp_path / "out", tmp_path / "card.json"
@@ -108,7 +89,7 @@ def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir,
         assert set(meta) == {"100", "101"} and meta["101"]["prompt"] == "make the animal red"
         assert all((out / column / f"{k}.png").is_file() and (out / column / "sources" / v["id"]).is_file()
                    for k, v in meta.items())
-    assert len(seen) == 4 and all(b["model"] == "judge-m" for b in seen)  # 2 rows x (base, LoRA)
+    assert len(requests) == 4 and all(body["model"] == "judge-m" for *_, body in requests)  # 2 rows x (base, LoRA)
     summary = json.loads(card.read_text())
     assert set(summary["metrics"]["judge"]) == {"base", "lora"}
     assert [r["judge"] for r in summary["per_row"]["base"] + summary["per_row"]["lora"]] == [1.0, 2.0, 3.0, 4.0]

@@ -4,38 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from PIL import Image
 
+from conftest import chat_server
 from diffsynth_qie.metrics import judge as J
 
 
 @pytest.fixture
 def server():
-    seen, replies = [], []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            seen.append((self.path, self.headers.get("Authorization"),
-                         json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
-            body = json.dumps({"choices": [{"message": {"content": replies.pop(0)}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", seen, replies
-    httpd.shutdown()
-    httpd.server_close()
+    replies: list = []
+    with chat_server(lambda seen: replies.pop(0)) as (url, seen):
+        yield url, seen, replies
 
 
 def test_openai_judge_scores_and_compares_through_the_endpoint(server):

@@ -28,9 +28,16 @@ def _choices(argv_command: str, dest: str = "loss") -> list[str]:
     return list(next(a for a in sub._actions if a.dest == dest).choices)
 
 
+# what a loss's own check requires to be given (its flags without a usable default)
+REQUIRED = {"nft": {"reward": "preserve"}}
+
+
 def _config(loss: str, **timesteps) -> RunConfig:
-    return RunConfig(train=TrainConfig(cache_dir="c", output_dir="o", model="tiny"), loss=LossConfig(loss=loss),
-                     timesteps=TimestepConfig(**timesteps))
+    cfg = RunConfig(train=TrainConfig(cache_dir="c", output_dir="o", model="tiny"), loss=LossConfig(loss=loss),
+                    timesteps=TimestepConfig(**timesteps))
+    if loss in REQUIRED:
+        cfg = dataclasses.replace(cfg, **{loss: dataclasses.replace(getattr(cfg, loss), **REQUIRED[loss])})
+    return cfg
 
 
 # --- contracts: every registered loss is wired everywhere --------------------------------
@@ -52,6 +59,10 @@ def test_every_loss_declares_a_valid_config_and_capabilities():
             assert name in run_fields and run_fields[name].default_factory is spec.config, name
             assert isinstance(spec.config_of(RunConfig()), spec.config)
             assert (flag_groups.get(name) is spec.config) == spec.has_flags, name
+        if spec.check is not None and name in REQUIRED:  # its check refuses the config without what it needs
+            bare = RunConfig(train=TrainConfig(cache_dir="c", output_dir="o", model="tiny"), loss=LossConfig(loss=name))
+            with pytest.raises(ValueError, match=f"--loss {name} needs"):
+                bare.resolved(get_preset("tiny"))
         resolved = _config(name).resolved(get_preset("tiny"))
         assert resolved.optim.optimizer == spec.default_optimizer
         # a config read back from a checkpoint's JSON gives the loss its config again

@@ -279,3 +279,20 @@ def test_a_21_model_gets_its_own_defaults_and_lbm_only_where_its_family_has_it(t
     with pytest.raises(UIError, match="another size"):  # a tiny LoRA cannot load on a real model
         check_lora_size("2511", LoraInfo(name="t.safetensors", preset="tiny"))
     check_lora_size("2511", LoraInfo(name="r.safetensors", preset="2509"))  # same size: a warning only
+
+
+def test_an_examples_row_brings_every_reference_in_order(tmp_path):
+    """A multi-image row: its first image goes to the editor, the others to the references gallery, in order."""
+    from PIL import Image
+
+    from diffsynth_qie.ui.examples import load_examples
+
+    for name, colour in (("src.png", "red"), ("person.png", "green"), ("garment.png", "blue"), ("t.png", "white")):
+        Image.new("RGB", (32, 32), colour).save(tmp_path / name)
+    (tmp_path / "meta.json").write_text(json.dumps([
+        {"prompt": "dress the person", "image": "t.png", "edit_image": ["src.png", "person.png", "garment.png"]},
+        {"prompt": "one image", "image": "t.png", "edit_image": ["src.png"]}]))
+    multi, single = load_examples(tmp_path / "meta.json")
+    assert Path(multi.image).name == "src.png"
+    assert [Path(p).name for p in multi.references] == ["person.png", "garment.png"]
+    assert single.references == ()

@@ -113,3 +113,28 @@ def test_previews_of_the_tiny_model_come_every_n_steps(tiny_model_dir, tmp_path)
                             prompt="turn it green", steps=5, cfg=2.0, live_preview=2)
     out = h.generate(inputs, preview=lambda before, image: seen.append((before.size, image.size)))
     assert seen == [((W, H), out.image.size)] * 2
+
+
+def test_a_stop_is_announced_by_the_stream_itself_before_its_last_word():
+    """The running generation's "Stopping…" comes from its own generator, so it is always before the final status."""
+    from diffsynth_qie.ui import live
+
+    stop, seen = threading.Event(), []
+
+    def work(progress, preview):
+        for step in range(1, 1000):
+            if stop.is_set():
+                return "stopped at step %d" % step
+            progress(step, 1000, "")
+            threading.Event().wait(0.01)
+        return "finished"
+
+    frames = live.stream(work, lambda *a: None, lambda b, i: ("preview",), lambda: None, stop.is_set,
+                         lambda: ("stopping",))
+    threading.Timer(0.2, stop.set).start()
+    try:
+        while True:
+            seen.append(next(frames))
+    except StopIteration as end:
+        result = end.value
+    assert seen == [("stopping",)] and result.startswith("stopped at step")

@@ -5,42 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import torch
 
+from conftest import chat_server
 from test_validation import cache_dir, run_config, store, training_module, validator  # noqa: F401 (fixtures)
 
 
 @pytest.fixture
 def judge_url():
-    seen = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            body = json.dumps({"choices": [{"message": {"content": str(2 * len(seen))}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", seen
-    httpd.shutdown()
-    httpd.server_close()
+    with chat_server(lambda seen: str(2 * len(seen))) as served:
+        yield served
 
 
 def test_validation_logs_the_judges_scores(store, tiny_pipe, tiny_model_dir, tmp_path, judge_url):  # noqa: F811
     from diffsynth_qie.training.validation_metrics import read_scores
 
-    url, seen = judge_url
+    url, requests = judge_url
     config = run_config("sft")
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, val_judge=f"{url}#judge-m"))
     module = training_module(tiny_pipe.dit, config)
@@ -49,11 +31,11 @@ def test_validation_logs_the_judges_scores(store, tiny_pipe, tiny_model_dir, tmp
     rows = read_scores(tmp_path / "validation" / "step-3" / "scores.jsonl")
     assert sorted(r["judge"] for r in rows.values()) == [2.0, 4.0]
     assert v.metrics["val_judge"] == 3.0
-    for body, i in zip(seen, [0, 2]):  # the row's own instruction, the source and the output
+    for (*_, body), i in zip(requests, [0, 2]):  # the row's own instruction, the source and the output
         assert store.meta(i).prompts[0] in body["messages"][0]["content"][0]["text"]
         assert body["model"] == "judge-m" and len(body["messages"][0]["content"]) == 3
     v.run(4, module, torch.device("cpu"), torch.float32)
-    assert len(seen) == 4  # one judge, asked once per output at every validation
+    assert len(requests) == 4  # one judge, asked once per output at every validation
 
 
 def test_validation_without_a_judge_has_no_judge_field(store, tiny_pipe, tiny_model_dir, tmp_path):  # noqa: F811

@@ -44,28 +44,11 @@ from .swap_transport import PINNED_EXACT_ABOVE_MB, pinned_allocation_bytes
 
 GiB = 1024 ** 3
 
-# Activation constants, in elements (of ``dtype_bytes``) per token and per unit of model width, fitted on
-# full-width training steps and edits of the real 2511 DiT on the fake CUDA device (``memory/fake_device.py``,
-# ``python -m benchmarks.fit_plan``): bf16 under autocast, rank-32 LoRA on the 2511 targets, 1024² target + one
-# 1024² reference + 300 prompt tokens, at 2 and 4 blocks (a line through the two depths), with and without
-# checkpointing; attention runs the fused (flash / memory-efficient) kernels, so memory is linear in tokens.
-# The activation term is what the steady-state peak (optimizer state alive) holds beyond the DiT, the LoRA
-# weights and the LoRA's gradients + optimizer state. ``qie plan --verify`` checks the whole 60-block model.
-CALIBRATION = {
-    "K_BLOCK": 40.05,  # kept per block for backward (q, k, v, MLP hidden, norms, gates, fp32 RoPE and casts)
-    "K_OUTSIDE": 19.75,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, the last block's backward
-    "K_BOUNDARY": 1.0,  # checkpointing: each block's saved inputs (image + text hidden states)
-    "K_OUTSIDE_CKPT": 10.8,  # checkpointing: everything outside the recomputed block
-    "K_INFER": 21.07,  # an edit: one block's working set without a graph, per sample of a pass
-}
-# Measured on a GPU (benchmarks/results/nvidia-h200-2026-11-26.md, ``python -m benchmarks.plan_vs_gpu``): a
-# checkpointed training step's activations, measured peak minus the static terms, grow 7 % faster with the
-# tokens than the fake device counts (2511 at batch 1/2/4: 0.93, 1.00, 1.04 x the constants above; 2.1 at 1 and
-# 3 references, batch 1 and 4: 1.03-1.07 x). The plan takes the larger slope, so a real step is predicted
-# within +2 %/-0 % instead of +1 %/-5 %. Without checkpointing our step ran out of 139 GiB (the plan: 160 GiB).
-GPU_CHECKPOINTED_ACTIVATION_SCALE = 1.07
-# The VAE's working set while encoding a reference or decoding the result, bytes per output pixel (bf16).
-VAE_BYTES_PER_PIXEL = 1357
+from .plan_rollouts import rollout_terms
+from .plan_terms import (  # noqa: F401 (the constants and per-token terms, public here)
+    CALIBRATION, GPU_CHECKPOINTED_ACTIVATION_SCALE, VAE_BYTES_PER_PIXEL, activation_bytes, kv_cache_bytes,
+    vae_bytes as _vae_bytes)
+
 OPTIMIZER_BYTES = {"adamw": 16, "prodigy_sf": 20}  # per trainable parameter, weight included
 FP8_SCALE_BYTES = 4
 CUDA_OVERHEAD = int(1.0 * GiB)  # CUDA context + allocator slack (assumed; not in the tiny runs)
@@ -163,16 +146,6 @@ def dit_weight_bytes(c: DiTCensus, o: PlanOptions) -> tuple[int, int]:
     return total, round(c.block_params * total / c.params)
 
 
-def activation_bytes(c: DiTCensus, o: PlanOptions) -> int:
-    k = CALIBRATION
-    lora = c.lora_token_targets * o.lora_rank / c.dim
-    if o.gradient_checkpointing:
-        per = (c.num_layers * k["K_BOUNDARY"] + k["K_BLOCK"] + lora + k["K_OUTSIDE_CKPT"]) * GPU_CHECKPOINTED_ACTIVATION_SCALE
-    else:
-        per = c.num_layers * (k["K_BLOCK"] + lora) + k["K_OUTSIDE"]
-    return round(o.batch_size * (2 if o.pairs else 1) * max(1, o.rollouts) * o.tokens * c.dim * per * o.dtype_bytes)
-
-
 def lora_bytes(c: DiTCensus, o: PlanOptions) -> tuple[int, int]:
     """(trainable weights, gradients + optimizer state) per GPU."""
     n = c.lora_params(o.lora_rank)
@@ -209,9 +182,7 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         plan.gpu["activations" + (" (checkpointed)" if o.gradient_checkpointing else "")] = activation_bytes(c, o)
         if o.pairs:  # the reference (LoRA off, no graph) after the policy's forward: one block's working set
             plan.gpu["reference forward (no graph)"] = round(2 * o.batch_size * o.tokens * c.dim * CALIBRATION["K_BLOCK"] * o.dtype_bytes)
-        if o.rollouts:
-            from .plan_rollouts import rollout_terms
-
+        if o.rollouts:  # --loss nft
             rollout_terms(plan, c, o)
         if o.ema:
             plan.gpu["EMA shadow (fp32)"] = 4 * c.lora_params(o.lora_rank) // (o.num_gpus if o.zero_stage == 3 else 1)
@@ -247,19 +218,6 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
     if o.fp8_base or o.blocks_to_swap:
         plan.shared["DiT files mapped while loading (page cache)"] = c.params * o.dtype_bytes
     return plan
-
-
-def kv_cache_bytes(c: DiTCensus, o: PlanOptions) -> int:
-    """An edit's prefix KV caches, kept for the whole edit: one per prompt (two with true CFG) and sample."""
-    if not c.prefix_kv_width or o.kv_cache == "off":
-        return 0
-    per_token = c.num_layers * 2 * c.prefix_kv_width * o.dtype_bytes
-    return per_token * o.prefix_tokens * o.batch_size * (2 if o.cfg else 1)
-
-
-def _vae_bytes(o: PlanOptions, images: int) -> int:
-    """The VAE's working set encoding or decoding ``images`` images of ``resolution``²."""
-    return round(images * o.resolution ** 2 * VAE_BYTES_PER_PIXEL * o.dtype_bytes / 2)
 
 
 # the terms of the text encoder and the VAE (weights and working sets): what a run of the DiT part leaves out

@@ -15,7 +15,7 @@ def rollout_terms(plan, c, o) -> None:
     """Add the rollout terms of ``o`` (a ``PlanOptions`` with ``rollouts`` = K) for the model ``c`` to ``plan``."""
     import dataclasses
 
-    from .plan import CALIBRATION, _vae_bytes, activation_bytes, kv_cache_bytes
+    from .plan_terms import CALIBRATION, activation_bytes, kv_cache_bytes, vae_bytes
 
     lora = 4 * c.lora_params(o.lora_rank)
     plan.gpu["old policy (fp32 copy of the LoRA)"] = lora
@@ -23,7 +23,7 @@ def rollout_terms(plan, c, o) -> None:
     per_sample = o.tokens * c.dim * CALIBRATION["K_INFER"] * o.dtype_bytes
     # a DiT that caches its prefix (2.1) keeps one cache per rollout while they are sampled
     prefix = kv_cache_bytes(c, dataclasses.replace(o, task="edit", cfg=False, batch_size=o.rollouts))
-    transient = max(o.rollouts * per_sample + prefix, o.batch_size * o.rollouts * per_sample, _vae_bytes(o, 1)) + lora
+    transient = max(o.rollouts * per_sample + prefix, o.batch_size * o.rollouts * per_sample, vae_bytes(o, 1)) + lora
     beyond = transient - activation_bytes(c, o)
     if beyond > 0:
         plan.gpu["rollouts / old policy pass (beyond the activations)"] = round(beyond)

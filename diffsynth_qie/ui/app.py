@@ -122,8 +122,10 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 loaded = add("loaded_image")  # what the UI last put into the editor (Callbacks.lock_generate)
                 examples, rows = cb.examples(), None
                 if examples:
-                    rows = gr.Examples([[ex.editor_value(), ex.mask, ex.prompt] for ex in examples],
-                                       [editor, mask_file, prompt_box], elem_id="examples", examples_per_page=4,
+                    rows = gr.Examples([[ex.editor_value(), list(ex.references) or None, ex.mask, ex.prompt]
+                                        for ex in examples],
+                                       [editor, references, mask_file, prompt_box], elem_id="examples",
+                                       examples_per_page=4,
                                        label=examples_label(handlers.config.model))
                 settings_png = gr.File(label="Settings from a PNG (drop a result of this UI)", file_types=[".png"],
                                        type="filepath", height=90, elem_id="settings-png")

@@ -26,6 +26,8 @@ from .messages import toast_html
 from .runner import queued_note
 from .settings import INPUT_NAMES
 
+STOPPING = "Stopping at the next step (the finished variations are kept)…"
+
 log = logging.getLogger(__name__)
 
 LIGHTNING_DEFAULT_STEPS = 8
@@ -197,7 +199,8 @@ class Callbacks(LoraEvents):
                 lambda report, preview: self.h.generate(inputs, report, queued_at=named["queued_at"], session=session,
                                                         preview=preview),
                 lambda done, total, desc: progress((done, total), desc=desc), frame,
-                lambda: self.h.request_stop(session))
+                lambda: self.h.request_stop(session), lambda: self.h.stopping(session),
+                lambda: (*(gr.skip(),) * 6, STOPPING, *(gr.skip(),) * 5))
         except Exception as exc:  # noqa: BLE001 - the last result back in place of a preview, and a status
             # a Stop is what the user asked for: no toast; a failure: a toast. `finished` unlocks Generate.
             message = user_message(exc)  # logs the traceback of an unexpected error
@@ -248,8 +251,8 @@ class Callbacks(LoraEvents):
         log.info("Stop pressed (%s)", "stopping this tab's generation" if pending else "nothing of this tab to stop")
         if not pending:
             return gr.skip()
-        if self.h.request_stop(session):
-            return "Stopping at the next step (the finished variations are kept)…"
+        if self.h.request_stop(session):  # the running generation says so itself (ui/live.py: in order)
+            return gr.skip()
         return ("Stopped while waiting in the queue: it will not run. Generate unlocks when another tab's "
                 "generation ahead of it ends.")
 

@@ -1,4 +1,5 @@
-"""The UI's examples: rows of a dataset metadata file (source image, mask, prompt), two clicks to a first edit.
+"""The UI's examples: rows of a dataset metadata file (source image, every other reference, mask, prompt), two
+clicks to a first edit.
 
 ``--examples FILE`` takes any metadata file ``qie cache`` reads (JSON, JSONL, CSV; the
 same field names). ``auto`` (the default) uses the CPU demo's held-out rows: those
@@ -25,6 +26,7 @@ class Example:
     image: str            # the source image
     mask: str | None      # its mask file (white = may change), or None
     prompt: str
+    references: tuple[str, ...] = ()  # the row's other reference images, in order (a multi-image edit)
 
     def editor_value(self) -> dict:
         return {"background": self.image, "layers": [], "composite": self.image}
@@ -65,7 +67,8 @@ def load_examples(metadata: Path, limit: int = MAX_EXAMPLES) -> list[Example]:
 
     rows, _ = validate_rows(read_rows(metadata), check_images=True)
     out = [Example(image=str(row.edit_images[0]), mask=str(row.back_mask) if row.back_mask else None,
-                   prompt=row.prompts[0]) for row in rows if row.edit_images][:limit]
+                   prompt=row.prompts[0], references=tuple(str(p) for p in row.edit_images[1:]))
+           for row in rows if row.edit_images][:limit]
     log.info("%d example(s) from %s", len(out), metadata)
     return out
 

@@ -221,6 +221,11 @@ class UIHandlers(LoraChoices):
             self._stop_queued.add(session)
             return False
 
+    def stopping(self, session: str | None) -> bool:
+        """True while ``session``'s running generation has a Stop it has not reached yet."""
+        with self._stop_lock:
+            return self._stop.is_set() and self._running == session
+
     def forget_session(self, session: str | None) -> None:
         """A tab that went away: drop what it was given (a reload starts a new session)."""
         self._given.pop(session, None)
