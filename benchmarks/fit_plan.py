@@ -6,7 +6,7 @@ Each case is one real training step (``training/verify.py``: the 2511 DiT at ful
 rank-32 LoRA on the 2511 targets, 1024² target + one 1024² reference + 300 prompt tokens) at 2 and 4 blocks,
 with and without activation checkpointing. The activation term is what the steady-state peak holds beyond
 the DiT, the LoRA weights and the LoRA's gradients + AdamW moments (the plan's other rows); a line through
-the two depths gives the per-block and the outside constants of ``memory/plan.py``. The last check runs
+the two depths gives the per-block and the outside constants of ``memory/plan_terms.py``. The last check runs
 the whole 60-block DiT and compares the plan's prediction with its fake-device peak.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ encoder or VAE), beside the measured ``torch.cuda.max_memory_allocated``. ``--ve
 of the same flags (a minute or so per row on two CPU cores) and stores its peaks in the results file
 (``fake_device_gib``), so the next table shows them without running again. The last lines fit the training activation term
 to the measured peaks: ``peak - (weights + LoRA + optimizer) = fixed + slope x tokens``, the slope as a multiple of
-the plan's per-token constant, which is what ``memory/plan.py``'s ``GPU_MEASURED`` records.
+the plan's per-token constant, which is what ``memory/plan_terms.py``'s ``GPU_CHECKPOINTED_ACTIVATION_SCALE`` records.
 """
 from __future__ import annotations
 

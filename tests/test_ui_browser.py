@@ -490,6 +490,9 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
     shutil.copyfile(tmp_path / "ui_phone.png", SCREENSHOT_COPY.with_name("ui_e2e_phone.png"))
     log.warning("UI screenshot: %s (copy: %s); browser test took %.1f s", shot, SCREENSHOT_COPY,
                 time.monotonic() - start)
+    deadline = time.monotonic() + 30  # the closed tab's generation ends at its next step, on the server's time
+    while log_path.read_text().count("generation stopped by the user") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
     server_log = log_path.read_text()
     # Our errors are logged by diffsynth_qie.* loggers (uvicorn may log a ClientDisconnect
     # for an upload cut short when the browser closes: not ours). The expected refusals: the empty prompts, the

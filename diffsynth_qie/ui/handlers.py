@@ -51,8 +51,7 @@ def user_message(exc: BaseException) -> str:
     """
     from ..models.load.loading import MissingModelFiles
 
-    if isinstance(exc, Stopped):
-        log.info("generation stopped by the user")
+    if isinstance(exc, Stopped):  # (logged where it stopped: ui/runner.run_variations)
         return str(exc)
     if isinstance(exc, (ValueError, MissingModelFiles)):
         log.warning("refused: %s", exc)
@@ -262,6 +261,7 @@ class UIHandlers(LoraChoices):
 
         with self._lock, self._running_as(session):
             if self._stop.is_set():  # stopped while queued: before any work
+                log.info("generation stopped by the user before it started")
                 raise Stopped("Stopped before it started; the settings are kept: press Generate to run again")
             started = time.time()
             if not self.loaded:
@@ -284,7 +284,7 @@ class UIHandlers(LoraChoices):
         if lbm and first.sub_image is None:
             raise RuntimeError("the editor returned no sub-stream image in LBM mode")
         log.info("generated %d image(s) in %.2f s (%s)%s", len(results), seconds, s.summary(),
-                 f"; generation stopped by the user: {stopped}" if stopped else "")
+                 f"; {stopped}" if stopped else "")
         status = status_line(job, first, seconds, started - (queued_at or started), len(results))
         return GenerateOutput(image=first.image, sub_image=first.sub_image if lbm else None, seed=s.seed,
                               status=f"{stopped} (the others were not made). {status}" if stopped else status,

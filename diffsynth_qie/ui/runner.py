@@ -2,6 +2,7 @@
 (from the step times measured in this run), and a Stop that keeps the variations already finished."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from .uploads import UIError
 ProgressFn = Callable[[int, int, str], None]
 # preview(before, image): a live preview (``image``) and the input at its size (the slider's left side)
 PreviewFn = Callable[[Any, Any], None]
+
+log = logging.getLogger(__name__)
 
 
 class Stopped(UIError):
@@ -72,6 +75,7 @@ def run_variations(seeds: list[int], edit: Callable[[int, Callable[[int, int], N
         try:
             results.append((seed, edit(seed, step)))
         except Stopped:
+            log.info("generation stopped by the user (or its tab went away): %s", where.stopped())
             if not results:
                 raise Stopped(f"{where.stopped()}; the settings are kept: press Generate to run again") from None
             return results, f"{where.stopped()}; kept the {len(results)} finished"
