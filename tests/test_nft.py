@@ -67,21 +67,34 @@ def test_the_old_policy_follows_once_per_optimizer_step_and_swaps_without_a_trac
     from diffsynth_qie.training.losses.nft import NFTState
 
     model = torch.nn.Linear(3, 2)
-    model.weight.requires_grad_(True)
     model.bias.requires_grad_(False)
     state = NFTState(model, vae=None, reward=None, decay=0.75)
     start = model.weight.detach().clone()
-    assert not state.follow(model)  # nothing moved: no update
-    with torch.no_grad():
-        model.weight.add_(1.0)  # an optimizer step
+    assert not state.follow(model)  # no step yet: no update
+    with torch.no_grad():  # an optimizer step that writes the weights the way DeepSpeed's ZeRO-2 does: through
+        model.weight.data.copy_(start + 1.0)  # `.data`, which an in-place write counter does not see
+    state.after_step()  # the training loop's word
     assert state.follow(model) and torch.allclose(state.old["weight"], start + 0.25)
     assert not state.follow(model)  # the second micro-batch of the same step
     with state.old_policy(model) as m:
         assert torch.equal(m.weight, state.old["weight"])
     assert torch.equal(model.weight, start + 1.0) and not state.follow(model)  # the swap is no step
+    state.after_step()
     restored = NFTState(model, vae=None, reward=None, decay=0.75)
-    restored.load_state_dict(state.state_dict())
-    assert torch.equal(restored.old["weight"], state.old["weight"])
+    restored.load_state_dict(state.state_dict())  # a checkpoint taken after a step: the resumed run follows first
+    assert torch.equal(restored.old["weight"], state.old["weight"]) and restored.stepped
+
+
+def test_the_training_loop_moves_the_old_policy(tiny_model_dir, cache_dir, tmp_path):
+    """In a real run the old policy follows the trained LoRA: its checkpointed copy is no longer the initial one."""
+    from diffsynth_qie.cli import main
+
+    assert main(_train(tiny_model_dir, cache_dir, "--reward", REWARD, "--max_steps", "2", "--save_every", "2",
+                       "--output_dir", str(tmp_path / "o"))[3:]) == 0
+    (saved,) = (tmp_path / "o" / "checkpoint-2").rglob("custom_checkpoint_*")
+    old = torch.load(saved, weights_only=True)["old"]
+    lora_b = [t for name, t in old.items() if "lora_B" in name]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # LoRA B starts at zero; one step moved it
 
 
 def test_the_nft_step_runs_on_the_fake_device_beside_the_plan():

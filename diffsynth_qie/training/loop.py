@@ -194,6 +194,9 @@ def train_step(run: Run, fetched: list) -> StepOutput:
     # -- one optimizer step is complete
     if run.ema is not None:  # (--ema_decay)
         run.ema.update()
+    for loss_state in run.module.loss_extras.values():  # a loss's own state that follows the steps (--loss nft)
+        if hasattr(loss_state, "after_step"):
+            loss_state.after_step()
     lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used
     run.lr_scheduler.step()
     state.step += 1

@@ -172,4 +172,5 @@ def rollout_state(fc, cfg, preset, family, module, dtype: torch.dtype):
 
     text_encoder, vae = build_encoders(fc, family, dtype, DEVICE, preset)
     del text_encoder  # (only the VAE stays: the rollouts are decoded, never encoded)
-    return FakeRewardState(module.dit, vae.requires_grad_(False), None, nft_config_of(cfg).nft_old_decay)
+    return FakeRewardState(module.dit, vae.requires_grad_(False), None, nft_config_of(cfg).nft_old_decay,
+                           module.declared_schedule())

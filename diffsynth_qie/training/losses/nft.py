@@ -65,36 +65,33 @@ class NFTState:
     ``state_dict``/``load_state_dict``: accelerate's checkpointing protocol (the old policy travels with every
     checkpoint)."""
 
-    def __init__(self, dit, vae, reward, decay: float):
+    def __init__(self, dit, vae, reward, decay: float, schedule=None):
         import torch
 
-        self.vae, self.reward, self.decay = vae, reward, float(decay)
+        self.vae, self.reward, self.decay, self.schedule = vae, reward, float(decay), schedule
         self.names = [n for n, p in dit.named_parameters() if p.requires_grad]
-        params = self._params(dit)
         with torch.no_grad():
-            self.old = {n: p.detach().clone() for n, p in zip(self.names, params)}
-        self.versions = self._versions(params)
+            self.old = {n: p.detach().clone() for n, p in zip(self.names, self._params(dit))}
+        self.stepped = False  # an optimizer step ended since the old policy last followed (the loop says so)
 
     def _params(self, dit) -> list:
         params = dict(dit.named_parameters())
         return [params[n] for n in self.names]
 
-    @staticmethod
-    def _versions(params) -> list[int]:
-        """The weights' in-place write counters: an optimizer step moves them (no device value is read)."""
-        return [p._version for p in params]
+    def after_step(self) -> None:
+        """The training loop's word that an optimizer step is complete (whatever wrote the weights: DeepSpeed's
+        flat buffers and fused optimizers do not show as in-place writes)."""
+        self.stepped = True
 
     def follow(self, dit) -> bool:
-        """One soft update toward the current weights if an optimizer step wrote them since the last; True if it
-        did. The micro-batches of one step see one update."""
+        """One soft update toward the current weights if an optimizer step ended since the last; True if it did.
+        The micro-batches of one step see one update."""
         from .nft_math import soft_update_
 
-        current = self._params(dit)
-        versions = self._versions(current)
-        if versions == self.versions:
+        if not self.stepped:
             return False
-        soft_update_([self.old[n] for n in self.names], current, self.decay)
-        self.versions = versions
+        soft_update_([self.old[n] for n in self.names], self._params(dit), self.decay)
+        self.stepped = False
         return True
 
     @contextlib.contextmanager
@@ -103,7 +100,6 @@ class NFTState:
         import torch
 
         current = self._params(dit)
-        in_step = self._versions(current) == self.versions
         with torch.no_grad():
             saved = [p.detach().clone() for p in current]
             for n, p in zip(self.names, current):
@@ -114,21 +110,22 @@ class NFTState:
             with torch.no_grad():
                 for p, s in zip(current, saved):
                     p.copy_(s)
-            if in_step:  # these copies are no optimizer step
-                self.versions = self._versions(current)
 
     def decode(self, latents):
-        """``[C, h, w]`` latents -> ``[3, H, W]`` in [0, 1] (the RGB channels)."""
+        """``[C, h, w]`` latents -> ``[3, H, W]`` in [0, 1]; an RGBA decode (Qwen-Image-2.1's VAE) over white, as
+        the editor shows it."""
         dtype = next(self.vae.parameters()).dtype
-        image = self.vae.decode(latents[None].to(dtype))
-        return ((image[0, :3].float() + 1) / 2).clamp(0, 1)
+        image = ((self.vae.decode(latents[None].to(dtype))[0].float() + 1) / 2).clamp(0, 1)
+        if image.shape[0] == 4:
+            return image[:3] * image[3:] + (1 - image[3:])
+        return image[:3]
 
     def score(self, samples, batch: dict):
         """Rewards ``[B·K]`` on the host (see :func:`score`)."""
         return score(self, samples, batch)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "old": {n: t.cpu() for n, t in self.old.items()}}
+        return {"decay": self.decay, "old": {n: t.cpu() for n, t in self.old.items()}, "stepped": self.stepped}
 
     def load_state_dict(self, state: dict) -> None:
         if set(state["old"]) != set(self.old):
@@ -136,6 +133,7 @@ class NFTState:
                              "resume with the checkpoint's LoRA settings")
         for n in self.names:
             self.old[n].copy_(state["old"][n])
+        self.stepped = bool(state.get("stepped", True))  # a checkpoint is written after a step: follow it first
 
 
 def build_reward(nft: NFTConfig):
@@ -162,7 +160,12 @@ def check_nft(cfg) -> None:
     if not nft.reward:
         raise ValueError("--loss nft needs --reward SPEC: what to reward, e.g. 'preserve:0.5,mypkg.rewards:blue' "
                          "(docs/REWARD.md)")
-    probe(parse_reward(nft.reward, judge=object() if nft.reward_judge else None))  # NaN / shape, before any rollout
+    reward = parse_reward(nft.reward, judge=object() if nft.reward_judge else None)
+    if any(name.startswith("jsonl:") for name, _, _ in reward.terms):
+        raise ValueError("--reward jsonl:... scores rows, and every rollout of a row would get the same score: no "
+                         "signal for --loss nft; use it with qie eval-edits, or give a reward that looks at the "
+                         "rollouts")
+    probe(reward)  # a term that returns NaN or the wrong shape, before any rollout
 
 
 def attach_rollouts(module, cfg, preset, device, dtype, ds_config) -> None:
@@ -177,11 +180,12 @@ def attach_rollouts(module, cfg, preset, device, dtype, ds_config) -> None:
     device_name = "cpu" if str(device) == "cpu" else str(device)
     vae = load_pipeline(preset, model_dir=cfg.train.model_dir, components=("vae",), device=device_name,
                         torch_dtype=dtype).vae.to(device).requires_grad_(False).eval()
-    module.loss_extras["nft"] = NFTState(module.dit, vae, reward, nft.nft_old_decay)
+    module.loss_extras["nft"] = NFTState(module.dit, vae, reward, nft.nft_old_decay, module.declared_schedule())
 
 
-def rollouts(dit, ops, nft: NFTConfig, prompts, refs, targets, zero_cond_t: bool, generator):
-    """``K`` clean samples per source ``[K, C, h, w]`` from noise of ``generator`` (no graph)."""
+def rollouts(dit, ops, nft: NFTConfig, prompts, refs, targets, zero_cond_t: bool, generator, schedule=None):
+    """``K`` clean samples per source ``[K, C, h, w]`` from noise of ``generator`` (no graph), on the run's declared
+    schedule where it has one (a turbo preset's grid, a frozen LoRA's line), else the model's own."""
     import torch
 
     from ...models.samplers.sampling import sample_flow_match
@@ -191,7 +195,9 @@ def rollouts(dit, ops, nft: NFTConfig, prompts, refs, targets, zero_cond_t: bool
     for prompt, ref, target in zip(prompts, refs, targets):
         cond = ops.conditioning([prompt] * k, None, [list(ref)] * k, zero_cond_t, lambda t: t)
         noise = torch.randn((k, *target.shape), generator=generator).to(target.device, target.dtype)
-        spec = ScheduleSpec(steps=nft.nft_rollout_steps, latent_hw=tuple(target.shape[-2:]))
+        grid = None if schedule is None else schedule.grid(None if schedule.sigmas is not None else nft.nft_rollout_steps)
+        spec = ScheduleSpec(steps=len(grid) if grid else nft.nft_rollout_steps, latent_hw=tuple(target.shape[-2:]),
+                            sigmas=grid)
         out.append(sample_flow_match(ops.velocity(dit, cond, 1.0), noise, spec, ops.schedule))
     return out
 
@@ -238,13 +244,18 @@ def nft_loss_fn(dit, batch: dict, config, generator=None, nft=None):
     c = nft_config_of(config)
     ops = ops_for(family_of(config.train.model))
     n, k = len(batch["target_latents"]), c.nft_group_size
+    bare = [str((batch.get("entry_id") or [b] * n)[b]) for b in range(n) if not batch["edit_latents"][b]]
+    if bare:
+        raise ValueError(f"--loss nft edits a source image and scores the edit against it, but cache rows {bare[:3]} "
+                         "have no reference image (text-to-image rows); train them with --loss sft, or leave them "
+                         "out of the cache")
     extras = batch.get("prompt_extras") or [{}] * n
     prompts = [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)]
     zero_cond_t = bool(config.train.zero_cond_t)
     nft.follow(dit)
     with torch.no_grad(), nft.old_policy(dit):
         samples = rollouts(dit, ops, c, prompts, batch["edit_latents"], batch["target_latents"], zero_cond_t,
-                           generator)
+                           generator, nft.schedule)
         rewards = nft.score(samples, batch)
     r = optimality(rewards, k, c.nft_adv_clip)
     x0 = [x for group in samples for x in group]
