@@ -180,6 +180,24 @@ def _paint_stroke(page) -> None:
 
 
 @pytest.mark.browser
+def _launch(playwright, chromium: str):
+    """Headless Chromium, or a skip saying why it cannot run here (any launch failure means that)."""
+    try:
+        return playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, timeout=30_000)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"headless Chromium at {chromium} cannot be launched: {exc}")
+
+
+def _open(browser, server):
+    """A 1400x1000 page on the app of ``server``, once the app answers."""
+    url, proc, log_path = server
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(30_000)
+    _wait_for_server(url, proc, log_path, timeout=60)
+    page.goto(url)
+    return page
+
+
 @pytest.mark.slow
 def test_mask_edit_in_headless_chromium(server, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
@@ -191,15 +209,9 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
     source.save(source_path)
 
     with sync_api.sync_playwright() as p:
+        browser = _launch(p, chromium)
         try:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, timeout=30_000)
-        except Exception as exc:  # noqa: BLE001 - any launch failure means "cannot run a browser here"
-            pytest.skip(f"headless Chromium at {chromium} cannot be launched: {exc}")
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(30_000)
-            _wait_for_server(url, proc, log_path, timeout=60)
-            page.goto(url)
+            page = _open(browser, server)
             page.wait_for_selector("#editor input[type=file]", state="attached")
             model_status = page.inner_text("#model-status")
             assert "loading in the background" in model_status or "loaded in" in model_status, model_status

@@ -199,21 +199,15 @@ def test_a_click_adds_the_object_to_the_mask_file(tmp_path, sam_dir):
 def test_select_object_in_headless_chromium(server):
     """Armed by its button, a click on the mask preview's centre reaches the server as the 64-px example's centre
     pixel and adds the object there to the mask file; the next click is the box tool's again (disarmed)."""
-    from test_ui_browser import CHROMIUM_ARGS, EXAMPLE_SIZE, _chromium_or_skip, _given, _wait_for_server
+    from test_ui_browser import EXAMPLE_SIZE, _chromium_or_skip, _given, _launch, _open
 
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
     chromium = _chromium_or_skip()
-    url, proc, log_path = server
+    log_path = server[2]
     with sync_api.sync_playwright() as p:
+        browser = _launch(p, chromium)
         try:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, timeout=30_000)
-        except Exception as exc:  # noqa: BLE001
-            pytest.skip(f"headless Chromium at {chromium} cannot be launched: {exc}")
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(30_000)
-            _wait_for_server(url, proc, log_path, timeout=60)
-            page.goto(url)
+            page = _open(browser, server)
             page.click("#examples [data-testid='dataset-cell-0-0']")
             _given(page, "Example 1 loaded")
             page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText.includes('%')")

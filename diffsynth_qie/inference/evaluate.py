@@ -76,20 +76,26 @@ def load_cases(metadata: str, base_dir: str | None = None, limit: int | None = N
     return cases
 
 
-def score_case(case: EvalCase, output: Image.Image, lpips_model=None) -> dict[str, float]:
-    """The scorecard of one output against its case's source (resized to the output) and target."""
+def case_pixels(case: EvalCase, output: Image.Image):
+    """``(source, output, target or None, region or None)`` as ``[1, C, H, W]`` in [0, 1] at the output's size: the
+    case's source and target resized to it, its mask as the edit region (what the scorecard and a reward read)."""
     from ..metrics.image import to_pixels
-    from ..metrics.scorecard import score_batch
 
     size = output.size
     source = case.images[0].convert("RGB").resize(size, Image.Resampling.LANCZOS)
     target = case.target.convert("RGB").resize(size, Image.Resampling.LANCZOS) if case.target is not None else None
-    src, out = to_pixels([source]), to_pixels([output])
-    tgt = to_pixels([target]) if target is not None else None
     region = None
     if case.mask is not None:
         m = np.asarray(case.mask.convert("L").resize(size, Image.Resampling.NEAREST), dtype=np.float32) / 255.0
         region = torch.from_numpy((m > 0.5).astype(np.float32))[None, None]
+    return to_pixels([source]), to_pixels([output]), to_pixels([target]) if target is not None else None, region
+
+
+def score_case(case: EvalCase, output: Image.Image, lpips_model=None) -> dict[str, float]:
+    """The scorecard of one output against its case's source (resized to the output) and target."""
+    from ..metrics.scorecard import score_batch
+
+    src, out, tgt, region = case_pixels(case, output)
     return score_batch(src, out, tgt, region=region, lpips_model=lpips_model)[0]
 
 
@@ -128,14 +134,9 @@ def reward_of(reward, case: EvalCase, output: Image.Image) -> float:
     """``reward`` of one edit (``metrics/rewards.py``), at the output's size, with the row's mask and target."""
     from ..metrics.rewards import RewardBatch
 
-    def tensor(image: Image.Image, mode: str = "RGB") -> torch.Tensor:
-        a = np.asarray(image.convert(mode).resize(output.size, Image.Resampling.BILINEAR), dtype=np.float32) / 255.0
-        return torch.from_numpy(a).reshape(a.shape[0], a.shape[1], -1).permute(2, 0, 1)[None]
-
-    mask = None if case.mask is None else (tensor(case.mask, "L") > 0.5).float()
-    return float(reward(RewardBatch(source=tensor(case.images[0]), output=tensor(output), instructions=[case.prompt],
-                                    keys=[str(case.extra.get("key", case.prompt))],
-                                    target=None if case.target is None else tensor(case.target), mask=mask))[0])
+    src, out, tgt, region = case_pixels(case, output)
+    return float(reward(RewardBatch(source=src, output=out, instructions=[case.prompt],
+                                    keys=[str(case.extra.get("key", case.prompt))], target=tgt, mask=region))[0])
 
 
 def compare_grid(cases: Sequence[EvalCase], columns: Sequence[Sequence[Image.Image | None]]) -> Image.Image:
