@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_all.sh --tiny     # the same stages on the CPU with the tiny models (a smoke test)
 #
 # Environment:
-#   OUT        where results/ (<gpu>-<date>.json/.md) and log.txt go (default: benchmarks/results/run-<time>)
+#   RUN_DIR    where results/ (<gpu>-<date>.json/.md) and log.txt go (default: benchmarks/results/run-<time>)
 #   WHEELS     a folder of wheels to install first with --no-deps into /tmp/site (default: .whl if present;
 #              for a machine with torch but no registry access: diffsynth, modelscope, transformers, ...)
 #   STAGES     which stages to run, in order (default: "train infer train21 infer21 preflight")
@@ -19,9 +19,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 TINY=""
 [ "${1:-}" = "--tiny" ] && TINY="--tiny"
-OUT="${OUT:-benchmarks/results/run-$(date +%Y%m%d-%H%M%S)}"
-RESULTS="$OUT/results"
-LOG="$OUT/log.txt"
+RUN_DIR="${RUN_DIR:-benchmarks/results/run-$(date +%Y%m%d-%H%M%S)}"
+RESULTS="$RUN_DIR/results"
+LOG="$RUN_DIR/log.txt"
 mkdir -p "$RESULTS"
 PY="${PYTHON:-python3}"
 [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && [ -n "$TINY" ] && PY=.venv/bin/python
