@@ -40,20 +40,21 @@ class _Frames2d(nn.Module):
         return y.reshape(b, t, *y.shape[1:]).permute(0, 2, 1, 3, 4)
 
 
-def _encoder(widths=WIDTHS, z_dim: int = Z_DIM) -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, padding=1), nn.SiLU()]
+def _encoder(widths=WIDTHS, z_dim: int = Z_DIM, channels: int = 3) -> nn.Sequential:
+    """Image (``channels``: 3 RGB; 4 RGBA for the tiny 2.1) -> mean and log-variance, halving per width step."""
+    layers: list[nn.Module] = [nn.Conv2d(channels, widths[0], 3, padding=1), nn.SiLU()]
     for cin, cout in zip(widths[:-1], widths[1:]):
         layers += [nn.Conv2d(cin, cout, 3, stride=2, padding=1), nn.SiLU()]
     layers += [nn.Conv2d(widths[-1], 2 * z_dim, 3, padding=1)]
     return nn.Sequential(*layers)
 
 
-def _decoder(widths=WIDTHS, z_dim: int = Z_DIM) -> nn.Sequential:
+def _decoder(widths=WIDTHS, z_dim: int = Z_DIM, channels: int = 3) -> nn.Sequential:
     rev = widths[::-1]
     layers: list[nn.Module] = [nn.Conv2d(z_dim, rev[0], 3, padding=1), nn.SiLU()]
     for cin, cout in zip(rev[:-1], rev[1:]):
         layers += [nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(cin, cout, 3, padding=1), nn.SiLU()]
-    layers += [nn.Conv2d(rev[-1], 3, 3, padding=1)]
+    layers += [nn.Conv2d(rev[-1], channels, 3, padding=1)]
     return nn.Sequential(*layers)
 
 

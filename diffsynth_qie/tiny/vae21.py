@@ -16,29 +16,12 @@ from torch import nn
 
 from diffsynth.models.qwen_image_21_vae import QwenImage21CausalConv3d, QwenImage21VAE
 
-from .vae import _Frames2d
+from .vae import _decoder, _encoder, _Frames2d
 
 Z_DIM = 64
 CHANNELS = 4  # RGBA
 #: Channel widths of the encoder's five levels (four stride-2 steps: 16x); the decoder mirrors them.
 WIDTHS = (16, 32, 48, 64, 96)
-
-
-def _encoder(widths=WIDTHS, z_dim: int = Z_DIM) -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Conv2d(CHANNELS, widths[0], 3, padding=1), nn.SiLU()]
-    for cin, cout in zip(widths[:-1], widths[1:]):
-        layers += [nn.Conv2d(cin, cout, 3, stride=2, padding=1), nn.SiLU()]
-    layers += [nn.Conv2d(widths[-1], 2 * z_dim, 3, padding=1)]
-    return nn.Sequential(*layers)
-
-
-def _decoder(widths=WIDTHS, z_dim: int = Z_DIM) -> nn.Sequential:
-    rev = widths[::-1]
-    layers: list[nn.Module] = [nn.Conv2d(z_dim, rev[0], 3, padding=1), nn.SiLU()]
-    for cin, cout in zip(rev[:-1], rev[1:]):
-        layers += [nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(cin, cout, 3, padding=1), nn.SiLU()]
-    layers += [nn.Conv2d(rev[-1], CHANNELS, 3, padding=1)]
-    return nn.Sequential(*layers)
 
 
 class TinyConvQwenImage21VAE(QwenImage21VAE):
@@ -56,10 +39,10 @@ class TinyConvQwenImage21VAE(QwenImage21VAE):
         self.patch_size = None
         self.scale_factor_temporal, self.scale_factor_spatial = parent.scale_factor_temporal, 16
         self.latents_mean, self.latents_std = parent.latents_mean.clone(), parent.latents_std.clone()
-        self.encoder = _Frames2d(_encoder(widths, z_dim))
+        self.encoder = _Frames2d(_encoder(widths, z_dim, CHANNELS))
         self.quant_conv = QwenImage21CausalConv3d(z_dim * 2, z_dim * 2, 1)
         self.post_quant_conv = QwenImage21CausalConv3d(z_dim, z_dim, 1)
-        self.decoder = _Frames2d(_decoder(widths, z_dim))
+        self.decoder = _Frames2d(_decoder(widths, z_dim, CHANNELS))
         self.spatial_compression_ratio = 2 ** (len(widths) - 1)
         self.use_slicing, self.use_tiling = False, False
         self.tile_sample_min_height = self.tile_sample_min_width = 256
