@@ -321,13 +321,13 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             first_result = _fetch_image(_shown(page)[1])
 
             # While the editor is given an image (its progress overlay shows), Generate and the canvas take no clicks.
-            tracker = "#editor > [data-testid=status-tracker]"
-            page.eval_on_selector(tracker, "e => e.classList.remove('hide')")
-            page.wait_for_function("() => getComputedStyle(document.querySelector('#generate')).pointerEvents "
-                                   "=== 'none'")
-            page.eval_on_selector(tracker, "e => e.classList.add('hide')")
-            page.wait_for_function("() => getComputedStyle(document.querySelector('#generate')).pointerEvents "
-                                   "!== 'none'")
+            # Gradio redraws the overlay's class when an update lands, so each poll sets it again until the page's
+            # own timer has seen it.
+            for shown, locked in (("remove", "==="), ("add", "!==")):
+                page.wait_for_function(
+                    "() => { document.querySelector('#editor > [data-testid=status-tracker]')"
+                    f".classList.{shown}('hide'); return getComputedStyle(document.querySelector('#generate'))"
+                    f".pointerEvents {locked} 'none'; }}", polling=100)
 
             # "Edit this result": the next edit starts from it. Variations: seeds 0 and 1, a double click runs once.
             page.click("#edit-result")
