@@ -11,7 +11,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
 bash scripts/install_chromium.sh || echo "test.sh: Chromium unavailable; the browser test will be skipped with its reason."
-export DIFFSYNTH_SKIP_DOWNLOAD=True WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+# One OpenMP thread in every process the tests start (launchers, kill-and-resume runs): with two workers on two
+# cores, a second thread per process only waits for a core the other worker holds (tests/conftest.py one_thread).
+export DIFFSYNTH_SKIP_DOWNLOAD=True WANDB_MODE=offline TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 WORKERS="${QIE_TEST_WORKERS:-2}"
 XDIST=()
 [ "$WORKERS" = 0 ] || XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)

@@ -43,16 +43,26 @@ def fresh_accelerate():
 
 
 def kill_and_resume(base: list[str], tmp_path: Path, checkpoint: str, final: str) -> tuple[Path, Path]:
-    """Run the ``qie train`` command ``base`` uninterrupted into ``tmp_path/ref``; run it again into
-    ``tmp_path/run``, kill -9 it once ``checkpoint`` exists (before ``final`` is written) and ``--resume latest``.
-    Returns (ref, run) for the caller to compare."""
+    """Run the ``qie train`` command ``base`` (``python -m diffsynth_qie.cli train ...``) uninterrupted into
+    ``tmp_path/ref``; run it again into ``tmp_path/run``, kill -9 it once ``checkpoint`` exists (before ``final`` is
+    written) and ``--resume latest``. Returns (ref, run) for the caller to compare.
+
+    The uninterrupted run is the same command's configuration trained in this process (one intra-op thread, as the
+    runs it is compared with: ``scripts/test.sh`` sets OMP_NUM_THREADS=1), which spares the import of a third
+    process; the killed run and its resume are processes of their own."""
     import signal
     import subprocess
     import time
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    from diffsynth_qie.cli import build_parser
+    from diffsynth_qie.commands.train import config_from_args
+    from diffsynth_qie.training.loop import train
+
+    assert base[1:4] == ["-m", "diffsynth_qie.cli", "train"], base
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     ref, out = tmp_path / "ref", tmp_path / "run"
-    subprocess.run(base + ["--output_dir", str(ref)], check=True, env=env, capture_output=True)
+    with fresh_accelerate():
+        train(config_from_args(build_parser().parse_args(base[3:] + ["--output_dir", str(ref)])))
     proc = subprocess.Popen(base + ["--output_dir", str(out)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
