@@ -4,8 +4,8 @@ What a user does, and what they see: a refused Generate (a toast; the last resul
 an example click, an edit, the before/after slider, the sampler and LoRA pickers (LoRA
 labels from their metadata; an LBM LoRA switches to the LBM sampler), a history restore,
 "Edit this result", variations with a double click, Stop, a non-image dropped on the
-editor, a painted stroke, and the page at phone width. The screenshot goes to the
-test's tmp dir and to ``outputs/screenshots/ui_e2e.png``.
+editor, a painted stroke, "Select object" (a tiny SAM checkpoint) and the page at phone width. The
+screenshot goes to the test's tmp dir and to ``outputs/screenshots/ui_e2e.png``.
 
 Chromium comes from apt (``scripts/install_chromium.sh``), never from a browser
 download; the test skips, saying why, only if it cannot be installed or launched.
@@ -179,7 +179,6 @@ def _paint_stroke(page) -> None:
     page.mouse.up()
 
 
-@pytest.mark.browser
 def _launch(playwright, chromium: str):
     """Headless Chromium, or a skip saying why it cannot run here (any launch failure means that)."""
     try:
@@ -198,6 +197,7 @@ def _open(browser, server):
     return page
 
 
+@pytest.mark.browser
 @pytest.mark.slow
 def test_mask_edit_in_headless_chromium(server, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
@@ -472,6 +472,11 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             while "a browser tab went away" not in log_path.read_text() and time.monotonic() < deadline:
                 time.sleep(0.5)
             assert "a browser tab went away" in log_path.read_text()
+
+            # Select object (the app has a SAM checkpoint): an armed click on the preview adds the object there.
+            from test_ui_select_object import select_object_at_the_centre
+
+            select_object_at_the_centre(page)
 
             # Phone width: nothing wider than the screen, reference previews not cropped.
             page.set_viewport_size({"width": 390, "height": 844})

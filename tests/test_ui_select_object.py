@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 
 from diffsynth_qie.inference.segment import Segmenter, check_sam_dir, resolve_sam_dir
-from test_ui_browser import server  # noqa: F401 - the app with a tiny SAM checkpoint, for the browser test
 
 EDGE = 64  # the tiny processor's longest side (SAM's own is 1024)
 
@@ -193,44 +192,31 @@ def test_a_click_adds_the_object_to_the_mask_file(tmp_path, sam_dir):
     assert hidden.select("1,1", {"background": image, "layers": []}, None, None) == (gr.skip(), gr.skip())
 
 
-# --- in the browser --------------------------------------------------------------------------------
-@pytest.mark.browser
-@pytest.mark.slow
-def test_select_object_in_headless_chromium(server):
+# --- in the browser (a step of test_ui_browser.py's walk through the page, on its app with this tiny SAM) ---------
+def select_object_at_the_centre(page) -> None:
     """Armed by its button, a click on the mask preview's centre reaches the server as the 64-px example's centre
     pixel and adds the object there to the mask file; the next click is the box tool's again (disarmed)."""
-    from test_ui_browser import EXAMPLE_SIZE, _chromium_or_skip, _given, _launch, _open
+    from test_ui_browser import EXAMPLE_SIZE, _given
 
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    chromium = _chromium_or_skip()
-    log_path = server[2]
-    with sync_api.sync_playwright() as p:
-        browser = _launch(p, chromium)
+    page.click("#examples [data-testid='dataset-cell-0-0']")
+    _given(page, "Example 1 loaded")
+    page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText.includes('%')")
+    for attempt in range(3):  # on a loaded machine the example's preview may be redrawn under the click
+        if not page.locator("body[data-select-armed]").count():
+            page.click("#select-object")
+            page.wait_for_selector("body[data-select-armed]", state="attached")
+        page.wait_for_timeout(300)  # (the preview settles)
+        box = page.locator("#mask-preview img").bounding_box()
+        page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
         try:
-            page = _open(browser, server)
-            page.click("#examples [data-testid='dataset-cell-0-0']")
-            _given(page, "Example 1 loaded")
-            page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText.includes('%')")
-            for attempt in range(3):  # on a loaded machine the example's preview may be redrawn under the click
-                if not page.locator("body[data-select-armed]").count():
-                    page.click("#select-object")
-                    page.wait_for_selector("body[data-select-armed]", state="attached")
-                page.wait_for_timeout(300)  # (the preview settles)
-                box = page.locator("#mask-preview img").bounding_box()
-                page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-                try:
-                    page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText"
-                                           ".includes('Object at')", timeout=15_000)
-                    break
-                except Exception:  # noqa: BLE001 - the click met a redrawn preview: arm and click again
-                    if attempt == 2:
-                        raise
-            line = page.inner_text("#mask-preview-text")
-            x, y = (int(v) for v in line.split("Object at (")[1].split(")")[0].split(", "))
-            assert abs(x - EXAMPLE_SIZE[0] / 2) <= 1 and abs(y - EXAMPLE_SIZE[1] / 2) <= 1, (x, y)
-            page.wait_for_selector("#mask-file img")
-            assert page.locator("body[data-select-armed]").count() == 0  # one click per arming
-        except Exception as exc:  # what the server said, for a failure seen only in CI
-            raise AssertionError(f"{exc}\nserver log (end):\n{log_path.read_text()[-3000:]}") from exc
-        finally:
-            browser.close()
+            page.wait_for_function("() => document.querySelector('#mask-preview-text')?.innerText"
+                                   ".includes('Object at')", timeout=15_000)
+            break
+        except Exception:  # noqa: BLE001 - the click met a redrawn preview: arm and click again
+            if attempt == 2:
+                raise
+    line = page.inner_text("#mask-preview-text")
+    x, y = (int(v) for v in line.split("Object at (")[1].split(")")[0].split(", "))
+    assert abs(x - EXAMPLE_SIZE[0] / 2) <= 1 and abs(y - EXAMPLE_SIZE[1] / 2) <= 1, (x, y)
+    page.wait_for_selector("#mask-file img")
+    assert page.locator("body[data-select-armed]").count() == 0  # one click per arming
