@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..metrics.scorecard import HIGHER_IS_BETTER, aggregate, win_rate
+from ..metrics.score_rules import HIGHER_IS_BETTER, aggregate, win_rate
 
 #: the metric whose win rate heads the summary line: fidelity to the target where there is one, then preservation,
 #: then a judge's score (benchmark rows: no target)

@@ -36,15 +36,11 @@ import torch.nn.functional as F
 
 from .drift import colour_cast, phase_shift, scale_factor
 from .image import masked_psnr, masked_ssim
+# the rules that compare scores (torch-free, for the report and the tables), importable from here as before
+from .score_rules import HIGHER_IS_BETTER, TIE, aggregate, better, win_rate, worst_rows  # noqa: F401
 
 Tensor = torch.Tensor
 
-#: metric -> True where higher is better (the table above; extended by the optional CLIP and judge scores)
-HIGHER_IS_BETTER = {"preserve_psnr": True, "preserve_ssim": True, "preserve_lpips": False, "edit_psnr": True,
-                    "edit_ssim": True, "shift_px": False, "scale_drift": False, "colour_cast": False,
-                    "clip_direction": True, "judge": True}
-#: ties within this tolerance count as neither a win nor a loss
-TIE = {"shift_px": 0.05, "scale_drift": 0.005}
 REGION_THRESHOLD = 0.1   # |target − source| (largest channel) above this is part of the changed region
 REGION_DILATE = 2        # pixels the estimated region grows by
 SCALE_MIN_SIDE = 64      # below this the radial spectrum has too few radii for a zoom estimate: not reported
@@ -106,40 +102,3 @@ def score_batch(source: Tensor, output: Tensor, target: Optional[Tensor] = None,
             row.update({k: float(v[i]) for k, v in region_columns.items() if math.isfinite(float(v[i]))})
         rows.append(row)
     return rows
-
-
-def aggregate(rows: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The mean of every metric over the rows that have it."""
-    groups: dict[str, list[float]] = {}
-    for row in rows:
-        for k, v in row.items():
-            groups.setdefault(k, []).append(v)
-    return {k: sum(v) / len(v) for k, v in sorted(groups.items())}
-
-
-def better(metric: str, a: float, b: float) -> int:
-    """+1 where ``a`` is better than ``b`` for ``metric``, -1 where worse, 0 within the tie tolerance."""
-    diff = a - b if HIGHER_IS_BETTER.get(metric, True) else b - a
-    tol = TIE.get(metric, 1e-6)
-    return 0 if abs(diff) <= tol else (1 if diff > 0 else -1)
-
-
-def win_rate(base: Sequence[dict[str, float]], tuned: Sequence[dict[str, float]],
-             metric: str) -> Optional[tuple[float, list[int]]]:
-    """(the share of rows where ``tuned`` beats ``base`` on ``metric``, ties counting half; the indices of the
-    rows it made better), over the rows both have the metric for; None when none has it."""
-    if len(base) != len(tuned):
-        raise ValueError(f"win rate needs one score per row on both sides, got {len(base)} and {len(tuned)}")
-    outcomes = [(i, better(metric, t[metric], b[metric])) for i, (b, t) in enumerate(zip(base, tuned))
-                if metric in b and metric in t]
-    if not outcomes:
-        return None
-    rate = sum(1.0 if o > 0 else 0.5 if o == 0 else 0.0 for _, o in outcomes) / len(outcomes)
-    return rate, [i for i, o in outcomes if o > 0]
-
-
-def worst_rows(rows: Sequence[dict[str, float]], metric: str, count: int) -> list[int]:
-    """Indices of the ``count`` rows that are worst on ``metric`` (rows without it are left out)."""
-    have = [i for i, r in enumerate(rows) if metric in r]
-    sign = 1 if HIGHER_IS_BETTER.get(metric, True) else -1
-    return sorted(have, key=lambda i: sign * rows[i][metric])[:count]

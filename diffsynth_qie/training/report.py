@@ -34,8 +34,7 @@ from typing import Optional, Sequence
 from PIL import Image
 
 from ..utils.atomic import atomic_write_text, finished_files
-from .tracking import LOSS_LOG, read_loss_log
-from .validation import VALIDATION_DIR
+from .tracking import LOSS_LOG, VALIDATION_DIR, read_loss_log
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +139,7 @@ def _best(key: str, values: list[float]) -> Optional[float]:
 
 def lower_is_better(key: str) -> bool:
     """Direction of a logged number: loss, mse*, lpips and the scorecard's drift metrics are better low."""
-    from ..metrics.scorecard import HIGHER_IS_BETTER
+    from ..metrics.score_rules import HIGHER_IS_BETTER
 
     name = key[len("val_"):] if key.startswith("val_") else key
     return key == "loss" or key.startswith("mse") or "lpips" in key or HIGHER_IS_BETTER.get(name) is False

@@ -23,6 +23,7 @@ from ..utils.atomic import atomic_write_text
 log = logging.getLogger(__name__)
 
 LOSS_LOG = "loss.jsonl"
+VALIDATION_DIR = "validation"  # validation strips and scores, one folder per step (training/validation.py)
 WANDB_ID_FILE = "wandb_run_id"
 
 

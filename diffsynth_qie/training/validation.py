@@ -51,13 +51,13 @@ from ..cache.store import CacheEntry, CacheStore
 from ..data.images import side_by_side
 from ..utils.atomic import atomic_save
 from .validation_metrics import SCORES_FILE, output_metrics, summarize, write_scores
+from .tracking import VALIDATION_DIR
 # (entry_seed and the job builders are imported from here by the preflight and the tests)
 from .validation_sampling import Render, entry_seed, flow_match_jobs, lbm_jobs, sample_jobs  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-VALIDATION_DIR = "validation"
 
 
 def output_name(k: int, entry_id: str) -> str:
