@@ -33,7 +33,7 @@ def crafted(tmp_path_factory):
     d = tmp_path_factory.mktemp("crafted")
     square = np.zeros((SIZE, SIZE), np.uint8)
     square[30:66, 30:66] = 255
-    rows, n = [], 0
+    rows = []
 
     def row(name, source, target, mask=None):
         rec = {"id": name, "prompt": "make the red square blue",

@@ -8,7 +8,6 @@ survives shuffled references, or changed pixels outside the mask.
 """
 from __future__ import annotations
 
-import random
 
 import numpy as np
 import pytest

@@ -13,15 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fresh_accelerate, kill_and_resume  # noqa: E402
+from conftest import kill_and_resume  # noqa: E402
 from diffsynth_qie.models.presets import get_preset
 from diffsynth_qie.training.config import DPOConfig, LossConfig, RunConfig, TrainConfig
 
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    with fresh_accelerate():
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def _config(beta: float = 50.0, **loss) -> RunConfig:

@@ -10,13 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import fresh_accelerate, kill_and_resume  # noqa: E402
+from conftest import kill_and_resume  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    with fresh_accelerate():
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def _config(cache_dir, tiny_model_dir, out, **train):

@@ -12,20 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cache_demo21, fresh_accelerate, kill_and_resume  # noqa: E402
+from conftest import fresh_accelerate, kill_and_resume  # noqa: E402
 
 SCHEDULE = {"version": 1, "steps": 4, "cfg": 1.0, "sigmas": [1.0, 0.75, 0.5, 0.25]}
 
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    with fresh_accelerate():
-        yield
-
-
-@pytest.fixture(scope="module")
-def cache21(tiny21_dir, tmp_path_factory):
-    return cache_demo21(tiny21_dir, tmp_path_factory, seed=2, name="demo21f")
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+CACHE21_SEED = 2  # the conftest fixture cache21 caches the 2.1 demo of this seed
 
 
 def _frozen_file(path: Path, preset: str = "tiny-2.1") -> Path:

@@ -2,7 +2,6 @@
 what it parses, that a dead or rambling endpoint yields no score), and EditScore's loader up to the weight load."""
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest

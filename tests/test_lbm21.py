@@ -10,18 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import cache_demo21, fresh_accelerate
 
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    with fresh_accelerate():
-        yield
-
-
-@pytest.fixture(scope="module")
-def cache21(tiny21_dir, tmp_path_factory):
-    return cache_demo21(tiny21_dir, tmp_path_factory, seed=3, name="demo-lbm21")
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+CACHE21_SEED = 3  # the conftest fixture cache21 caches the 2.1 demo of this seed
 
 
 def _config(cache, out, model_dir, **lbm):

@@ -13,11 +13,7 @@ from PIL import Image
 
 from conftest import curve_script, fresh_accelerate, kill_and_resume  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    with fresh_accelerate():
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def _config(out, tiny_model_dir, demo_data_dir, on_the_fly: bool, cache_dir=None, **train):

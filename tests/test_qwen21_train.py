@@ -7,19 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cache_demo21, fresh_accelerate  # noqa: E402
+from conftest import fresh_accelerate  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Each train() builds its own Accelerator."""
-    with fresh_accelerate():
-        yield
-
-
-@pytest.fixture(scope="module")
-def cache21(tiny21_dir, tmp_path_factory):
-    return cache_demo21(tiny21_dir, tmp_path_factory, seed=2, name="demo21")
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+CACHE21_SEED = 2  # the conftest fixture cache21 caches the 2.1 demo of this seed
 
 
 def _config(cache, out, model_dir, loss=None, **train):

@@ -3,7 +3,6 @@ before any rollout) and DiffusionNFT's objective against a direct transcription 
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 
 import pytest

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffsynth_qie.metrics import drift, scorecard as S
+from diffsynth_qie.metrics import drift, score_rules as R, scorecard as S
 from diffsynth_qie.metrics.image import MAX_PSNR, masked_ssim, ssim
 
 
@@ -103,15 +103,15 @@ def test_masked_ssim_is_ssim_where_the_weight_is_everywhere():
 def test_win_rate_counts_rows_the_lora_made_better_in_each_metric_direction():
     base = [{"edit_psnr": 20.0, "shift_px": 1.0}, {"edit_psnr": 25.0, "shift_px": 0.0}, {"shift_px": 0.5}]
     tuned = [{"edit_psnr": 22.0, "shift_px": 0.0}, {"edit_psnr": 24.0, "shift_px": 0.01}, {"shift_px": 2.0}]
-    rate, rows = S.win_rate(base, tuned, "edit_psnr")
+    rate, rows = R.win_rate(base, tuned, "edit_psnr")
     assert rate == 0.5 and rows == [0]                 # the third row has no edit_psnr: not counted
-    rate, rows = S.win_rate(base, tuned, "shift_px")   # lower is better; 0.0 vs 0.01 is a tie
+    rate, rows = R.win_rate(base, tuned, "shift_px")   # lower is better; 0.0 vs 0.01 is a tie
     assert rate == pytest.approx((1 + 0.5 + 0) / 3) and rows == [0]
-    assert S.win_rate(base, tuned, "preserve_lpips") is None
-    assert S.worst_rows(tuned, "edit_psnr", 1) == [0] and S.worst_rows(tuned, "shift_px", 1) == [2]
-    assert S.aggregate(base)["shift_px"] == pytest.approx(0.5)
+    assert R.win_rate(base, tuned, "preserve_lpips") is None
+    assert R.worst_rows(tuned, "edit_psnr", 1) == [0] and R.worst_rows(tuned, "shift_px", 1) == [2]
+    assert R.aggregate(base)["shift_px"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="one score per row"):
-        S.win_rate(base, tuned[:2], "edit_psnr")
+        R.win_rate(base, tuned[:2], "edit_psnr")
 
 
 def test_scale_is_absent_where_no_zoom_explains_the_output():

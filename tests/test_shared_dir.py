@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 
 from diffsynth_qie.utils.shared_dir import check_shared_dir
 

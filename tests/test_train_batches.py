@@ -20,14 +20,8 @@ CACHE_MAX_PIXELS = 64 * 64
 
 
 # --- fixtures ------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Each train() builds its own Accelerator; forget the previous one's global state."""
-    from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def _cache(pipe, metadata: Path, out: Path, t2i_mode: bool = False) -> Path:

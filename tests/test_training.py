@@ -20,14 +20,8 @@ PINNED = json.loads((ASSETS / "train_loss_curve.json").read_text())
 
 
 # --- fixtures ------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Each train() builds its own Accelerator; forget the previous one's global state."""
-    from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 @pytest.fixture(scope="module")

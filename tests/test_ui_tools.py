@@ -6,7 +6,6 @@ import logging
 import os
 import shlex
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np

@@ -4,7 +4,6 @@ OpenAI-compatible server here) with its row's instruction; the score is in score
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch

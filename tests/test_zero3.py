@@ -24,7 +24,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-from conftest import curve_script, free_port  # noqa: E402  (tests/assets/make_train_loss_curve.py)
+from conftest import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

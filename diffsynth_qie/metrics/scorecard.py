@@ -23,7 +23,7 @@ name                 what                                                       
 ===================  ==========================================================  ========
 
 A metric never reports a value it did not compute: a row where a metric has nothing to
-measure (no region, an empty outside) simply lacks the key. :func:`win_rate` compares two
+measure (no region, an empty outside) simply lacks the key. ``score_rules.win_rate`` compares two
 score lists row by row (the LoRA against the base) in the metric's own direction.
 """
 from __future__ import annotations
@@ -36,8 +36,6 @@ import torch.nn.functional as F
 
 from .drift import colour_cast, phase_shift, scale_factor
 from .image import masked_psnr, masked_ssim
-# the rules that compare scores (torch-free, for the report and the tables), importable from here as before
-from .score_rules import HIGHER_IS_BETTER, TIE, aggregate, better, win_rate, worst_rows  # noqa: F401
 
 Tensor = torch.Tensor
 

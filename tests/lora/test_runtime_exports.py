@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from diffsynth_qie.lora.export_targets import EDIT, EXPORT_TARGETS, QWEN21
 from diffsynth_qie.lora.state import LoraModule, LoraState

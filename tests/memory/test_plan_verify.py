@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 
-import pytest
 import torch
 
 from diffsynth_qie.cli import main

@@ -86,7 +86,7 @@ def test_a_cpu_tensor_meeting_a_device_tensor_is_an_error():
     dict(model="2511", refs=2),
 ], ids=["2511-ckpt", "2509-no-ckpt", "batch2-mixed", "fp8", "lbm", "2-refs"])
 def test_training_step_configurations_run_at_full_width(case):
-    from diffsynth_qie.training.verify import SampleShape, batch_shapes, verify_train_step
+    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
 
     case = dict(case)
     mixed, refs = case.pop("mixed", False), case.pop("refs", 1)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 
 import pytest
 import torch
@@ -107,7 +106,7 @@ def test_a_device_mismatch_inside_a_compiled_block_is_caught_at_its_line(monkeyp
 
     monkeypatch.setattr(qwen_image_dit.QwenImageTransformerBlock, "forward", planted)
     line = inspect.getsourcelines(planted)[1] + 1
-    with pytest.raises(Exception, match=rf"device mismatch in aten\.add\.Tensor at .*:\d+"):
+    with pytest.raises(Exception, match=r"device mismatch in aten\.add\.Tensor at .*:\d+"):
         step(run_config())  # without --compile: caught by the eager check
     with pytest.raises(Exception, match=rf"device mismatch at .*test_verify_onthefly_compile\.py:{line} "
                                         r"\(planted\) \(found by torch\.compile"):
