@@ -70,13 +70,18 @@ def test_a_driver_too_old_for_torch_stops_with_the_fix(tmp_path):
     assert "accelerate" not in proc.stdout and "train" not in proc.stdout  # nothing launched
 
 
-@pytest.mark.parametrize("memory, config", [("80", "zero2.yaml"), ("24", "zero3.yaml")])
-def test_the_planner_picks_the_multi_gpu_default(tmp_path, memory, config):
-    proc = launch(tmp_path, 8, cwd=tmp_path, stub_py=False, DATASET_METADATA="m.json", QIE_GPU_MEMORY_GB=memory)
+def test_the_planner_picks_the_multi_gpu_default(tmp_path, capsys):
+    """The launcher runs `qie plan --distribution` (for real) and launches the config file it names: ZeRO-3 on
+    24 GiB GPUs. On 80 GiB GPUs the same command (in this process) names ZeRO-2."""
+    from diffsynth_qie.cli import main
+
+    proc = launch(tmp_path, 8, cwd=tmp_path, stub_py=False, DATASET_METADATA="m.json", QIE_GPU_MEMORY_GB="24")
     assert proc.returncode == 0, proc.stderr
-    assert f"--config_file {ROOT}/deepspeed_configs/{config}" in proc.stdout
-    assert ("ZeRO-2: the unsharded DiT run needs" if config == "zero2.yaml" else "ZeRO-3: the unsharded run needs") \
-        in proc.stderr
+    assert f"--config_file {ROOT}/deepspeed_configs/zero3.yaml" in proc.stdout
+    assert "ZeRO-3: the unsharded run needs" in proc.stderr
+    assert main(["plan", "--model", "2511", "--num_gpus", "8", "--gpu_memory_gb", "80", "--distribution"]) == 0
+    said = capsys.readouterr()
+    assert said.out.splitlines()[-1] == "zero2.yaml" and "ZeRO-2: the unsharded DiT run needs" in said.err
 
 
 def test_choose_distribution_follows_the_plan():
