@@ -215,7 +215,6 @@ def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
     return curve_script.build_cache(tiny_pipe, Path(demo_data_dir), tmp_path_factory.mktemp("train-cache"))
 
 
-
 #: slow files handed out first, in this order (worker 1, worker 2, worker 1, worker 2; then each as it frees up)
 FIRST_FILES = ("test_ui_browser.py", "test_launchers.py", "test_ema_zero3.py", "test_launchers_more.py")
 

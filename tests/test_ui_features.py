@@ -216,7 +216,6 @@ def test_mask_tools_union_invert_grow_and_clear(tmp_path):
     np.testing.assert_array_equal(np.asarray(Image.open(cleared["background"])), np.asarray(_photo(size)))
 
 
-
 def test_generate_uses_the_image_the_editor_was_given(tmp_path):
     """The editor loads an example (or "Edit this result", "Clear paint") with no event saying when, and until then
     sends what it held: the image the user sees is used, without the old image's paint; a newer upload or fresh

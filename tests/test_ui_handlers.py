@@ -469,7 +469,6 @@ def test_ui_flags_defaults_and_validation():
     assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-
 def test_variations_use_consecutive_seeds_and_save_reproducible_pngs(ui):
     from diffsynth_qie.ui.results import read_settings
 
