@@ -9,6 +9,7 @@ atomically after every row, so a run killed at its time limit keeps what it meas
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -157,6 +158,27 @@ def record_failure(row: dict, exc: BaseException, device: torch.device, logger: 
     logger.exception("case %s failed", row["id"])
     first = str(exc).splitlines()[0][:200] if str(exc) else ""
     row.update(status=f"error: {type(exc).__name__}: {first}", peak_mem_gib=peak_memory_gib(device))
+
+
+def time_image_row(row: dict, fn: Callable[[], Any], warm: Callable[[], Any] | None, device: torch.device,
+                   repeats: int, logger: logging.Logger, context: Callable[[], Any] = contextlib.nullcontext) -> None:
+    """Time ``fn`` (one image) into ``row``: ``warm`` once untimed (None: no warm-up, as in tiny runs), then
+    ``repeats`` timed calls from a fresh peak, all inside ``context()``; the median is ``s_per_image``. A failure is a
+    result row (:func:`record_failure`); cached memory is freed after either way, and the row's line logged."""
+    try:
+        with context():
+            if warm is not None:
+                warm()
+            free_memory(device)
+            reset_peak_memory(device)
+            times = time_calls(fn, device, warmup=0, repeats=repeats)
+        row.update(status="ok", s_per_image=median(times), times_s=times, peak_mem_gib=peak_memory_gib(device))
+    except Exception as exc:  # noqa: BLE001 - a failed case is a result row
+        record_failure(row, exc, device, logger)
+    finally:
+        free_memory(device)
+    logger.info("%-70s %s %s", row["id"], row["status"],
+                f"{row['s_per_image']:.3f} s/image" if row["status"] == "ok" else "")
 
 
 def finish(rows: list[dict], out_dir, env: dict, date: str, logger: logging.Logger) -> dict:

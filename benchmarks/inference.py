@@ -170,25 +170,9 @@ def run_case(case: str, impl: str, fn: Callable[[], object], warm: Callable[[], 
         "seed": cfg.seed, "dtype": "fp32" if cfg.tiny else "bf16", "status": "not run",
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra, **env,
     }
-    try:
-        with build.sdpa_context(cfg.sdpa_backend):
-            if not cfg.tiny:  # tiny rows are not timings: skip the warm-up call
-                warm()
-            common.free_memory(device)
-            common.reset_peak_memory(device)
-            times = common.time_calls(fn, device, warmup=0, repeats=cfg.repeats)
-        row.update(status="ok", s_per_image=common.median(times), times_s=times,
-                   peak_mem_gib=common.peak_memory_gib(device))
-    except Exception as exc:  # noqa: BLE001 - a failed case is a result row
-        if common.is_oom(exc):
-            row.update(status="OOM", peak_mem_gib=common.peak_memory_gib(device))
-        else:
-            log.exception("case %s failed", row["id"])
-            row.update(status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-    finally:
-        common.free_memory(device)
-    log.info("%-70s %s %s", row["id"], row["status"],
-             f"{row['s_per_image']:.3f} s/image" if row["status"] == "ok" else "")
+    # tiny rows are not timings: no warm-up call
+    common.time_image_row(row, fn, None if cfg.tiny else warm, device, cfg.repeats, log,
+                          context=lambda: build.sdpa_context(cfg.sdpa_backend))
     return row
 
 

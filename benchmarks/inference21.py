@@ -87,19 +87,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "dit_forwards": n * (1 if scale == 1.0 else 2), "options": {"kv_cache": kv}, "tag": "",
                    "tiny": cfg.tiny, "repeats": cfg.repeats, "status": "not run", **env}
             run = lambda: sample(dit, entry, negative, n, scale, kv, "default", cfg.seed)  # noqa: E731
-            try:
-                if not cfg.tiny:
-                    sample(dit, entry, negative, 2, scale, kv, "default", cfg.seed)  # warm-up
-                common.free_memory(device)
-                common.reset_peak_memory(device)
-                times = common.time_calls(run, device, warmup=0, repeats=cfg.repeats)
-                row.update(status="ok", s_per_image=common.median(times), times_s=times,
-                           peak_mem_gib=common.peak_memory_gib(device))
-            except Exception as exc:  # noqa: BLE001 - a failed case is a result row
-                common.record_failure(row, exc, device, log)
-            common.free_memory(device)
-            log.info("%-50s %s %s", row["id"], row["status"],
-                     f"{row['s_per_image']:.3f} s/image" if row["status"] == "ok" else "")
+            warm = lambda: sample(dit, entry, negative, 2, scale, kv, "default", cfg.seed)  # noqa: E731
+            common.time_image_row(row, run, None if cfg.tiny else warm, device, cfg.repeats, log)
             rows.append(row)
             common.write_results(rows, cfg.out_dir, env["gpu"], date)
     return common.finish(rows, cfg.out_dir, env, date, log)
