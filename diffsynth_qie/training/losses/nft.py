@@ -138,7 +138,7 @@ class NFTState:
 
 def build_reward(nft: NFTConfig):
     """The ``--reward`` of ``nft`` (``ValueError`` naming what is missing, before any rollout)."""
-    from ...metrics.rewards import ProcessReward, parse_reward
+    from ...metrics.rewards import parse_reward
 
     if not nft.reward:
         raise ValueError("--loss nft needs --reward SPEC: what to reward, e.g. 'preserve:0.5,mypkg.rewards:blue' "
@@ -177,8 +177,7 @@ def attach_rollouts(module, cfg, preset, device, dtype, ds_config) -> None:
         raise ValueError("--loss nft does not run under DeepSpeed ZeRO-3 (rollouts need the whole LoRA on every "
                          "rank); use DDP or ZeRO-2 (e.g. --config_file deepspeed_configs/zero2.yaml)")
     reward = build_reward(nft)  # (its terms were resolved by check_nft; a judge loads now)
-    device_name = "cpu" if str(device) == "cpu" else str(device)
-    vae = load_pipeline(preset, model_dir=cfg.train.model_dir, components=("vae",), device=device_name,
+    vae = load_pipeline(preset, model_dir=cfg.train.model_dir, components=("vae",), device=str(device),
                         torch_dtype=dtype).vae.to(device).requires_grad_(False).eval()
     module.loss_extras["nft"] = NFTState(module.dit, vae, reward, nft.nft_old_decay, module.declared_schedule())
 
@@ -253,25 +252,26 @@ def nft_loss_fn(dit, batch: dict, config, generator=None, nft=None):
     prompts = [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)]
     zero_cond_t = bool(config.train.zero_cond_t)
     nft.follow(dit)
+    flat_prompts = [p for p in prompts for _ in range(k)]
+    flat_refs = [list(ref) for ref in batch["edit_latents"] for _ in range(k)]
+    # one swap of the old policy per micro-batch: the rollouts, their scores, the noise of the training samples
+    # (nothing there uses the DiT) and the old policy's velocity on them
     with torch.no_grad(), nft.old_policy(dit):
         samples = rollouts(dit, ops, c, prompts, batch["edit_latents"], batch["target_latents"], zero_cond_t,
                            generator, nft.schedule)
         rewards = nft.score(samples, batch)
-    r = optimality(rewards, k, c.nft_adv_clip)
-    x0 = [x for group in samples for x in group]
-    flat_prompts = [p for p in prompts for _ in range(k)]
-    flat_refs = [list(ref) for ref in batch["edit_latents"] for _ in range(k)]
-    noisy, target, steps = [], [], []
-    for x in x0:
-        d = draw_timesteps(1, config.timesteps, generator, weighting="none", family=ops.family)
-        eps = sample_noise(x, generator)
-        sigma = d.sigmas[0].to(x.device, torch.float32)
-        noisy.append(add_noise(x.float(), eps.float(), sigma).to(x.dtype))
-        target.append(flow_target(x.float(), eps.float()))
-        steps.append(d.timesteps)
-    timesteps = torch.cat(steps).to(x0[0].device)
-    with torch.no_grad(), nft.old_policy(dit):
+        x0 = [x for group in samples for x in group]
+        noisy, target, steps = [], [], []
+        for x in x0:
+            d = draw_timesteps(1, config.timesteps, generator, weighting="none", family=ops.family)
+            eps = sample_noise(x, generator)
+            sigma = d.sigmas[0].to(x.device, torch.float32)
+            noisy.append(add_noise(x.float(), eps.float(), sigma).to(x.dtype))
+            target.append(flow_target(x.float(), eps.float()))
+            steps.append(d.timesteps)
+        timesteps = torch.cat(steps).to(x0[0].device)
         v_old = ops.forward(dit, noisy, timesteps, flat_prompts, flat_refs, zero_cond_t=zero_cond_t)
+    r = optimality(rewards, k, c.nft_adv_clip)
     v_theta = ops.forward(dit, noisy, timesteps, flat_prompts, flat_refs, zero_cond_t=zero_cond_t,
                           use_gradient_checkpointing=config.train.gradient_checkpointing and torch.is_grad_enabled())
     losses = torch.stack([nft_loss(vt[None], vo[None], v[None].to(vt.device), r[i:i + 1].to(vt.device),
