@@ -1,7 +1,8 @@
 """Pure helpers the training losses share (flow-matching SFT in ``sft.py``, LBM in ``lbm.py``).
 
 Per-sample pieces: noising, the velocity target, mask weights, the per-sample MSE,
-the weighted batch mean and reproducible noise. They import nothing from the losses.
+the weighted batch mean and reproducible noise; and, for the losses that decode latents (``--lbm_pixel_loss``,
+``--loss nft``), the frozen VAE they load alone and their refusal of ZeRO-3. They import nothing from the losses.
 """
 from __future__ import annotations
 
@@ -55,3 +56,19 @@ def weighted_batch_mean(losses: Sequence[Tensor], weights: Tensor) -> Tensor:
 def sample_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
     """Gaussian noise shaped like ``like``, drawn on the CPU (reproducible on any device)."""
     return torch.randn(like.shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
+
+
+def refuse_zero3(ds_config: Optional[dict], flag: str, why: str) -> None:
+    """``ValueError`` when the DeepSpeed config is ZeRO-3, which ``flag`` cannot run under (``why``)."""
+    if (ds_config or {}).get("zero_optimization", {}).get("stage") == 3:
+        raise ValueError(f"{flag} does not run under DeepSpeed ZeRO-3 ({why}); use DDP or ZeRO-2 (e.g. --config_file "
+                         "deepspeed_configs/zero2.yaml)")
+
+
+def load_frozen_vae(preset, model_dir: Optional[str], device, dtype: torch.dtype):
+    """The preset's VAE loaded alone on ``device``, frozen and in eval mode (a loss that decodes latents)."""
+    from ...models.load.loading import load_pipeline
+
+    device_name = "cpu" if torch.device(device).type == "cpu" else str(device)
+    vae = load_pipeline(preset, model_dir=model_dir, components=("vae",), device=device_name, torch_dtype=dtype).vae
+    return vae.to(device).requires_grad_(False).eval()

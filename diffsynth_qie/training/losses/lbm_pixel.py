@@ -81,19 +81,13 @@ def predicted_targets(noisy: Sequence[Tensor], velocity: Sequence[Tensor], sigma
 def build_pixel_critic(lbm, preset, model_dir: Optional[str], device, dtype: torch.dtype,
                        ds_config: Optional[dict] = None) -> PixelCritic:
     """Load the VAE alone and LPIPS for ``--lbm_pixel_loss lpips`` (``ValueError`` when they cannot be)."""
-    from ...models.load.loading import load_pipeline
     from ...models.presets import family_of
     from ...metrics.lpips import require_lpips
+    from .common import load_frozen_vae, refuse_zero3
 
-    if (ds_config or {}).get("zero_optimization", {}).get("stage") == 3:
-        raise ValueError("--lbm_pixel_loss lpips does not run under DeepSpeed ZeRO-3 (the VAE decoder must be whole "
-                         "on every rank); use DDP or ZeRO-2 (e.g. --config_file deepspeed_configs/zero2.yaml)")
+    refuse_zero3(ds_config, "--lbm_pixel_loss lpips", "the VAE decoder must be whole on every rank")
     lpips = require_lpips().to(device)
-    device_name = "cpu" if torch.device(device).type == "cpu" else str(device)
-    pipe = load_pipeline(preset, model_dir=model_dir, components=("vae",), device=device_name, torch_dtype=dtype)
-    vae = pipe.vae.to(device)
-    vae.requires_grad_(False)
-    vae.eval()
+    vae = load_frozen_vae(preset, model_dir, device, dtype)
     log.info("LBM pixel loss: %g x LPIPS on decoded crops of at most %d px (VAE decoder loaded)",
              lbm.lbm_pixel_weight, lbm.lbm_pixel_crop)
     return PixelCritic(vae=vae, lpips=lpips, weight=float(lbm.lbm_pixel_weight), crop=int(lbm.lbm_pixel_crop),

@@ -170,15 +170,12 @@ def check_nft(cfg) -> None:
 
 def attach_rollouts(module, cfg, preset, device, dtype, ds_config) -> None:
     """Run set-up: the reward (checked now), the VAE (alone), and the old policy as a copy of the LoRA."""
-    from ...models.load.loading import load_pipeline
+    from .common import load_frozen_vae, refuse_zero3
 
     nft = nft_config_of(cfg)
-    if (ds_config or {}).get("zero_optimization", {}).get("stage") == 3:
-        raise ValueError("--loss nft does not run under DeepSpeed ZeRO-3 (rollouts need the whole LoRA on every "
-                         "rank); use DDP or ZeRO-2 (e.g. --config_file deepspeed_configs/zero2.yaml)")
+    refuse_zero3(ds_config, "--loss nft", "rollouts need the whole LoRA on every rank")
     reward = build_reward(nft)  # (its terms were resolved by check_nft; a judge loads now)
-    vae = load_pipeline(preset, model_dir=cfg.train.model_dir, components=("vae",), device=str(device),
-                        torch_dtype=dtype).vae.to(device).requires_grad_(False).eval()
+    vae = load_frozen_vae(preset, cfg.train.model_dir, device, dtype)
     module.loss_extras["nft"] = NFTState(module.dit, vae, reward, nft.nft_old_decay, module.declared_schedule())
 
 
