@@ -110,3 +110,12 @@ def build_encoders(fc, family, dtype: torch.dtype, device: str, preset=None):
         # DiffSynth's loader casts every weight to the pipeline's dtype (transformers builds some in fp32)
         te, vae = te.to(dtype=dtype), vae.to(dtype=dtype)
     return te, vae
+
+
+def build_vae(fc, family, dtype: torch.dtype, device: str, preset=None):
+    """The family's real VAE alone, as :func:`build_encoders` builds it (a tiny preset's comes with its tiny text
+    encoder, which costs nothing): for a step that decodes but never encodes."""
+    if preset is not None and preset.is_tiny:
+        return build_encoders(fc, family, dtype, device, preset)[1]
+    with fc.build(dtype, device):
+        return family.component_type("vae")().to(dtype=dtype)

@@ -159,7 +159,7 @@ def rollout_state(fc, cfg, preset, family, module, dtype: torch.dtype):
     """``--loss nft`` on the fake device: its VAE built there and the old policy, with a reward that reads nothing.
     A real reward copies the decoded rollouts to the host once per step: the decodes are counted here, the score
     (host arithmetic) is not, and every rollout is rewarded alike."""
-    from ..memory.standin_vl import build_encoders
+    from ..memory.standin_vl import build_vae
     from .losses.nft import NFTState, nft_config_of
     from .verify_batch import DEVICE
 
@@ -170,7 +170,6 @@ def rollout_state(fc, cfg, preset, family, module, dtype: torch.dtype):
                     self.decode(x)  # the decode's working set, on the device
             return torch.zeros(sum(int(g.shape[0]) for g in samples))
 
-    text_encoder, vae = build_encoders(fc, family, dtype, DEVICE, preset)
-    del text_encoder  # (only the VAE stays: the rollouts are decoded, never encoded)
+    vae = build_vae(fc, family, dtype, DEVICE, preset)  # the rollouts are decoded, never encoded
     return FakeRewardState(module.dit, vae.requires_grad_(False), None, nft_config_of(cfg).nft_old_decay,
                            module.declared_schedule())
