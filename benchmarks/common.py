@@ -235,7 +235,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 # Option values that are the defaults (not shown in the tables).
-DEFAULT_OPTIONS = {"sdpa_backend": "auto", "compile_blocks": False, "fp8_base": False, "lora_fp32": True}
+DEFAULT_OPTIONS = {"sdpa_backend": "auto", "compile_blocks": False, "fp8_base": False, "lora_fp32": True,
+                   "compute_precision": "auto"}
 
 
 def _options(row: dict) -> str:
@@ -300,6 +301,11 @@ def _numerics_lines(meta: dict) -> list[str]:
         out.append(f"- unmerged LoRA ({lora['dtype']}) vs merged fp32, {lora['layers']} layers of block "
                    f"{lora['block']}: relative error median {lora['median_rel_err']:.1e}, worst "
                    f"{lora['max_rel_err']:.1e} ({lora['worst_layer']})")
+    prec = num.get("precision") or {}
+    if "rel_diff" in prec:
+        out.append(f"- pure bf16 vs bf16 autocast (`--compute_precision`), one step: loss {prec['loss_pure']:.6g} vs "
+                   f"{prec['loss_autocast']:.6g} (relative difference {prec['rel_diff']:.1e}), gradients cosine "
+                   f"{prec['grad_cosine']:.5f}, relative difference {prec['grad_rel_diff']:.1e}")
     for name, check in num.items():
         if isinstance(check, dict) and "error" in check:
             out.append(f"- {name.replace('_', ' ')}: not measured ({check['error']})")

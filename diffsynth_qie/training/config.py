@@ -145,6 +145,10 @@ class TrainConfig:
     num_epochs: int = field(default=1, metadata=_help("passes over the cache when --max_steps is 0", min=1))
     mixed_precision: MixedPrecision = field(default="auto", metadata=_help(
         "auto = bf16 on GPU, no (fp32) on CPU; under accelerate launch the launcher's setting wins"))
+    compute_precision: Literal["auto", "pure", "autocast"] = field(default="auto", metadata=_help(
+        "with mixed precision, how the DiT computes: pure = in bf16 without autocast, as at inference, over fp32 "
+        "LoRA weights cast per call (faster); autocast = torch autocast (norms and modulation in fp32, as before); "
+        "auto = pure with bf16, autocast with fp16. No effect in fp32 or under DeepSpeed (docs/DIFFSYNTH_NOTES.md)"))
     gradient_checkpointing: bool = field(default=True, metadata=_help("recompute DiT blocks in backward (saves memory)"))
     fp8_base: bool = field(default=False, metadata=_help(
         "store the frozen DiT block linears as float8 e4m3 with a scale per output channel (half the "

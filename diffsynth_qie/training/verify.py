@@ -2,9 +2,10 @@
 
 It runs what ``qie train`` runs for one optimizer step, for any model family, on the preset's real DiT built on
 the fake device (``memory/fake_device.py``), with the family's stand-in for host bookkeeping its DiffSynth DiT
-does (``Family.fake_standin``; Qwen-Image-2.1: ``memory/standin21.py``): :class:`~.module.QIETrainingModule`
-with the run's LoRA targets, the FP8 base as configured, the family's forward and the configured loss under bf16
-autocast (with ``--mask_loss_weights``, on masked samples), ``backward``, the optimizer's step (ProdigyPlusScheduleFree
+does (``Family.fake_standin``; Qwen-Image-2.1: ``memory/standin21.py``): the training module as ``qie train``
+builds it (``placement.training_module``: the run's LoRA targets, the FP8 base as configured,
+``--compute_precision``), the family's forward and the configured loss in bf16 (with ``--mask_loss_weights``, on
+masked samples), ``backward``, the optimizer's step (ProdigyPlusScheduleFree
 included, ``verify_extras.py``), the EMA's update, and with ``--validate_every`` one validation render (the EMA
 swapped in as ``--validate_with`` asks). ``--compile`` compiles the blocks with the eager backend. Block swapping
 runs with the real :class:`~..memory.block_swap.BlockSwapper`, its hooks and its CUDA transport, on the fake
@@ -95,8 +96,8 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
     from ..memory.census import build_dit
     from ..models.presets import family_of
     from .losses.registry import loss_spec
-    from .module import QIETrainingModule
     from .optim import build_optimizer
+    from .placement import training_module
     from .verify_onthefly import on_the_fly
 
     report = StepReport()
@@ -108,11 +109,8 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
         # PEFT makes the adapters beside their weights
         with fc.build(dtype, DEVICE):
             dit = build_dit(preset, num_layers)
-            module = QIETrainingModule(dit, cfg, preset.name)
-        if t.fp8_base:
-            module.quantize_frozen_base(DEVICE)
-        module.upcast_trainable(torch.float32)  # single process / DDP: fp32 LoRA + optimizer states
-        module.disable_lora_input_casting()  # as qie train does under bf16 autocast
+            module = training_module(dit, dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=0)),
+                                     preset.name, DEVICE, dtype)  # single process / DDP, as qie train builds it
         fc.register(module)
         if t.blocks_to_swap:  # the swapped blocks' frozen weights leave the device now
             swapper = BlockSwapper(module.dit, t.blocks_to_swap, DEVICE, record_events=True).install()
@@ -129,8 +127,7 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
         generator = torch.Generator().manual_seed(t.seed)
         with compiled(cfg, module):
             with fc.phase("forward + backward"):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss, _ = module(batch, generator)
+                loss, _ = module(batch, generator)  # under autocast with --compute_precision autocast
                 report.loss_dtype = str(loss.dtype).replace("torch.", "")
                 backward(loss)
             del loss, batch
