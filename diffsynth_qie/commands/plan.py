@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train: the text encoder and VAE run beside the DiT (qie train --on_the_fly)")
     parser.add_argument("--nft_group_size", type=checked(int, 2, 256), default=4,
                         help="train, --loss nft: rollouts per source (qie train --nft_group_size)")
+    parser.add_argument("--compute_precision", default="auto", choices=("auto", "pure", "autocast"),
+                        help="train: qie train --compute_precision (auto = pure bf16 over fp32 LoRA weights; "
+                             "autocast = bf16 autocast); --verify runs it")
     parser.add_argument("--ema_decay", type=checked(float, 0.0, 1.0), default=0.0,
                         help="train: keep an fp32 EMA of the LoRA (qie train --ema_decay; 0 = none)")
     parser.add_argument("--validate_with", default="raw", choices=("raw", "ema", "both"),
@@ -123,6 +126,7 @@ def options_of(args):
                        num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
                        text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu",
                        ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),
+                       compute_precision=args.compute_precision,
                        kv_cache=args.kv_cache, pairs=args.task == "train" and loss_spec(args.loss).preference,
                        rollouts=args.nft_group_size if args.task == "train" and loss_spec(args.loss).needs_rollouts else 0)
 
