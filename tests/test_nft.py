@@ -102,7 +102,7 @@ def test_the_nft_step_runs_on_the_fake_device_beside_the_plan():
     from diffsynth_qie.commands import plan as plan_cmd
     from diffsynth_qie.commands.plan_verify import train_config
     from diffsynth_qie.memory.plan import predict
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -5,7 +5,7 @@ checkpoint's safetensors headers); activations from constants fitted on full-siz
 device (``benchmarks/fit_plan.py``). ``--verify`` runs the configuration itself there — our training step
 or ``Editor.edit`` on the real full-size model, no memory, no arithmetic — prints its peak of live device
 bytes per phase beside the prediction, and fails (exit 2, one line) when the peak exceeds the GPU or the plan
-is more than 10 % off (``commands/plan_verify.py``, ``memory/verdict.py``, ``docs/MEMORY.md``).
+is more than 10 % off (``commands/plan_verify.py``, ``fakegpu/verdict.py``, ``docs/MEMORY.md``).
 """
 from __future__ import annotations
 

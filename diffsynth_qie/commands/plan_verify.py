@@ -2,11 +2,11 @@
 
 The run is the one ``qie train`` / ``qie edit`` would make with the plan's options (the loss's own optimizer,
 ``--ema_decay``, stacked LoRAs, the 2.1 family through its own fake-device run). Its peak is then judged
-(``memory/verdict.py``): the command fails with one line naming the phase, the largest holders by our frame and
+(``fakegpu/verdict.py``): the command fails with one line naming the phase, the largest holders by our frame and
 the fix when the peak exceeds the GPU (``--gpu_memory_gb``, default: the visible GPU) or when the plan is more
 than 10 % off. The plan is compared like with like: the terms of what the run does not build (say, the 2.1
 edit's encoders) are left out of both and named; with ``--verify_blocks N`` the plan of an N-block DiT is.
-A :class:`~..memory.fake_device.FakeRunError` is reported like the preflight's (one line, exit code 2).
+A :class:`~..fakegpu.device.FakeRunError` is reported like the preflight's (one line, exit code 2).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def train_config(args, options):
         lora=dataclasses.replace(cfg.lora, lora_rank=options.lora_rank),
         optim=dataclasses.replace(cfg.optim, optimizer=options.optimizer),
         loss=dataclasses.replace(cfg.loss, loss=args.loss))
-    if options.rollouts:  # --loss nft: K rollouts; the fake run's reward is a stand-in (training/verify_extras.py)
+    if options.rollouts:  # --loss nft: K rollouts; the fake run's reward is a stand-in (preflight/train_extras.py)
         cfg = dataclasses.replace(cfg, nft=dataclasses.replace(cfg.nft, reward="preserve",
                                                                nft_group_size=options.rollouts))
     if options.on_the_fly:
@@ -65,7 +65,7 @@ def train_config(args, options):
 def verify_and_compare(args, options, plan) -> str:
     """Run ``options`` on the fake device, log its phases beside ``plan`` and return the verdict's line;
     ``ValueError`` (one line) on a fake-device error or a failed verdict."""
-    from ..memory.verdict import gpu_bytes_of
+    from ..fakegpu.verdict import gpu_bytes_of
 
     gpu = gpu_bytes_of(args.gpu_memory_gb)  # the visible GPU is asked before the fake device patches CUDA
     return judge(args, options, plan, fake_run(args, options), gpu)
@@ -73,8 +73,8 @@ def verify_and_compare(args, options, plan) -> str:
 
 def fake_run(args, options) -> FakeRun:
     """The planned configuration run on the fake device, with the largest holders at its highest moment."""
-    from ..memory.fake_device import FakeRunError
-    from ..memory.fake_memory import recorded_sessions
+    from ..fakegpu.device import FakeRunError
+    from ..fakegpu.accounting import recorded_sessions
     from ..models.presets import family_of
 
     if options.zero_stage:
@@ -110,7 +110,7 @@ def planned_like(args, options, plan, run: FakeRun) -> tuple[int, int]:
 
 def judge(args, options, plan, run: FakeRun, gpu) -> str:
     """Log the run beside the plan and check its memory verdicts (the GPU's, then the plan's)."""
-    from ..memory.verdict import MemoryVerdict, check_memory
+    from ..fakegpu.verdict import MemoryVerdict, check_memory
 
     blocks = args.verify_blocks
     like, full = planned_like(args, options, plan, run)
@@ -162,7 +162,7 @@ def _shallow(options, blocks: int):
 
 def _run_train(args, options, family) -> FakeRun:
     from ..memory.plan import ENCODER_TERMS
-    from ..training.verify import batch_shapes, verify_train_step
+    from ..preflight.train_step import batch_shapes, verify_train_step
 
     cfg, preset = train_config(args, options)
     shapes = batch_shapes(options.resolution, options.ref_images, options.prompt_tokens, options.batch_size,
@@ -191,7 +191,7 @@ def _run_train(args, options, family) -> FakeRun:
 
 
 def _run_edit(args, options, family) -> FakeRun:
-    from ..inference.verify import EditLoad, verify_edit
+    from ..preflight.edit_step import EditLoad, verify_edit
     from ..models.presets import get_preset
 
     preset = get_preset(args.model)

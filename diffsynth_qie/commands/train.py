@@ -68,10 +68,17 @@ def config_from_args(args: argparse.Namespace):
     return tc.RunConfig(**parts)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..training.loop import train
+def preflight(cfg, preset):
+    """The fake-device preflight of a real preset (imported only when a run reaches it)."""
+    from ..preflight.train import preflight as train_preflight
 
-    result = train(config_from_args(args))
+    return train_preflight(cfg, preset)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..training.loop import Hooks, train
+
+    result = train(config_from_args(args), Hooks(before_load=preflight))
     log.info("LoRA written to %s (%d steps, %.2f steps/s); load it with `qie edit --lora %s`",
              result.lora_path, result.steps, result.steps_per_second, result.lora_path)
     return 0

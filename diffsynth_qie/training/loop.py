@@ -49,6 +49,9 @@ class Hooks:
 
     on_step_end: Optional[Callable[[int, dict], None]] = None
     on_save: Optional[Callable[[Path], None]] = None
+    # once, after every flag is checked and before a real preset's DiT loads (tiny presets and --no_preflight
+    # skip it): ``qie train`` passes its fake-device preflight (``preflight/train.py``), which sits above training/
+    before_load: Optional[Callable[[object, object], object]] = None
 
 
 @dataclass
@@ -81,9 +84,10 @@ def micro_seed(seed: int, rank: int, step: int, micro: int) -> int:
 def train(config: RunConfig, hooks: Optional[Hooks] = None) -> TrainResult:
     """Train a LoRA from the cache; returns where the final LoRA is and the loss curve."""
     t_start = time.perf_counter()
-    run = setup(config)
+    hooks = hooks or Hooks()
+    run = setup(config, hooks.before_load)
     try:
-        result = run_loop(run, hooks or Hooks())
+        result = run_loop(run, hooks)
     finally:
         run.tracker.close()
         run.lock.release()

@@ -8,7 +8,7 @@ and holds the same, so the difference of the two peaks is one block's share (its
 and saved activations); :func:`scaled_verdict` scales it to the whole DiT (the blocks ``--blocks_to_swap``
 keeps in host memory excepted; with ``--on_the_fly`` the encoders and one encode run in the deeper run only,
 and are added once) and judges the result against ``--gpu_memory_gb`` (default: the visible GPU),
-``memory/verdict.py``: one line, exit code 2, when it does not fit.
+``fakegpu/verdict.py``: one line, exit code 2, when it does not fit.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import logging
 import math
 from typing import Optional
 
-from .verify import StepReport, verify_train_step
-from .verify_batch import batch_shapes
+from .train_step import StepReport, verify_train_step
+from .train_batch import batch_shapes
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ def full_depth(preset) -> int:
 
 def scaled_verdict(shallow: StepReport, deep: StepReport, depths: tuple[int, int], blocks: int,
                    blocks_to_swap: int, gpu_bytes: Optional[int]):
-    """The steady-state step's :class:`~..memory.verdict.MemoryVerdict` for the whole ``blocks``-block DiT, from
+    """The steady-state step's :class:`~..fakegpu.verdict.MemoryVerdict` for the whole ``blocks``-block DiT, from
     runs at ``depths`` (with block swapping each run keeps its last block in host memory)."""
-    from ..memory.verdict import MemoryVerdict
+    from ..fakegpu.verdict import MemoryVerdict
 
     encoders = deep.encoder_weights + deep.encode_transient - shallow.encoder_weights - shallow.encode_transient
     per_block = max(0, (deep.peak - shallow.peak - encoders) // (depths[1] - depths[0]))
@@ -72,8 +72,8 @@ def scaled_verdict(shallow: StepReport, deep: StepReport, depths: tuple[int, int
 def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
     """The check of the module docstring; returns the deeper run's report (``.verdict``: the memory verdict).
     ``gpu_memory_gb`` overrides ``cfg.train.gpu_memory_gb``."""
-    from ..memory.fake_device import FakeRunError
-    from ..memory.verdict import MemoryVerdictError, check_memory, gpu_bytes_of
+    from ..fakegpu.device import FakeRunError
+    from ..fakegpu.verdict import MemoryVerdictError, check_memory, gpu_bytes_of
     from ..models.presets import family_of
 
     t, family = cfg.train, family_of(preset)

@@ -2,7 +2,7 @@
 for every model family.
 
 It runs :meth:`Editor.edit` with the preset's real DiT, the family's real text encoder (its language model) and
-real VAE, all built on the fake device (``memory/fake_device.py``) through the family seam (``Family`` and
+real VAE, all built on the fake device (``fakegpu/device.py``) through the family seam (``Family`` and
 ``family_ops``; no family is named here): the VAE encoding of the references at their real size, the denoising
 steps with true CFG (one batch, or two passes when the prompts' lengths differ, as on a GPU), the edit strength's
 part-way start, the Lightning schedule, the mask's latent and pixel blends, LBM, the unmerged branches of every
@@ -10,7 +10,7 @@ LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (`
 eager backend: dynamo compiles the blocks, and the compiled graphs run on the fake device, checked and
 counted), Qwen-Image-2.1's prefix KV cache, and the VAE decode. The host-side stand-ins
 (prompt token bookkeeping, the finished image's host copy, a family's DiT bookkeeping) are in
-``verify_standins.py``; ``qie edit``'s preflight and its memory verdict in ``verify_preflight.py``.
+``edit_standins.py``; ``qie edit``'s preflight and its memory verdict in ``edit.py``.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from typing import Optional, Sequence
 import torch
 from PIL import Image
 
-from ..memory.fake_device import FakeCuda
-from .editor import EditRequest
-from .verify_standins import DEVICE, FakeEditor, FakeTokenizer, attach_loras, family_standin
+from ..fakegpu.device import FakeCuda
+from ..inference.editor import EditRequest
+from .edit_standins import DEVICE, FakeEditor, FakeTokenizer, attach_loras, family_standin
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
 def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
          num_layers: Optional[int]) -> EditVerifyReport:
     from ..memory.census import build_dit
-    from ..memory.standin_vl import build_encoders
+    from ..fakegpu.standin_vl import build_encoders
     from ..models.presets import family_of
     from ..utils.logging import library_warnings_once
 
@@ -149,7 +149,7 @@ def _resident_bytes(module: torch.nn.Module) -> int:
 def _run_phased(editor: FakeEditor, request: EditRequest, fc: FakeCuda, marks: dict) -> None:
     """``editor.edit(request)`` with the device peak recorded per phase (encode, denoise, decode) and the prefix
     KV caches the conditioning holds after the denoising steps (families with a prefix cache)."""
-    from ..memory.standin21 import kv_cache_bytes
+    from ..fakegpu.standin21 import kv_cache_bytes
 
     memory = fc.memory
     originals = {name: getattr(editor, name) for name in ("_encode_prompt", "_encode_images", "_white", "_sample",

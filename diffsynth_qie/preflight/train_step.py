@@ -1,11 +1,11 @@
 """One real training step at full size on a fake CUDA device (``qie plan --verify``, ``qie train``'s preflight).
 
 It runs what ``qie train`` runs for one optimizer step, for any model family, on the preset's real DiT built on
-the fake device (``memory/fake_device.py``), with the family's stand-in for host bookkeeping its DiffSynth DiT
-does (``Family.fake_standin``; Qwen-Image-2.1: ``memory/standin21.py``): :class:`~.module.QIETrainingModule`
+the fake device (``fakegpu/device.py``), with the family's stand-in for host bookkeeping its DiffSynth DiT
+does (``Family.fake_standin``; Qwen-Image-2.1: ``fakegpu/standin21.py``): :class:`~.module.QIETrainingModule`
 with the run's LoRA targets, the FP8 base as configured, the family's forward and the configured loss under bf16
 autocast (with ``--mask_loss_weights``, on masked samples), ``backward``, the optimizer's step (ProdigyPlusScheduleFree
-included, ``verify_extras.py``), the EMA's update, and with ``--validate_every`` one validation render (the EMA
+included, ``train_extras.py``), the EMA's update, and with ``--validate_every`` one validation render (the EMA
 swapped in as ``--validate_with`` asks). ``--compile`` compiles the blocks with the eager backend. Block swapping
 runs with the real :class:`~..memory.block_swap.BlockSwapper`, its hooks and its CUDA transport, on the fake
 device's modelled streams and events (a copy used before its event is waited for is an error): the swapped
@@ -14,9 +14,9 @@ blocks' pinned host copies take no memory here (they are counted).
 What it leaves out, and why: the data loader and accelerate's wrappers (host-side; the DiT sees the same batch
 dict) and DeepSpeed (the engine needs a process group; ZeRO-2/3 shard what this counts for one process).
 With ``--on_the_fly`` the family's text encoder and VAE are built on the fake device beside the DiT and one
-sample is encoded through the real on-the-fly path before the step (``verify_onthefly.py``); its transient
+sample is encoded through the real on-the-fly path before the step (``train_onthefly.py``); its transient
 counts on top of the step's peak (the encode thread runs beside the step). The batch is
-``verify_batch.fake_batch``; ``qie train``'s preflight is ``verify_preflight.py``.
+``train_batch.fake_batch``; ``qie train``'s preflight is ``train.py``.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..memory.fake_device import FakeCuda, backward
-from .verify_batch import DEVICE, SampleShape, batch_shapes, fake_batch, text_dim  # noqa: F401 (public here)
-from .verify_extras import (build_ema, compiled, library_host_reads, rollout_state, validate_once,
+from ..fakegpu.device import FakeCuda, backward
+from .train_batch import DEVICE, SampleShape, batch_shapes, fake_batch, text_dim  # noqa: F401 (public here)
+from .train_extras import (build_ema, compiled, library_host_reads, rollout_state, validate_once,
                             validation_entry)
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class StepReport:
     loss_dtype: str = ""
     swap_events: list = dataclasses.field(default_factory=list)  # (what, block) of the block swapper, in order
     notes: list = dataclasses.field(default_factory=list)
-    verdict: object = None      # the preflight's memory.verdict.MemoryVerdict, scaled to the whole DiT
+    verdict: object = None      # the preflight's fakegpu.verdict.MemoryVerdict, scaled to the whole DiT
 
     @property
     def peak(self) -> int:
@@ -76,7 +76,7 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
                       dtype: torch.dtype = torch.bfloat16, encode: bool = True) -> StepReport:
     """Run one optimizer step of ``cfg`` (a resolved ``RunConfig``) on ``preset``'s DiT on the fake device.
 
-    Raises :class:`~..memory.fake_device.FakeRunError` where a GPU run would fail (a device or dtype
+    Raises :class:`~..fakegpu.device.FakeRunError` where a GPU run would fail (a device or dtype
     mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests);
     ``encode=False`` leaves ``--on_the_fly``'s encoders out (the preflight builds them in one of its two runs).
     """
@@ -94,10 +94,10 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
     from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
     from ..models.presets import family_of
-    from .losses.registry import loss_spec
-    from .module import QIETrainingModule
-    from .optim import build_optimizer
-    from .verify_onthefly import on_the_fly
+    from ..training.losses.registry import loss_spec
+    from ..training.module import QIETrainingModule
+    from ..training.optim import build_optimizer
+    from .train_onthefly import on_the_fly
 
     report = StepReport()
     t, family, spec = cfg.train, family_of(preset), loss_spec(cfg.loss.loss)
