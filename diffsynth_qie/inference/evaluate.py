@@ -53,6 +53,7 @@ class EvalReport:
     outputs: list[Image.Image] = field(repr=False)
     sub_outputs: list[Image.Image | None] = field(default_factory=list, repr=False)
     scores: list[dict[str, float]] = field(default_factory=list)  # the scorecard of each row
+    cache: list = field(default_factory=list)  # each row's step-cache stats (``CacheStats``; None without a cache)
 
     @property
     def mean_psnr(self) -> float:
@@ -108,7 +109,7 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
     ``judge``: a :class:`~diffsynth_qie.metrics.judge.Judge` whose scores join each row's; ``reward``: a
     ``metrics.rewards.Reward`` (``--reward``), its value joins each row's as ``reward``.
     """
-    scores, outputs, subs, cards = [], [], [], []
+    scores, outputs, subs, cards, cache = [], [], [], [], []
     for case in cases:
         w, h = case.target.size if case.target is not None else (None, None)
         request = EditRequest(images=case.images, prompt=case.prompt, mask=case.mask if use_mask else None,
@@ -118,6 +119,7 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
             scores.append(psnr(result.image, case.target))
         outputs.append(result.image)
         subs.append(result.sub_image)
+        cache.append(result.cache)
         cards.append(score_case(case, result.image, lpips_model))
         if clip is not None:  # prompt adherence (metrics/clip_direction.py), only with a local CLIP model
             from ..metrics.clip_direction import clip_direction
@@ -127,7 +129,7 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
             cards[-1].update(judge.score(case.images[0], case.prompt, result.image))
         if reward is not None:
             cards[-1]["reward"] = reward_of(reward, case, result.image)
-    return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards)
+    return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards, cache=cache)
 
 
 def reward_of(reward, case: EvalCase, output: Image.Image) -> float:
