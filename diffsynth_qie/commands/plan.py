@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv_cache", default="on", choices=("on", "off"),
                         help="edit, Qwen-Image-2.1: its prefix KV cache on the GPU, or off (each step recomputes "
                              "the prefix; --gpu_memory_gb turns it off when nothing else fits)")
+    from .edit import add_cache_arguments
+
+    add_cache_arguments(parser.add_argument_group("edit: the step cache (--verify runs it: it reuses wherever allowed)"))
     for name in ("text_encoder", "vae"):
         parser.add_argument(f"--{name}_device", default="gpu", choices=("gpu", "cpu"),
                             help=f"edit / --on_the_fly: where the {name.replace('_', ' ')} runs (cpu: host RAM, fp32)")
@@ -84,6 +87,10 @@ def run(args) -> int:
     family = family_of(args.model)
     if getattr(args, "mixed", False) and not args.verify:
         raise ValueError("--mixed shapes the batch of the --verify run; add --verify, or drop --mixed")
+    from ..models.samplers.step_cache import cache_settings
+
+    if cache_settings(args.cache, args.cache_method, args.cache_threshold) is not None and args.task != "edit":
+        raise ValueError(f"--cache {args.cache} is an edit's step cache; add --task edit, or drop --cache")
     census = _census(args)
     if not family.fullsize_verify:
         log.warning("%s: weights, LoRA and optimizer state are counted exactly; activations use the constants "

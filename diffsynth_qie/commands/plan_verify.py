@@ -200,13 +200,15 @@ def _run_edit(args, options, family) -> FakeRun:
                     lora_ranks=tuple(r for r in options.lora_ranks if r))  # each stacked LoRA its own branches
     r = verify_edit(preset, resolution=options.resolution, ref_images=max(1, options.ref_images),
                     prompt_tokens=options.prompt_tokens, steps=args.edit_steps, cfg=cfg, num_layers=args.verify_blocks,
-                    kv_cache=options.kv_cache == "on", load=load)
+                    kv_cache=options.kv_cache == "on", load=load, cache=args.cache, cache_method=args.cache_method,
+                    cache_threshold=args.cache_threshold)
     rows = [("weights", r.weights)] + [(f"{k} peak", getattr(r, f"{k}_peak")) for k in ("encode", "denoise", "decode")]
     if r.kv_cache:
         rows.append(("prefix KV caches", r.kv_cache))
     phase = max(rows[1:4], key=lambda kv: kv[1])[0].replace(" peak", "")
     peak = max(b for name, b in rows if name.endswith("peak"))
-    run = FakeRun(f"one edit ({args.edit_steps} steps, CFG {cfg:g})", rows, f"edit: {phase}", peak, r.weights,
+    cached = f", step cache {args.cache}: {r.cache_skipped} of {r.cache_calls} calls reused" if r.cache_calls else ""
+    run = FakeRun(f"one edit ({args.edit_steps} steps, CFG {cfg:g}{cached})", rows, f"edit: {phase}", peak, r.weights,
                   r.seconds)
     return run
 

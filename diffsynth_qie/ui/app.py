@@ -153,6 +153,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                 steps = add("steps")
                 lbm_steps = add("lbm_steps")
                 cfg = add("cfg", value=default_cfg(handlers.config.model))
+                add("cache")
                 with gr.Row(equal_height=True):
                     add("seed")
                     add("variations")

@@ -169,7 +169,7 @@ def cli_png_info(args: Any, loras: list[tuple[Any, float]]) -> PngInfo:
         model=args.model, prompt=args.prompt or "", negative_prompt=args.negative_prompt or "", mode=mode,
         steps=int(args.steps), lbm_steps=int(args.lbm_steps or 1), cfg=float(args.cfg), seed=int(args.seed),
         lora=lora, lora_scale=lora_scale, lora2=lora2, lora2_scale=lora2_scale, strength=float(args.strength),
-        mask_blend=float(args.mask_blend), mask_feather=float(args.mask_feather))
+        mask_blend=float(args.mask_blend), mask_feather=float(args.mask_feather), cache=getattr(args, "cache", "off"))
     images = [_absolute(p) for p in args.image]
     mask = _absolute(args.mask) if args.mask else None
     files = {"image": images[0] if images else None, "mask": mask, "references": images[1:]}

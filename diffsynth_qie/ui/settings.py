@@ -118,6 +118,15 @@ def _mode(value: Any, _inputs: Any) -> str:
     return value
 
 
+def _cache(value: Any, _inputs: Any) -> str:
+    from ..models.samplers.step_cache import LEVEL_NAMES
+
+    value = "off" if value in (None, "") else value
+    if value not in LEVEL_NAMES:
+        raise UIError(f"unknown speed {value!r}; valid: {', '.join(LEVEL_NAMES)}")
+    return value
+
+
 def _seed(value: Any, _inputs: Any) -> int:
     seed = whole("seed", -1, 2**32 - 1)(value) if value is not None else 0
     return secrets.randbelow(2**31) if seed < 0 else seed  # < 0 = random
@@ -181,6 +190,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cfg", 4.0, _SLIDER, dict(minimum=1.0, maximum=10.0, step=0.5, label="CFG"),
             check=number("CFG", 0.0, 100.0), record=True, request=True, flag="--cfg", flag_when=_not_lbm,
             restore=True),
+    Setting("cache", "off", "Radio", dict(choices=[("Exact", "off"), ("Balanced", "balanced"), ("Fast", "fast")],
+                                          label="Speed (reuse some steps' DiT work; no effect with LBM)"),
+            check=_cache, record=True, request=True, flag="--cache", flag_when=lambda s, ctx: s.cache != "off",
+            summary=lambda s: f"speed {s.cache}" if s.cache != "off" else None, restore=True),
     Setting("seed", 0, "Number", dict(precision=0, label="Seed (-1 = random)"), check=_seed, record=True,
             request=True, flag="--seed", summary=lambda s: f"seed {s.seed}", restore=True),
     Setting("variations", 1, _SLIDER, dict(minimum=1, maximum=MAX_VARIATIONS, step=1,
