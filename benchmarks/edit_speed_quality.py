@@ -4,9 +4,11 @@
     python -m benchmarks.edit_speed_quality --sweep         # and a threshold sweep of both methods
     python -m benchmarks.edit_speed_quality --calibrate     # first re-measure the schedule method's curves
 
-The CPU demo's held-out rows ("make the red circle blue", 64², ``data/demo.py``) are edited at 40 steps, true
-CFG 4 (the defaults of ``qie edit`` on Qwen-Image-Edit), without their masks (so a cache's error can reach every
-pixel), once exactly and once per setting. Per setting:
+The CPU demo's held-out rows ("make the red circle blue", 64², ``data/demo.py``) are edited by the demo's LoRA
+(trained first on the demo's training rows, ``--lora_steps``; 0 edits with the base alone, whose edit PSNR barely
+moves since it does not make the edit) at 40 steps, true CFG 4 (the defaults of ``qie edit`` on
+Qwen-Image-Edit), without their masks (so a cache's error can reach every pixel), once exactly and once per
+setting. Per setting:
 
 - **calls saved**: DiT calls whose blocks were reused (``first_block``: every block but the first ran);
 - **PSNR / LPIPS vs exact**: the output against the exact (uncached) output of the same row and seed; LPIPS
@@ -54,7 +56,8 @@ def predicted_seconds(family: str, stats, method: str | None) -> float:
     return seconds * work
 
 
-def _editor(model: str):
+def _editor(model: str, data: Path, lora_steps: int):
+    """The tiny base of ``model`` with the demo's LoRA trained for ``lora_steps`` (none with 0)."""
     import torch
 
     from diffsynth_qie.inference import Editor
@@ -62,7 +65,32 @@ def _editor(model: str):
     from diffsynth_qie.training.pretrain_tiny import ensure_pretrained_tiny
 
     base = ensure_pretrained_tiny(model=model)
-    return Editor(load_pipeline(model, model_dir=base, device="cpu", torch_dtype=torch.float32))
+    editor = Editor(load_pipeline(model, model_dir=base, device="cpu", torch_dtype=torch.float32))
+    if lora_steps:
+        editor.set_loras([(train_demo_lora(model, base, data, data / f"lora-{model}", lora_steps), 1.0)])
+    return editor
+
+
+def train_demo_lora(model: str, base, data: Path, out: Path, steps: int) -> str:
+    """The CPU demo's LoRA ("make the red circle blue") on ``model``'s tiny base: ``steps`` steps of batch 4, rank
+    16, lr 1e-3 on the demo's training rows (``tests/test_demo_learns.py``'s recipe); returns its file."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from diffsynth_qie.cache.writer import CacheConfig, write_cache
+    from diffsynth_qie.data.formats import DatasetConfig
+    from diffsynth_qie.training import config as tc
+    from diffsynth_qie.training.loop import train
+
+    write_cache(CacheConfig(cache_dir=str(out / "cache"), model=model, model_dir=str(base), max_pixels=16384,
+                            num_workers=1, device="cpu", dtype="float32",
+                            dataset=DatasetConfig(dataset_metadata=str(data / "metadata.json"))), rank=0, world_size=1)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return str(train(tc.RunConfig(
+        train=tc.TrainConfig(cache_dir=str(out / "cache"), output_dir=str(out / "run"), model=model,
+                             model_dir=str(base), batch_size=4, max_steps=steps, mixed_precision="no",
+                             gradient_checkpointing=False, cfg_dropout=0.0, save_every=0, seed=0, device="cpu"),
+        lora=tc.LoRAConfig(lora_rank=16), optim=tc.OptimConfig(learning_rate=1e-3))).lora_path)
 
 
 def calibrate(editor, cases) -> dict:
@@ -137,14 +165,17 @@ def settings_to_run(sweep: bool) -> list[tuple[str, object]]:
     return out
 
 
-def bench_model(model: str, heldout, calibration, lpips_model, sweep: bool, curves: dict | None) -> list[dict]:
+def bench_model(model: str, data: Path, args, lpips_model, curves: dict | None) -> list[dict]:
+    from diffsynth_qie.inference.evaluate import load_cases
     from diffsynth_qie.models.presets import family_of
 
-    editor = _editor(model)
+    heldout = load_cases(str(data / "heldout.json"))
     family = family_of(model).name
-    if curves is not None:
-        curves[family] = calibrate(editor, calibration)
+    if curves is not None:  # the base's own curve, measured before a LoRA is attached
+        curves[family] = calibrate(_editor(model, data, 0), load_cases(str(data / "metadata.json"), limit=8))
         write_curves(curves)
+    editor = _editor(model, data, args.lora_steps)
+    sweep = args.sweep
     exact = run_setting(editor, heldout, "off", lpips_model)
     rows = []
     for name, cache in settings_to_run(sweep):
@@ -171,12 +202,13 @@ class _Stats:
         self.calls, self.skipped = calls, skipped
 
 
-def markdown(rows: list[dict], rows_per_model: int, lpips: bool) -> str:
+def markdown(rows: list[dict], rows_per_model: int, lpips: bool, lora_steps: int) -> str:
     def f(v, fmt):
         return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
-    lines = [f"Held-out rows: {rows_per_model} per model, {STEPS} steps, CFG {CFG:g}, no mask; predicted s/image: "
-             "H200 (= H100 by FLOPs), a call-count prediction from the measured H200 edit.", "",
+    what = f"the demo LoRA ({lora_steps} steps) on the tiny base" if lora_steps else "the tiny base"
+    lines = [f"Held-out rows: {rows_per_model} per model, edited by {what}, {STEPS} steps, CFG {CFG:g}, no mask; "
+             "predicted s/image: H200 (= H100 by FLOPs), a call-count prediction from the measured H200 edit.", "",
              "| model | setting | DiT calls saved | PSNR vs exact | SSIM vs exact | LPIPS vs exact | "
              "held-out edit PSNR (Δ) | preservation PSNR (Δ) | predicted s/image | × exact | × DiffSynth |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -212,7 +244,6 @@ def main(argv=None) -> None:
     import torch
 
     from diffsynth_qie.data.demo import make_recolour_demo
-    from diffsynth_qie.inference.evaluate import load_cases
     from diffsynth_qie.metrics.lpips import load_lpips
     from diffsynth_qie.utils.logging import setup_logging
 
@@ -220,6 +251,8 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "tiny-2.1"])
     parser.add_argument("--rows", type=int, default=8, help="held-out rows per model")
     parser.add_argument("--sweep", action="store_true", help="also a threshold sweep of both methods")
+    parser.add_argument("--lora_steps", type=int, default=150,
+                        help="train the demo's LoRA for this many steps and edit with it (0: the base alone)")
     parser.add_argument("--calibrate", action="store_true", help="re-measure the schedule method's curves first")
     parser.add_argument("--out", default=None, help="also write the table (.md) and the rows (.json) here")
     args = parser.parse_args(argv)
@@ -232,11 +265,9 @@ def main(argv=None) -> None:
 
         curves = dict(_stored_curves())
     with tempfile.TemporaryDirectory() as tmp:
-        data = make_recolour_demo(Path(tmp) / "demo", num_pairs=8, num_heldout=args.rows)
-        heldout = load_cases(str(data / "heldout.json"))
-        calibration = load_cases(str(data / "metadata.json"))
-        rows = [r for m in args.models for r in bench_model(m, heldout, calibration, lpips_model, args.sweep, curves)]
-    table = markdown(rows, args.rows, lpips_model is not None)
+        data = make_recolour_demo(Path(tmp) / "demo", num_pairs=32, num_heldout=args.rows)
+        rows = [r for m in args.models for r in bench_model(m, data, args, lpips_model, curves)]
+    table = markdown(rows, args.rows, lpips_model is not None, args.lora_steps)
     print(table)
     print("\n".join(acceptance(rows, lpips_model is not None)))
     if args.out:
