@@ -52,7 +52,7 @@ class CacheSettings:
 
 
 # The levels, per method; the first method listed is the level's own. Chosen from the threshold sweep of
-# benchmarks/edit_speed_quality.py on both tiny bases at 40 steps, CFG 4 (docs/SPEED.md): ``balanced`` reuses
+# benchmarks/edit_speed_quality.py on both tiny bases at 40 steps, CFG 4 (docs/STEP_CACHE.md): ``balanced`` reuses
 # at least 40 % of the DiT calls with the held-out edit and preservation PSNR within 0.3 dB of the exact edit,
 # ``fast`` at least 60 % within 1 dB. ``first_block`` is the levels' own: at the same share of calls saved its
 # outputs are closer to the exact ones (PSNR to them about 10 dB higher in the sweep).
