@@ -152,7 +152,7 @@ def build_reward(nft: NFTConfig):
 
 
 def check_nft(cfg) -> None:
-    """``config.validate``'s check of ``--loss nft``: the reward resolves (a module imports, a file reads), before
+    """``config_checks.validate``'s check of ``--loss nft``: the reward resolves (a module imports, a file reads), before
     anything is loaded; the judge itself loads in the set-up."""
     from ...metrics.rewards import parse_reward, probe
 
