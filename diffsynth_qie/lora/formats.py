@@ -50,20 +50,20 @@ _KIND = {"lora_A": "A", "lora_down": "A", "lora_B": "B", "lora_up": "B"}
 MAX_ABS_VALUE = 1e4
 
 
-def holds_lora_tensors(path: str | os.PathLike) -> bool:
-    """Whether a safetensors file names LoRA pairs (``lora_A``/``lora_B``, ``lora_down``/``lora_up``).
+def lora_header(path: str | os.PathLike) -> tuple[bool, dict[str, str]]:
+    """(whether a safetensors file names LoRA pairs: ``lora_A``/``lora_B``, ``lora_down``/``lora_up``; its metadata).
 
-    Reads only the header, so a picker can tell LoRAs from cache shards and other tensors cheaply.
-    A file that is not safetensors at all is logged and reported as not a LoRA.
+    Reads only the header, once, so a picker can tell LoRAs from cache shards and other tensors cheaply and label
+    them. A file that is not safetensors at all is logged and reported as not a LoRA, with no metadata.
     """
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return any(_LORA_KEY.match(k) for k in f.keys())
+            return any(_LORA_KEY.match(k) for k in f.keys()), dict(f.metadata() or {})
     except (SafetensorError, OSError) as e:
         log.info("not listed as a LoRA: %s is not a readable safetensors file (%s)", path, e)
-        return False
+        return False, {}
 
 
 def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

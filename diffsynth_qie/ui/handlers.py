@@ -66,9 +66,10 @@ class UIHandlers(ModelHolder, TabSessions, LoraChoices):
     def check(self, inputs: GenerateInputs, session: str | None = None) -> Job:
         """Validate everything Generate needs without loading the model (UIError says what to fix). A browser
         ``session`` reads back only its own files (:meth:`give`); None (an in-process caller) the UI's temp folder."""
-        lightning = self.lightning_lora() if inputs.mode == MODE_LIGHTNING else None
-        job = check_job(inputs, self.config, lightning, self.known_images, own=self.given(session))
-        self.check_model_fit(job)
+        with self.one_look() as folder:  # each LoRA header read once
+            lightning = self.lightning_lora() if inputs.mode == MODE_LIGHTNING else None
+            job = check_job(inputs, self.config, lightning, self.known_images, own=self.given(session), folder=folder)
+            self.check_model_fit(job)
         return job
 
     def check_model_fit(self, job: Job) -> None:
@@ -95,6 +96,11 @@ class UIHandlers(ModelHolder, TabSessions, LoraChoices):
         ``session`` names the browser tab asking, so its Stop stops only its own generation. ``preview(before,
         image)`` gets a live preview every ``live_preview`` steps (the input at the preview's size, the preview).
         """
+        with self.one_look():  # the checks before and after the model loads read each LoRA header once
+            return self._generate(inputs, progress, queued_at, session, preview)
+
+    def _generate(self, inputs: GenerateInputs, progress: ProgressFn | None, queued_at: float | None,
+                  session: str | None, preview: PreviewFn | None) -> GenerateOutput:
         from ..inference.editor import EditRequest
 
         report = progress or (lambda done, total, desc: None)
