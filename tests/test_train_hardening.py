@@ -120,3 +120,42 @@ def test_resume_drops_adds_and_re_decays_the_ema(cache_dir, tiny_model_dir, tmp_
     assert any("resuming with --ema_decay 0.8 (the checkpoint had 0.5)" in x for x in ema_log)
     with safe_open(str(Path(out) / "lora_ema.safetensors"), "pt") as f:
         assert "0.8" in f.metadata()["weights"]
+
+
+def test_an_export_the_trained_modules_cannot_make_is_refused_before_anything_loads(cache_dir, tmp_path, capfd):
+    """vLLM-Omni puts no LoRA on img_mod.1 / txt_mod.1, which the tiny preset trains by default: the run stops
+    before the model loads (its --model_dir does not even exist), naming the modules and the three ways out."""
+    from diffsynth_qie.cli import main
+
+    out = tmp_path / "run"
+    with fresh_accelerate():
+        code = main(["train", "--model", "tiny", "--model_dir", str(tmp_path / "no-model"), "--cache_dir",
+                     str(cache_dir), "--export", "comfyui,vllm-omni", "--max_steps", "1", "--device", "cpu",
+                     "--output_dir", str(out)])
+    err = capfd.readouterr().err
+    line = next((x for x in err.splitlines() if "--export vllm-omni" in x), "")
+    assert code == 2 and not out.exists(), err
+    assert "img_mod.1" in line and "txt_mod.1" in line and "to_q" not in line
+    assert "--lora_targets serving" in line and "--drop_unsupported" in line
+
+
+def test_drop_unsupported_writes_every_export_with_what_its_runtime_loads(cache_dir, tiny_model_dir, tmp_path):
+    """``qie train --export vllm-omni,diffusers --drop_unsupported``: the flag parses, training runs, and both
+    exports are written, vLLM-Omni's without the modules it cannot load."""
+    import json
+
+    from diffsynth_qie.cli import build_parser
+    from diffsynth_qie.commands import train as train_cmd
+    from diffsynth_qie.training.loop import train
+
+    args = build_parser().parse_args(["train", "--cache_dir", "c", "--output_dir", "o", "--export", "vllm-omni",
+                                      "--drop_unsupported"])
+    assert train_cmd.config_from_args(args).lora.drop_unsupported is True
+    cfg = _config(cache_dir, tiny_model_dir, tmp_path / "run", max_steps=1, save_every=0)
+    cfg.lora.export, cfg.lora.drop_unsupported = "vllm-omni,diffusers", True
+    with fresh_accelerate():
+        result = train(cfg)
+    folder = Path(result.lora_path).parent
+    targets = json.loads((folder / "lora_vllm-omni" / "adapter_config.json").read_text())["target_modules"]
+    assert targets and not [t for t in targets if t.endswith(("img_mod.1", "txt_mod.1"))]
+    assert (folder / "lora_diffusers.safetensors").is_file()

@@ -60,7 +60,12 @@ class LoRAConfig:
         "(ComfyUI, diffusers, musubi, SGLang, vLLM-Omni, Nunchaku; lora/export_targets.py)"))
     export: Optional[str] = field(default=None, metadata=_help(
         "comma-separated `qie export-lora` formats written beside lora.safetensors when training ends "
-        "(e.g. comfyui,diffusers), each checked against its runtime's rules", metavar="FORMATS"))
+        "(e.g. comfyui,diffusers), each checked against its runtime's rules when the run starts: a format whose "
+        "runtime would not load some trained modules stops the run before step 1 (see --drop_unsupported)",
+        metavar="FORMATS"))
+    drop_unsupported: bool = field(default=False, metadata=_help(
+        "--export: write each format with the modules its runtime loads and leave out the rest (named when the "
+        "run starts), as `qie export-lora --drop_unsupported` does"))
     lora_checkpoint: Optional[str] = field(default=None, metadata=_help(
         "start from this LoRA file (any format qie edit --lora reads); its rank must equal --lora_rank",
         metavar="FILE"))

@@ -145,9 +145,9 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
             save()
         ckpt.save_final_lora(acc, run.module, run.optimizer, run.engine, t.output_dir, {"step": state.step})
         if run.cfg.lora.export and acc.is_main_process:  # --export: checked exports beside it
-            from ..lora.export import export_beside
+            from .exports import write_exports
 
-            export_beside(result.lora_path, run.cfg.lora.export)
+            write_exports(run.cfg, result.lora_path)
         if run.ema is not None:  # lora_ema.safetensors beside it
             run.ema.save(acc, run.module, t.output_dir, {"step": state.step})
     finally:

@@ -19,6 +19,7 @@ import torch
 
 from ..utils.dir_lock import TrainLock
 from .config import RunConfig
+from .exports import check_exports
 from .placement import process_group_timeout, weight_dtype
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ def setup(config: RunConfig) -> Run:
     preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
     cfg = config.resolved(preset)
     check_flags(cfg)
+    check_exports(cfg, preset)  # --export against the modules this run trains, not after the last step
     out = Path(config.train.output_dir)
     existed, had_lock = out.exists(), (out / TrainLock.name).exists()
     lock = TrainLock(config.train.output_dir).acquire_for_ranks(accelerator)  # one run per --output_dir
