@@ -22,11 +22,15 @@ class _Lines(logging.Handler):
 
 @pytest.fixture
 def ema_log():
+    """The training's log lines, INFO included (whatever an earlier test left the level at)."""
     handler = _Lines()
     logger = logging.getLogger("diffsynth_qie.training")
+    level = logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     yield handler.lines
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.mark.parametrize("device", ["tpu:7", "cpu:abc", "meta", "gpu", "cuda:0"])
@@ -111,9 +115,12 @@ def test_resume_drops_adds_and_re_decays_the_ema(cache_dir, tiny_model_dir, tmp_
                           resume="latest" if resume else None))
 
     run(1, 0.9, resume=False)
-    run(2, 0.0)  # dropped
+    assert (out / "lora_ema.safetensors").is_file()
+    run(2, 0.0)  # dropped: the step-1 average is not left beside the step-2 LoRA
     assert any("the checkpoint's EMA (decay 0.9) is dropped" in x for x in ema_log)
     assert not list((out / "checkpoint-2").rglob("custom_checkpoint_*"))
+    assert (out / "lora.safetensors").is_file() and not (out / "lora_ema.safetensors").exists()
+    assert any(x.startswith("removed ") and "lora_ema.safetensors: it was an earlier run's average" in x for x in ema_log)
     run(3, 0.5)  # added, from the resumed weights
     assert any("the checkpoint has no EMA, so it starts from the resumed weights" in x for x in ema_log)
     run(4, 0.8)  # re-decayed

@@ -100,6 +100,7 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
 
     from . import checkpoint as ckpt
     from .data import iterate_batches
+    from .ema import remove_stale_ema
     from .onthefly import prefetched
     from .validation import validate_step
 
@@ -150,6 +151,8 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
             write_exports(run.cfg, result.lora_path)
         if run.ema is not None:  # lora_ema.safetensors beside it
             run.ema.save(acc, run.module, t.output_dir, {"step": state.step})
+        elif acc.is_main_process:  # (an earlier run's average is not this LoRA's)
+            remove_stale_ema(t.output_dir)
     finally:
         stream.close()
         bar.close()
