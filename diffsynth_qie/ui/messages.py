@@ -58,3 +58,10 @@ def toast_html(message: str) -> str:
     close()
     out = "".join(parts)
     return out[:-len("<br>")] if out.endswith("<br>") else out
+
+
+def error_toast(exc: BaseException):
+    """``exc`` as gradio's error toast: :func:`user_message`'s line, never a traceback in the browser."""
+    import gradio as gr
+
+    return gr.Error(toast_html(user_message(exc)), duration=None, print_exception=False)
