@@ -237,7 +237,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         whole = [*restored, editor, loaded, mask_file, references, widgets["variations"], variants, batch, prev_mode,
                  saved_steps, brush_size, *shown, status]
         gallery.select(cb.restore, [history, editor], whole, queue=False)
-        settings_png.upload(cb.load_png, [settings_png, editor], whole, queue=False)
+        settings_png.upload(cb.load_png, [settings_png, editor, history], whole, queue=False)
         variants.select(cb.show_variation, [batch], shown, queue=False)
     demo.queue(default_concurrency_limit=1)
     return demo
