@@ -1,0 +1,74 @@
+"""`qie plan`'s time: the predicted step time (or seconds per image) on ``--gpu``, beside the memory plan.
+
+The configuration runs at full width on the fake device at 1 and 2 blocks with its kernels counted, scaled to
+the whole DiT, and costed on the GPU's table (``preflight/timing.py``, ``fakegpu/timemodel.py``,
+``docs/SPEED.md``). ``--no_time`` skips it.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def gpu_choice(value):
+    """``--gpu``: a GPU's name (a time table's key or alias) or its memory in GiB (a number)."""
+    try:
+        return float(value)
+    except ValueError:
+        from ..fakegpu.timemodel import gpu_table
+
+        return gpu_table(value).key
+
+
+def table_for(gpu):
+    """The time table of ``--gpu`` (None: the visible GPU, else the H100; a number of GiB: the known GPU whose
+    memory is nearest)."""
+    from ..fakegpu.timemodel import gpu_table, tables
+
+    if isinstance(gpu, float):
+        return min(tables().values(), key=lambda t: abs(t.memory_gib - gpu))
+    return gpu_table(gpu)
+
+
+def memory_of(gpu, gpu_memory_gb):
+    """``--gpu_memory_gb``, else what ``--gpu`` says (its number, or its table's memory)."""
+    if gpu_memory_gb is not None or gpu is None:
+        return gpu_memory_gb
+    return gpu if isinstance(gpu, float) else table_for(gpu).memory_gib
+
+
+def log_time(args, options) -> None:
+    """Log the predicted time of the planned training step or edit on ``args.gpu``."""
+    from ..models.presets import family_of, get_preset
+
+    family = family_of(args.model)
+    if not family.fullsize_verify or options.zero_stage or get_preset(args.model).is_tiny:
+        why = ("a tiny model" if get_preset(args.model).is_tiny else "--zero_stage (one process is counted)"
+               if options.zero_stage else f"{family.label} has no full-size fake-device run")
+        log.info("time: not predicted for %s", why)
+        return
+    table = table_for(args.gpu)
+    if options.task == "train":
+        from ..preflight.timing import predict_train
+        from ..preflight.train_step import batch_shapes
+        from .plan_verify import train_config
+
+        cfg, preset = train_config(args, options)
+        shapes = batch_shapes(options.resolution, options.ref_images, options.prompt_tokens, options.batch_size,
+                              mixed=getattr(args, "mixed", False))
+        prediction = predict_train(cfg, preset, shapes, table.key)
+        log.info("%s", prediction.line(max_steps=args.max_steps))
+        return
+    from ..preflight.timing import predict_edit
+
+    from ..preflight.edit_step import EditLoad
+
+    steps = args.steps or family.default_steps
+    cfg = family.default_cfg if options.cfg else 1.0
+    load = EditLoad(fp8_base=options.fp8_base, blocks_to_swap=options.blocks_to_swap,
+                    lora_ranks=tuple(r for r in options.lora_ranks if r))
+    prediction = predict_edit(get_preset(args.model), steps, cfg, table.key, resolution=options.resolution,
+                              ref_images=max(1, options.ref_images), prompt_tokens=options.prompt_tokens,
+                              kv_cache=options.kv_cache == "on", load=load)
+    log.info("%s", prediction.line())
