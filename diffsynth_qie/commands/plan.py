@@ -108,14 +108,15 @@ def run(args) -> int:
         return _distribution(census, base, args.gpu_memory_gb)
     plan = predict(census, base)
     log.info("%s (%d tokens per sample):\n%s", describe(base), base.tokens, format_plan(plan))
+    verified = None
     if args.verify:
         from .plan_verify import verify_and_compare
 
-        verify_and_compare(args, base, plan)
+        verified = verify_and_compare(args, base, plan)
     if not args.no_time:
         from .plan_time import log_time
 
-        log_time(args, base)
+        log_time(args, base, verified)
     if args.gpu_memory_gb is None:
         return 0
     fit = recommend(census, base, args.gpu_memory_gb)

@@ -38,8 +38,9 @@ def memory_of(gpu, gpu_memory_gb):
     return gpu if isinstance(gpu, float) else table_for(gpu).memory_gib
 
 
-def log_time(args, options) -> None:
-    """Log the predicted time of the planned training step or edit on ``args.gpu``."""
+def log_time(args, options, verified=None) -> None:
+    """Log the predicted time of the planned training step or edit on ``args.gpu``; ``verified``: the
+    ``--verify`` run of the whole DiT (``plan_verify.FakeRun``), whose counted kernels are used as they are."""
     from ..models.presets import family_of, get_preset
 
     family = family_of(args.model)
@@ -57,7 +58,8 @@ def log_time(args, options) -> None:
         cfg, preset = train_config(args, options)
         shapes = batch_shapes(options.resolution, options.ref_images, options.prompt_tokens, options.batch_size,
                               mixed=getattr(args, "mixed", False))
-        prediction = predict_train(cfg, preset, shapes, table.key)
+        profile = verified.profile if verified is not None else None
+        prediction = predict_train(cfg, preset, shapes, table.key, profile=profile)
         log.info("%s", prediction.line(max_steps=args.max_steps))
         return
     from ..preflight.timing import predict_edit
@@ -65,10 +67,16 @@ def log_time(args, options) -> None:
     from ..preflight.edit_step import EditLoad
 
     steps = args.steps or family.default_steps
-    cfg = family.default_cfg if options.cfg else 1.0
+    cfg = 4.0 if options.cfg else 1.0
     load = EditLoad(fp8_base=options.fp8_base, blocks_to_swap=options.blocks_to_swap,
                     lora_ranks=tuple(r for r in options.lora_ranks if r))
-    prediction = predict_edit(get_preset(args.model), steps, cfg, table.key, resolution=options.resolution,
-                              ref_images=max(1, options.ref_images), prompt_tokens=options.prompt_tokens,
-                              kv_cache=options.kv_cache == "on", load=load)
+    if verified is not None and verified.profile is not None:
+        from ..preflight.timing import TimePrediction, edit_estimate
+
+        prediction = TimePrediction(edit_estimate(verified.profile, table, steps, verified.steps_run), table,
+                                    what=f"edit ({steps} steps, CFG {cfg:g}), per image")
+    else:
+        prediction = predict_edit(get_preset(args.model), steps, cfg, table.key, resolution=options.resolution,
+                                  ref_images=max(1, options.ref_images), prompt_tokens=options.prompt_tokens,
+                                  kv_cache=options.kv_cache == "on", load=load)
     log.info("%s", prediction.line())

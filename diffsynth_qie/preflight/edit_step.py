@@ -134,7 +134,7 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
         report.encode_peak, report.denoise_peak, report.decode_peak = (marks.get(k, 0) for k in
                                                                        ("encode", "denoise", "decode"))
         report.kv_cache = marks.get("kv_cache", 0)
-        report.costs = fc.costs.profile if costs else None
+        report.costs = fc.costs.profile if fc.costs is not None else None
         del editor, pipe, te, vae, dit, marks
         if load.compile:
             torch._dynamo.reset()  # the compiled graphs hold fake tensors

@@ -68,16 +68,17 @@ def step_profile(reports: Sequence, blocks: int, depths: tuple = DEPTHS):
 
 
 def predict_train(cfg, preset, shapes, gpu: Optional[str] = None, reports: Optional[Sequence] = None,
-                  depths: tuple = DEPTHS, backend: Optional[str] = None) -> TimePrediction:
+                  depths: tuple = DEPTHS, backend: Optional[str] = None, profile=None) -> TimePrediction:
     """The predicted time of one optimizer step of ``cfg`` on ``gpu``; ``reports``: counted runs at ``depths``
-    already made (the preflight's), else they are run here."""
+    already made (the preflight's), else they are run here; ``profile``: the whole DiT's counted kernels."""
     from ..fakegpu.timemodel import gpu_table, predict
     from .train_step import STEP_SECTIONS, verify_train_step
 
     table = gpu_table(gpu)
-    if reports is None:
-        reports = [verify_train_step(cfg, preset, shapes, num_layers=n, encode=False, costs=True) for n in depths]
-    profile = step_profile(reports, full_depth(preset), depths)
+    if profile is None:
+        if reports is None:
+            reports = [verify_train_step(cfg, preset, shapes, num_layers=n, encode=False, costs=True) for n in depths]
+        profile = step_profile(reports, full_depth(preset), depths)
     estimate = predict(profile, table, backend=backend, sections=STEP_SECTIONS, model_sections=("forward",))
     return TimePrediction(estimate, table, samples=len(shapes) * cfg.train.gradient_accumulation_steps)
 

@@ -157,7 +157,7 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
                     validate_once(cfg, preset, module, optimizer, ema, entry)
                 report.validation_peak = fc.phases[-1].peak_bytes
         del module, optimizer, dit, ema, encoders
-        report.costs = fc.costs.profile if costs else None
+        report.costs = fc.costs.profile if fc.costs is not None else None
     report.seconds = time.perf_counter() - t0
     return report
 
