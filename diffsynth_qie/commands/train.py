@@ -69,10 +69,14 @@ def config_from_args(args: argparse.Namespace):
 
 
 def preflight(cfg, preset):
-    """The fake-device preflight of a real preset (imported only when a run reaches it)."""
+    """The fake-device preflight of a real preset (imported only when a run reaches it); its predicted step time
+    goes beside the run's log (``predicted_step.json``), where ``qie report`` shows it next to the measured one."""
     from ..preflight.train import preflight as train_preflight
+    from ..training.report import write_prediction
 
-    return train_preflight(cfg, preset)
+    report = train_preflight(cfg, preset)
+    write_prediction(cfg.train.output_dir, report.prediction)
+    return report
 
 
 def run(args: argparse.Namespace) -> int:

@@ -124,12 +124,17 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
         return path
 
     run.wrapped.train()
+    step_seconds = []  # wall time of the optimizer steps since the last log (the report shows it beside the prediction)
     try:
         while state.step < run.total_steps:
+            t_step = time.perf_counter()
             out = train_step(run, [next(stream) for _ in range(t.gradient_accumulation_steps)])
+            step_seconds.append(time.perf_counter() - t_step)
             record: dict = {}
             if state.step % t.log_every == 0 or state.step == run.total_steps:
                 record = _step_record(acc, out.micro, out.lr, run.optimizer, out.grad_norm, run.engine, state)
+                record["step_s"] = sum(step_seconds) / len(step_seconds)
+                step_seconds.clear()
                 if not math.isfinite(record["loss"]):  # the same reduced value on every rank: all stop together
                     raise RuntimeError(f"loss became {record['loss']} at step {state.step}; lower --learning_rate, "
                                        "or use bf16 instead of fp16")

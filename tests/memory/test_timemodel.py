@@ -93,3 +93,22 @@ def test_every_table_is_complete_and_slower_gpus_predict_longer_steps():
     assert gpu_table("NVIDIA H200").key == "h200" and gpu_table("rtx 4090").key == "rtx4090"
     with pytest.raises(ValueError, match="no time table.*h100"):
         gpu_table("tpu")
+
+
+def test_the_report_shows_the_measured_step_time_beside_the_preflights_prediction(tmp_path):
+    import json
+
+    from diffsynth_qie.fakegpu.timemodel import Estimate
+    from diffsynth_qie.preflight.timing import TimePrediction
+    from diffsynth_qie.training.report import build_report, write_prediction
+
+    table = gpu_table("h100")
+    estimate = Estimate(1.9, {"gemm": 1.0, "attention": 0.5, "elementwise": 0.3, "launch": 0.1}, mfu=0.3,
+                        gpu=table.name)
+    write_prediction(tmp_path, TimePrediction(estimate, table))
+    steps = [(1, 5.0), (2, 2.0), (3, 2.2), (4, 2.1)]  # the first step's warm-up is left out of the median
+    (tmp_path / "loss.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5, "step_s": t}) + "\n"
+                                                 for s, t in steps))
+    page = build_report(tmp_path)
+    assert "measured 2.100 s per optimizer step (median of 3 logged)" in page
+    assert f"predicted 1.900 s on {table.name}" in page and table.accuracy in page
