@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..memory.plan import describe, format_plan, predict, recommend
-    from ..models.presets import family_of
+    from ..models.presets import family_of, get_preset
     from .plan_time import memory_of
 
     family = family_of(args.model)
@@ -119,13 +119,19 @@ def run(args) -> int:
         log_time(args, base, verified)
     if args.gpu_memory_gb is None:
         return 0
-    fit = recommend(census, base, args.gpu_memory_gb)
+    if args.gpu is not None and base.task == "train" and not args.no_time and family.fullsize_verify \
+            and not base.zero_stage and not get_preset(args.model).is_tiny:
+        from .plan_time import fastest_fit
+
+        fit = fastest_fit(args, census, base)
+    else:
+        fit = recommend(census, base, args.gpu_memory_gb)
     if fit is None:
         log.error("nothing fits %.1f GiB even with every option; lower --resolution or --batch_size, "
                   "or use more GPUs with --zero_stage 3", args.gpu_memory_gb)
         return 1
-    log.info("cheapest options that fit %.1f GiB: %s\n%s", args.gpu_memory_gb, describe(fit.options),
-             format_plan(fit))
+    log.info("%s options that fit %.1f GiB: %s\n%s", "cheapest" if args.gpu is None else "chosen",
+             args.gpu_memory_gb, describe(fit.options), format_plan(fit))
     return 0
 
 

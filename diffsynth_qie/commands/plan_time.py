@@ -6,7 +6,9 @@ the whole DiT, and costed on the GPU's table (``preflight/timing.py``, ``fakegpu
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -80,3 +82,39 @@ def log_time(args, options, verified=None) -> None:
                                   ref_images=max(1, options.ref_images), prompt_tokens=options.prompt_tokens,
                                   kv_cache=options.kv_cache == "on", load=load)
     log.info("%s", prediction.line())
+
+
+def fastest_fit(args, census, base) -> Optional[object]:
+    """Every option set that fits ``--gpu`` (each kernel-distinct one with its fewest swapped blocks), with its
+    predicted step time on ``--gpu``'s table, fastest first, logged as a table; returns the fastest's plan (None:
+    nothing fits). The kernels differ only with checkpointing and the FP8 base: one counted pass each."""
+    from ..memory.plan import GiB, candidates, describe, predict
+    from ..preflight.timing import predict_train
+    from ..preflight.train_step import batch_shapes
+    from .plan_verify import train_config
+
+    budget, table = args.gpu_memory_gb * GiB, table_for(args.gpu)
+    fits = {}
+    for opts in candidates(census, base):
+        plan = predict(census, opts)
+        key = (opts.gradient_checkpointing, opts.fp8_base, opts.zero_stage)
+        if plan.gpu_peak <= budget and key not in fits:  # candidates come with the fewest swapped blocks first
+            fits[key] = plan
+    shapes = batch_shapes(base.resolution, base.ref_images, base.prompt_tokens, base.batch_size)
+    rows = []
+    for plan in fits.values():
+        # swapped blocks' copies run beside the compute on a GPU (docs/SPEED.md): counted without them
+        cfg, preset = train_config(args, dataclasses.replace(plan.options, blocks_to_swap=0))
+        compute = predict_train(cfg, preset, shapes, table.key).seconds
+        o = plan.options  # each swapped block crosses the host link once per forward (and recompute) and backward
+        copies = o.blocks_to_swap * census.block_params * (1 if o.fp8_base else 2) * (3 if o.gradient_checkpointing
+                                                                                         else 2)
+        rows.append((max(compute, copies / (table.h2d_gbps * 1e9)), plan))
+    rows.sort(key=lambda r: r[0])
+    if not rows:
+        return None
+    lines = [f"  {s:6.3f} s/step  {base.batch_size / s:5.2f} samples/s  {p.gpu_peak / GiB:6.1f} GiB  "
+             f"{describe(p.options)}" for s, p in rows]
+    log.info("options that fit %.1f GiB, fastest first on %s (the time model, docs/SPEED.md):\n%s\nfastest: %s",
+             args.gpu_memory_gb, table.name, "\n".join(lines), describe(rows[0][1].options))
+    return rows[0][1]
