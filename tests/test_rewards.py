@@ -62,7 +62,7 @@ def test_a_users_function_and_a_jsonl_of_scores(tmp_path, monkeypatch):
 
 class _Judge:
     def score(self, source, instruction, output):
-        return {"overall": float(sum(output.getpixel((32, 32)))) / 100}
+        return {"judge": float(sum(output.getpixel((32, 32)))) / 100}
 
 
 def test_a_judge_term_and_what_fails_before_any_rollout(tmp_path):

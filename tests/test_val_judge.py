@@ -30,9 +30,10 @@ def test_validation_logs_the_judges_scores(store, tiny_pipe, tiny_model_dir, tmp
     rows = read_scores(tmp_path / "validation" / "step-3" / "scores.jsonl")
     assert sorted(r["judge"] for r in rows.values()) == [2.0, 4.0]
     assert v.metrics["val_judge"] == 3.0
-    for (*_, body), i in zip(requests, [0, 2]):  # the row's own instruction, the source and the output
-        assert store.meta(i).prompts[0] in body["messages"][0]["content"][0]["text"]
-        assert body["model"] == "judge-m" and len(body["messages"][0]["content"]) == 3
+    asked = sorted(body["messages"][0]["content"][0]["text"] for *_, body in requests)  # (asked at once)
+    for i in (0, 2):  # each row's own instruction, the source and the output
+        assert sum(store.meta(i).prompts[0] in text for text in asked) >= 1
+    assert all(body["model"] == "judge-m" and len(body["messages"][0]["content"]) == 3 for *_, body in requests)
     v.run(4, module, torch.device("cpu"), torch.float32)
     assert len(requests) == 4  # one judge, asked once per output at every validation
 
