@@ -82,15 +82,23 @@ def test_reads_imgedit_and_gedit_as_they_ship(tmp_path):
     assert detect(tmp_path / "g") == "gedit"
 
 
-def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir, tmp_path, judge_server, capsys):
+def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir, tmp_path, judge_server, capsys,
+                                                                monkeypatch):
+    """... and with --reward holding a judge term too, each row is turned into pixels once and judged once."""
+    from diffsynth_qie.inference import evaluate as ev
+
     url, requests = judge_server
+    converted, real = [], ev.case_pixels
+    monkeypatch.setattr(ev, "case_pixels", lambda *a, **k: converted.append(1) or real(*a, **k))
     bench = _imgedit_dir(tmp_path / "imgedit")
     lora = _lora(tmp_path / "mine.safetensors", 0)
     out, card = tmp_path / "out", tmp_path / "card.json"
     code = main(["eval-edits", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--bench", str(bench),
                  "--lora", str(lora), "--steps", "2", "--export", "imgedit", str(out), "--judge", f"{url}#judge-m",
-                 "--scorecard", str(card), "--device", "cpu"])
-    assert code == 0
+                 "--reward", "drift:1,judge:0.5", "--scorecard", str(card), "--device", "cpu"])
+    assert code == 0 and len(converted) == 4  # 2 rows x (base, LoRA), once each
+    for row in json.loads(card.read_text())["per_row"]["lora"]:
+        assert row["reward"] == pytest.approx(-row["shift_px"] + 0.5 * row["judge"])
     for column in ("base", "lora"):
         meta = json.loads((out / column / "edit.json").read_text())
         assert set(meta) == {"100", "101"} and meta["101"]["prompt"] == "make the animal red"
