@@ -42,6 +42,7 @@ def test_nft_trains_on_rewarded_rollouts_and_resumes_exactly(tiny_model_dir, cac
     (["--reward", "myrew:broken"], "'myrew:broken' returned a non-finite value"),
     (["--reward", "myrew:short"], "'myrew:short' returned 1 values for 2 rows"),
     (["--reward", "preserve", "--nft_group_size", "1"], "--nft_group_size"),
+    (["--reward", "judge", "--reward_judge", "http://127.0.0.1:9/v1#m#json"], "reply format 'json' is unknown"),
 ])
 def test_nft_refuses_in_one_line_before_any_rollout(tiny_model_dir, cache_dir, tmp_path, monkeypatch, capsys,
                                                      extra, message):

@@ -52,3 +52,21 @@ def test_a_bad_val_judge_is_refused_when_the_flags_are_parsed(capsys):
     assert "name the model the endpoint serves after '#'" in capsys.readouterr().err
     args = build_parser().parse_args(["train", "--val_judge", "http://127.0.0.1:8000/v1#m"])
     assert args.val_judge == "http://127.0.0.1:8000/v1#m"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--val_judge", "http://127.0.0.1:8000/v1#m#json"])
+    assert "reply format 'json' is unknown" in capsys.readouterr().err
+
+
+def test_the_judge_flags_reach_the_run_config():
+    from diffsynth_qie.cli import build_parser
+    from diffsynth_qie.commands.train import config_from_args
+
+    args = build_parser().parse_args(["train", "--loss", "nft", "--reward", "judge", "--reward_judge",
+                                      "http://127.0.0.1:8000/v1#m#viescore", "--judge_workers", "2", "--judge_timeout",
+                                      "5", "--judge_retries", "0", "--judge_max_tokens", "512", "--judge_on_dead", "skip",
+                                      "--reward_judge_max_failed", "0.5", "--reward_timeout", "30"])
+    cfg = config_from_args(args)
+    assert (cfg.judge.judge_workers, cfg.judge.judge_timeout, cfg.judge.judge_retries, cfg.judge.judge_max_tokens,
+            cfg.judge.judge_on_dead) == (2, 5.0, 0, 512, "skip")
+    assert (cfg.nft.reward_judge_max_failed, cfg.nft.reward_timeout) == (0.5, 30.0)
+    assert cfg.to_json()["judge"]["judge_workers"] == 2  # saved with the run's settings

@@ -169,6 +169,10 @@ def check_nft(cfg) -> None:
     if not nft.reward:
         raise ValueError("--loss nft needs --reward SPEC: what to reward, e.g. 'preserve:0.5,mypkg.rewards:blue' "
                          "(docs/REWARD.md)")
+    if nft.reward_judge:
+        from ...metrics.judge_spec import parse_spec
+
+        parse_spec(nft.reward_judge, "--reward_judge")  # (the spec alone: the judge is asked in the set-up)
     reward = parse_reward(nft.reward, judge=object() if nft.reward_judge else None)
     if any(name.startswith("jsonl:") for name, _, _ in reward.terms):
         raise ValueError("--reward jsonl:... scores rows, and every rollout of a row would get the same score: no "
