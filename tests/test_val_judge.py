@@ -14,16 +14,24 @@ from test_validation import cache_dir, run_config, store, training_module, valid
 
 @pytest.fixture
 def judge_url():
-    with chat_server(lambda seen: str(2 * len(seen))) as served:
+    """Answers the first four requests (two validations of two outputs), then never (past the test's timeout)."""
+    with chat_server(lambda seen: str(2 * len(seen)) if len(seen) <= 4 else {"delay": 60}) as served:
         yield served
 
 
-def test_validation_logs_the_judges_scores(store, tiny_pipe, tiny_model_dir, tmp_path, judge_url):  # noqa: F811
+def test_validation_logs_the_judges_scores(store, tiny_pipe, tiny_model_dir, tmp_path, judge_url,  # noqa: F811
+                                           caplog):
+    """... and a judge that stops answering costs a validation one --judge_timeout, naming the outputs."""
+    import logging
+    import time
+
+    from diffsynth_qie.metrics.judge_config import JudgeConfig
     from diffsynth_qie.training.validation_metrics import read_scores
 
     url, requests = judge_url
     config = run_config("sft")
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, val_judge=f"{url}#judge-m"))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, val_judge=f"{url}#judge-m"),
+                                 judge=JudgeConfig(judge_timeout=0.5, judge_retries=0))
     module = training_module(tiny_pipe.dit, config)
     v = validator(store, [0, 2], tmp_path, tiny_model_dir, steps=2, cfg=1.0)
     v.run(3, module, torch.device("cpu"), torch.float32)
@@ -36,6 +44,11 @@ def test_validation_logs_the_judges_scores(store, tiny_pipe, tiny_model_dir, tmp
     assert all(body["model"] == "judge-m" and len(body["messages"][0]["content"]) == 3 for *_, body in requests)
     v.run(4, module, torch.device("cpu"), torch.float32)
     assert len(requests) == 4  # one judge, asked once per output at every validation
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        v.run(5, module, torch.device("cpu"), torch.float32)
+    assert time.monotonic() - started < 30 and "val_judge" not in v.metrics and "val_psnr" in v.metrics
+    assert "2 of 2 row(s) got no score" in caplog.text and "within 0.5 s" in caplog.text
 
 
 def test_validation_without_a_judge_has_no_judge_field(store, tiny_pipe, tiny_model_dir, tmp_path):  # noqa: F811
