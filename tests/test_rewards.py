@@ -193,3 +193,24 @@ def test_nft_refuses_groups_of_one_and_bad_settings():
     assert torch.allclose(old[0], torch.full((3,), 0.25))
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         soft_update_(old, cur, 1.0)
+
+
+def test_a_reward_judge_that_goes_down_is_never_left_out():
+    """A reward judge that is down stops the run in one line, under --judge_on_dead stop (the judge's rule) and
+    skip alike: a reward is never computed without it."""
+    from conftest import chat_server
+    from diffsynth_qie.metrics.judge import OpenAIJudge
+    from diffsynth_qie.metrics.judge_config import JudgeConfig
+    from diffsynth_qie.metrics.judge_formats import format_named
+    from diffsynth_qie.metrics.rewards import RewardFailed
+    from diffsynth_qie.training.losses.nft import NFTConfig, build_reward
+
+    batch = _batch()
+    with chat_server(lambda seen: {"status": 503}) as (url, seen):
+        judge = OpenAIJudge(url, "m", format_named("number"), JudgeConfig(judge_retries=0))
+        with pytest.raises(RewardFailed, match=r"the reward judge m at .* is down \(3 requests in a row failed, the "
+                                               r"last: HTTP 503.*the run stops rather than train without its rewards"):
+            parse_reward("judge", judge=judge, max_failed=1.0)(batch)
+    nft = NFTConfig(reward="judge", reward_judge="http://127.0.0.1:9/v1#m")  # nothing listens there
+    with pytest.raises(ValueError, match="--reward judge cannot be left out"):
+        build_reward(nft, JudgeConfig(judge_timeout=0.5, judge_on_dead="skip"))

@@ -106,7 +106,7 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
 
     ``request_kwargs`` go to :class:`EditRequest` (steps, cfg, seed, lbm_steps, ...); the
     output has the target's size (without a target, the editor's size for the source).
-    ``judge``: a judge (``metrics/judge.py``) whose scores join each row's, asked while the next rows are edited;
+    ``judge``: a ``metrics.judge.ScoringJudge`` whose scores join each row's, asked while the next rows are edited;
     ``reward``: a ``metrics.rewards.Reward`` (``--reward``), its value joins each row's as ``reward`` (its judge
     terms take the row's judge score, asked once; a row the judge did not score has no reward). Each row is
     turned into pixels once, for the scorecard and the reward. ``column`` names the rows in the judge's line.
@@ -131,13 +131,16 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
 
             cards[-1]["clip_direction"] = float(clip_direction(clip, [case.images[0]], [result.image], [case.prompt])[0])
         if judge is not None:
-            pending.append(judge.submit(case.images[0], case.prompt, result.image, row_label(case, i, column))
-                           if hasattr(judge, "submit") else _done(judge.score(case.images[0], case.prompt, result.image)))
+            pending.append(judge.submit(case.images[0], case.prompt, result.image, row_label(case, i, column)))
         if reward is not None:
             partial.append(reward_of(rest, case, result.image, pixels) if getattr(rest, "terms", True) else 0.0)
     for card, verdict in zip(cards, pending):  # an absent answer adds nothing (metrics/judge.py)
         card.update(verdict.result().scores)
-    _log_unscored(judge, len(pending), column)
+    missed = judge.take_unscored() if judge is not None else []
+    if missed:
+        from ..metrics.judge import unscored_line
+
+        log.warning("%s", unscored_line(f"--judge ({column or 'rows'})", missed, len(pending)))
     for card, value in zip(cards, partial):
         if not judge_weight:
             card["reward"] = value
@@ -151,25 +154,6 @@ def row_label(case: EvalCase, index: int, column: str = "") -> str:
     key = case.extra.get("key")
     name = f"row {key}" if key is not None else f"row {index} ({case.prompt[:40]!r})"
     return f"{column} {name}" if column else name
-
-
-def _done(scores: dict):
-    """A judge with ``score()`` alone, as a finished verdict."""
-    from concurrent.futures import Future
-
-    from ..metrics.judge import Verdict
-
-    future: Future = Future()
-    future.set_result(Verdict(scores))
-    return future
-
-
-def _log_unscored(judge, total: int, column: str) -> None:
-    missed = judge.take_unscored() if hasattr(judge, "take_unscored") else []
-    if missed:
-        from ..metrics.judge import unscored_line
-
-        log.warning("%s", unscored_line(f"--judge ({column or 'rows'})", missed, total))
 
 
 def reward_of(reward, case: EvalCase, output: Image.Image, pixels=None) -> float:

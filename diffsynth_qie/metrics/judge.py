@@ -43,7 +43,12 @@ class Judge(Protocol):
 
 
 class JudgeDown(ValueError):
-    """A judge stopped answering and ``--judge_on_dead stop`` was chosen: the run stops with this one line."""
+    """A judge stopped answering and ``--judge_on_dead stop`` was chosen: the run stops with this one line;
+    ``what``: the judge and why it is down, without the advice."""
+
+    def __init__(self, message: str, what: str = ""):
+        super().__init__(message)
+        self.what = what or message
 
 
 @dataclass(frozen=True)
@@ -133,8 +138,9 @@ class ScoringJudge:
 
     def _unscore(self, label: str, why: str, quoted: Optional[str] = None, logged: bool = False) -> Verdict:
         if self._down and self.config.judge_on_dead == "stop":
-            raise JudgeDown(f"{self.name} is down ({self._down}); the run stops (--judge_on_dead stop). Start the "
-                            "judge, or pass --judge_on_dead skip to go on without it")
+            what = f"{self.name} is down ({self._down})"
+            raise JudgeDown(f"{what}; the run stops (--judge_on_dead stop). Start the judge, or pass --judge_on_dead "
+                            "skip to go on without it", what)
         with self._lock:
             self._unscored.append((label, why))
         if not logged:

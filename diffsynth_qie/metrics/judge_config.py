@@ -28,4 +28,4 @@ class JudgeConfig:
     judge_on_dead: Literal["stop", "skip"] = field(default="stop", metadata=cli_help(
         "when the judge does not answer (at the start, or 3 requests in a row later): stop the run with one line, "
         "or skip: go on without it (no judge score from then on; the run ends naming the rows without one). "
-        "A reward judge always stops the run past --reward_judge_max_failed"))
+        "A reward judge is never left out: down, it stops the run"))

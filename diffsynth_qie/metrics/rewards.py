@@ -94,13 +94,17 @@ def _judge_term(judge, max_failed: float = 0.0) -> Callable[[RewardBatch], list[
         return Image.fromarray((x.clamp(0, 1).permute(1, 2, 0) * 255).round().byte().cpu().numpy())
 
     def term(batch: RewardBatch) -> list[float]:
-        from .judge import Verdict
+        from .judge import JudgeDown, Verdict
 
         keys = list(batch.keys) or [""] * len(batch)
         items = [(to_pil(batch.source[i]), batch.instructions[i], to_pil(batch.output[i]), f"{keys[i]} #{i}")
                  for i in range(len(batch))]
-        verdicts = judge.assess_many(items) if hasattr(judge, "assess_many") else \
-            [Verdict(judge.score(*item[:3])) for item in items]  # (a judge with score() alone)
+        try:
+            verdicts = judge.assess_many(items) if hasattr(judge, "assess_many") else \
+                [Verdict(judge.score(*item[:3])) for item in items]  # (a judge with score() alone)
+        except JudgeDown as e:  # a reward judge is never left out: the run stops
+            raise RewardFailed(f"the reward {e.what}: the run stops rather than train without its rewards; start the "
+                               "judge and resume") from None
         values = [v.scores.get("judge") for v in verdicts]
         failed = [i for i, v in enumerate(values) if v is None]
         if not failed:

@@ -157,6 +157,9 @@ def build_reward(nft: NFTConfig, judge_config=None):
         from ...metrics.judge_spec import build_judge
 
         judge = build_judge(nft.reward_judge, "--reward_judge", judge_config)
+        if judge is None:  # (a local judge that is not there, or an endpoint that does not answer: said above)
+            raise ValueError(f"--reward_judge {nft.reward_judge}: the judge is not there (see the line above), and "
+                             "--reward judge cannot be left out; start it or give another --reward")
     return parse_reward(nft.reward, judge=judge, max_failed=nft.reward_judge_max_failed)
 
 
