@@ -22,7 +22,6 @@ from diffsynth_qie.lora.export_targets import EDIT, QWEN21, serving_targets
 from diffsynth_qie.lora.state import LoraModule, LoraState
 
 RUNTIMES = ("comfyui", "sglang", "vllm-omni", "kohya")
-ALPHA = 2.5
 
 
 def loads_exactly(fmt: str, tensors: dict, metadata: dict, linears: dict, family: str, want: dict) -> bool:
@@ -54,7 +53,7 @@ def _write(path, tensors: dict, metadata: dict | None = None):
 
 
 def made_files(linears: dict, family: str, tmp_path) -> dict:
-    """The files of each tool for a LoRA on the family's serving targets (mixed-in alpha 2.5)."""
+    """The files of each tool for a LoRA on the family's serving targets (alpha 2.5 where a file has one)."""
     from diffsynth_qie.lora.export import export_lora, save_lora
 
     targets = serving_targets(family)
@@ -82,9 +81,8 @@ def made_files(linears: dict, family: str, tmp_path) -> dict:
             # alpha = rank: the fused module is the file's only obstacle
             fused.update({f"{key}.lora_A.weight": m.A, f"{key}.lora_B.weight": b, f"{key}.alpha": torch.tensor(4.0)})
         files["ComfyUI, fused gate_up"] = _write(tmp_path / "comfy_fused.safetensors", fused)
-    for fmt in ("comfyui", "diffusers", "sglang"):
+    for fmt in ("comfyui", "diffusers", "sglang", "vllm-omni"):  # (vllm-omni: the single file)
         files[f"--format {fmt}"] = export_lora(files["ours"], tmp_path / f"{fmt}.safetensors", fmt)
-    files["--format vllm-omni"] = export_lora(files["ours"], tmp_path / "vllm.safetensors", "vllm-omni")
     return files
 
 
