@@ -291,7 +291,7 @@ def test_the_fake_device_runs_a_dpo_step_with_the_reference_pass():
     import dataclasses
 
     from diffsynth_qie.training.config import RunConfig
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
 
     def step(loss: str):
         cfg = RunConfig()

@@ -47,9 +47,16 @@ def _lora(path, seed, metadata=None):
     return save_lora(path, state, metadata=metadata)
 
 
+def _judged_by_instruction(seen):
+    """A verbose reply whose score follows the row's instruction (a column's rows are judged concurrently, in any
+    order), 2 more for the second column (the LoRA's: the base column is judged first)."""
+    text = seen[-1][2]["messages"][0]["content"][0]["text"]
+    return f"Image 2 shows the edit.\nStep 1 of 2 ... Score: {(2 if 'blue' in text else 7) + 2 * (len(seen) > 2)}/10"
+
+
 @pytest.fixture
 def judge_server():
-    with chat_server(lambda seen: f"{len(seen) % 10} points") as served:
+    with chat_server(_judged_by_instruction) as served:
         yield served
 
 
@@ -104,15 +111,23 @@ def test_two_rows_that_would_write_one_file_are_refused_before_anything_is_edite
     assert not (tmp_path / "out").exists()
 
 
-def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir, tmp_path, judge_server, capsys):
+def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir, tmp_path, judge_server, capsys,
+                                                                monkeypatch):
+    """... and with --reward holding a judge term too, each row is turned into pixels once and judged once."""
+    from diffsynth_qie.inference import evaluate as ev
+
     url, requests = judge_server
+    converted, real = [], ev.case_pixels
+    monkeypatch.setattr(ev, "case_pixels", lambda *a, **k: converted.append(1) or real(*a, **k))
     bench = _imgedit_dir(tmp_path / "imgedit")
     lora = _lora(tmp_path / "mine.safetensors", 0)
     out, card = tmp_path / "out", tmp_path / "card.json"
     code = main(["eval-edits", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--bench", str(bench),
                  "--lora", str(lora), "--steps", "2", "--export", "imgedit", str(out), "--judge", f"{url}#judge-m",
-                 "--scorecard", str(card), "--device", "cpu"])
-    assert code == 0
+                 "--reward", "drift:1,judge:0.5", "--scorecard", str(card), "--device", "cpu"])
+    assert code == 0 and len(converted) == 4  # 2 rows x (base, LoRA), once each
+    for row in json.loads(card.read_text())["per_row"]["lora"]:
+        assert row["reward"] == pytest.approx(-row["shift_px"] + 0.5 * row["judge"])
     for column in ("base", "lora"):
         meta = json.loads((out / column / "edit.json").read_text())
         assert set(meta) == {"100", "101"} and meta["101"]["prompt"] == "make the animal red"
@@ -121,7 +136,7 @@ def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir,
     assert len(requests) == 4 and all(body["model"] == "judge-m" for *_, body in requests)  # 2 rows x (base, LoRA)
     summary = json.loads(card.read_text())
     assert set(summary["metrics"]["judge"]) == {"base", "lora"}
-    assert [r["judge"] for r in summary["per_row"]["base"] + summary["per_row"]["lora"]] == [1.0, 2.0, 3.0, 4.0]
+    assert [r["judge"] for r in summary["per_row"]["base"] + summary["per_row"]["lora"]] == [2.0, 7.0, 4.0, 9.0]
     assert "edit_psnr" not in summary["metrics"]  # no targets: no fidelity, never invented
     err = capsys.readouterr().err
     assert "beats base" in err and "by judge" in err

@@ -181,8 +181,8 @@ def sub_path(out: str | Path) -> Path:
 def edit_load(args: argparse.Namespace, loras: list[tuple[str, float]]):
     """The load options of ``args`` as the preflight repeats them (each LoRA's rank read from its header)."""
     from ..inference.devices import parse_dtype
-    from ..inference.verify import EditLoad
-    from ..inference.verify_standins import lora_rank_of
+    from ..preflight.edit_step import EditLoad
+    from ..preflight.edit_standins import lora_rank_of
 
     return EditLoad(fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap,
                     lora_ranks=tuple(lora_rank_of(p) for p, _ in loras), lora_scales=tuple(s for _, s in loras),
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
                         for name in ("device", "text_encoder_device", "vae_device", "dit_device")})
 
     if not preset.is_tiny and family.fullsize_verify and not args.no_preflight:
-        from ..inference.verify_preflight import preflight
+        from ..preflight.edit import preflight
 
         preflight(args.model, request, edit_load(args, loras), args.gpu_memory_gb)
     editor = Editor.from_preset(args.model, model_dir=args.model_dir, device=args.device, torch_dtype=args.dtype,

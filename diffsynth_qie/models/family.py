@@ -123,7 +123,7 @@ QWEN21 = Family(
     max_references=10, licence="Qwen Research License (non-commercial use only)", has_tokenizer=False,
     lora_targets=QWEN21_LORA_TARGETS, ops="diffsynth_qie.models.qwen_image_21.qwen21_ops.Qwen21Ops",
     training_template="Qwen-Image", prompt_tensors=("pad",),  # pad: the references' slots in the prompt [L], bool
-    fullsize_verify=True, fake_standin="diffsynth_qie.memory.standin21.host_bookkeeping21",
+    fullsize_verify=True, fake_standin="diffsynth_qie.fakegpu.standin21.host_bookkeeping21",
     dit_class="diffsynth.models.qwen_image_21_dit.QwenImage21DiT",
     text_encoder_class="diffsynth.models.qwen_image_21_text_encoder.QwenImage21TextEncoder",
     vae_class="diffsynth.models.qwen_image_21_vae.QwenImage21VAE", streams=1,

@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 
 from ..data.formats import DatasetConfig, FieldNames
 from ..data.sampling import SamplingConfig
+from ..metrics.judge_config import JudgeConfig
 from ..metrics.judge_spec import VAL_JUDGE_HELP, judge_spec_type
 from ..models.preset_flags import preset_help, preset_list, preset_type
 from ..utils.cli_checks import INT64_MAX
@@ -216,6 +217,7 @@ class RunConfig:
     lbm: LBMConfig = field(default_factory=LBMConfig)  # used with --loss lbm
     dpo: DPOConfig = field(default_factory=DPOConfig)  # used with --loss dpo
     nft: NFTConfig = field(default_factory=NFTConfig)  # used with --loss nft
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # how --val_judge and --reward_judge are asked
     onthefly: OnTheFlyConfig = field(default_factory=OnTheFlyConfig)  # --on_the_fly, with the two below
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     fields: FieldNames = field(default_factory=FieldNames)

@@ -136,7 +136,7 @@ class Validator:
         renders = self.render(wrapped_module, device, dtype, entries)
         images, decoder = {}, self.decoder
         if self.accelerator.is_main_process or decoder.zero3():
-            scores, self.row_scores = [], {}
+            scores, self.row_scores, judged = [], {}, []
             with decoder.gathered():
                 for r in renders:
                     entry = entries[r.entry]
@@ -148,10 +148,12 @@ class Validator:
                         mask = entry.back_mask if which == "target" else None
                         source = refs[0] if refs and which == "target" else None
                         values = output_metrics(panels[1], panels[0], mask, self._lpips_model(), source)
-                        values.update(self._judged(wrapped_module, self.indices[r.entry], source, panels[1]))
+                        judged.append((values, self._judged(wrapped_module, self.indices[r.entry], source, panels[1],
+                                                            r.name)))
                         scores.append((r.stream, values))
                         self.row_scores[r.name] = values
                     images[r.name] = side_by_side(refs + panels)
+            self._gather_judged(judged, step)
             self.metrics = summarize(scores)
         if self.accelerator.is_main_process:
             seconds = time.perf_counter() - started
@@ -166,18 +168,30 @@ class Validator:
             return images
         return {}
 
-    def _judged(self, wrapped_module, index: int, source: Optional[Image.Image], output: Image.Image) -> dict:
-        """``{"judge": 0-10}`` from ``--val_judge`` (built on first use, from the module's ``RunConfig``) for an
-        output with a source; {} without a judge or an answer (metrics/judge.py never invents one)."""
+    def _judged(self, wrapped_module, index: int, source: Optional[Image.Image], output: Image.Image, name: str):
+        """The pending ``--val_judge`` verdict of an output with a source (the judge built on first use, from the
+        module's ``RunConfig``; its rows are scored while the next are decoded), or None without a judge."""
         if self._judge is None:
             from ..metrics.judge_spec import build_judge
 
             config = getattr(self.accelerator.unwrap_model(wrapped_module), "config", None)
             spec = getattr(getattr(config, "train", None), "val_judge", None)
-            self._judge = build_judge(spec, "--val_judge") or False
+            self._judge = build_judge(spec, "--val_judge", getattr(config, "judge", None)) or False
         if not self._judge or source is None:
-            return {}
-        return self._judge.score(source, self.store.meta(index).prompts[0], output)
+            return None
+        return self._judge.submit(source, self.store.meta(index).prompts[0], output, name)
+
+    def _gather_judged(self, judged: list, step: int) -> None:
+        """Each output's judge scores into its metrics ({} where the judge gave none: metrics/judge.py never
+        invents one), and one line naming the outputs it could not score."""
+        pending = [(values, verdict) for values, verdict in judged if verdict is not None]
+        for values, verdict in pending:
+            values.update(verdict.result().scores)
+        missed = self._judge.take_unscored() if self._judge else []
+        if missed:
+            from ..metrics.judge import unscored_line
+
+            log.warning("validation at step %d: %s", step, unscored_line("--val_judge", missed, len(pending)))
 
     def _lpips_model(self):
         if self._lpips is None:

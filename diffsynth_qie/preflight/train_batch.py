@@ -58,7 +58,7 @@ def text_dim(dit: torch.nn.Module) -> int:
 def fake_batch(shapes: Sequence[SampleShape], family, dim: int, *, lbm: bool, masks: bool,
                dtype: torch.dtype, pairs: bool = False) -> dict:
     """A collated batch on the fake device for ``family`` (a ``models.family.Family``)."""
-    from ..memory.standin21 import slot_mask21
+    from ..fakegpu.standin21 import slot_mask21
 
     def lat(h: int, w: int, channels: int = family.latent_channels) -> torch.Tensor:
         return torch.empty(channels, *family.latent_size(h, w), device=DEVICE, dtype=dtype)
