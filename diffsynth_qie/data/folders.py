@@ -5,10 +5,10 @@ Files are matched by *key*: the path below its folder without the extension
 candidate row; each ``--source`` folder must hold the same key (several sources make a
 multi-image edit, in the order given); ``--mask`` and ``--ref_gt`` are optional per row;
 with ``--rejected`` (a preference dataset's rejected outputs; the targets are the chosen ones)
-every row needs one, and a target without it is skipped with the reason. Prompts come from one of: ``--prompt`` (the same for every row), ``--prompts FILE``
-(CSV or JSONL with a ``stem`` column and ``prompt`` or ``instruction``, optionally
-``instruction_cn``, ``inverse_instruction``, ``inverse_instruction_cn``), or a ``.txt``
-beside each target (``<target>/<key>.txt``).
+every row needs one, and a target without it is skipped with the reason. Prompts come from
+one of: ``--prompt`` (the same for every row), ``--prompts FILE`` (CSV or JSONL with a ``stem``
+column and ``prompt`` or ``instruction``, optionally ``instruction_cn``, ``inverse_instruction``,
+``inverse_instruction_cn``), or a ``.txt`` beside each target (``<target>/<key>.txt``).
 
 Every image is opened with :func:`~.images.open_image` (the project's loader and its
 pixel cap) in worker processes: a row whose images cannot be read, exceed

@@ -172,8 +172,9 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
                                num_validation=t.num_validation if t.validate_every > 0 else 0,
                                num_replicas=accelerator.num_processes, rank=accelerator.process_index, live=live)
     dataset, sampler, store, val_idx = data.dataset, data.sampler, data.validation_store, data.validation_indices
-    if loss_spec(cfg.loss.loss).check_data is not None:  # the loss's own rows (--loss dpo: every row a pair)
-        loss_spec(cfg.loss.loss).check_data(dataset)
+    check_data = loss_spec(cfg.loss.loss).check_data
+    if check_data is not None:  # the loss's own rows, before the DiT loads (--loss dpo: every row a pair)
+        check_data(dataset)
     total_steps = total_optimizer_steps(cfg, len(sampler.epoch_batches(0)))
 
     set_seed(t.seed)  # the LoRA init, identical on every rank

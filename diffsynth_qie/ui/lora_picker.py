@@ -14,14 +14,11 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from .uploads import UIError
-
-log = logging.getLogger(__name__)
 
 NO_LORA = "(none)"
 LORA_SUFFIX = ".safetensors"

@@ -29,13 +29,10 @@ class LoraChoices:
     @contextlib.contextmanager
     def one_look(self) -> Iterator[LoraFolder]:
         """Inside: every LoRA question looks at one :class:`LoraFolder` (a callback's, a Generate check's)."""
-        look = _LOOK.get()
-        if look is not None and look.lora_dir == str(self.config.lora_dir):
-            yield look
-            return
-        token = _LOOK.set(LoraFolder(self.config.lora_dir))
+        look = self.folder()  # (inside another look: that one)
+        token = _LOOK.set(look)
         try:
-            yield _LOOK.get()
+            yield look
         finally:
             _LOOK.reset(token)
 
