@@ -31,6 +31,8 @@ class FakeRun:
     holders: list = field(default_factory=list)  # (our frame, bytes) at the run's highest moment
     uncovered: tuple = ()  # plan terms the run does not build
     notes: list = field(default_factory=list)
+    profile: object = None  # the whole DiT's counted kernels (fakegpu.costs.Profile; None with --verify_blocks)
+    steps_run: int = 0      # an edit's denoising steps run
 
 
 def train_config(args, options):
@@ -62,13 +64,15 @@ def train_config(args, options):
     return cfg.resolved(preset), preset
 
 
-def verify_and_compare(args, options, plan) -> str:
-    """Run ``options`` on the fake device, log its phases beside ``plan`` and return the verdict's line;
-    ``ValueError`` (one line) on a fake-device error or a failed verdict."""
+def verify_and_compare(args, options, plan) -> FakeRun:
+    """Run ``options`` on the fake device, log its phases beside ``plan`` and the verdict's line; returns the run
+    (its counted kernels time it). ``ValueError`` (one line) on a fake-device error or a failed verdict."""
     from ..fakegpu.verdict import gpu_bytes_of
 
     gpu = gpu_bytes_of(args.gpu_memory_gb)  # the visible GPU is asked before the fake device patches CUDA
-    return judge(args, options, plan, fake_run(args, options), gpu)
+    run = fake_run(args, options)
+    judge(args, options, plan, run, gpu)
+    return run
 
 
 def fake_run(args, options) -> FakeRun:
@@ -167,7 +171,7 @@ def _run_train(args, options, family) -> FakeRun:
     cfg, preset = train_config(args, options)
     shapes = batch_shapes(options.resolution, options.ref_images, options.prompt_tokens, options.batch_size,
                           mixed=args.mixed)
-    r = verify_train_step(cfg, preset, shapes, num_layers=args.verify_blocks)
+    r = verify_train_step(cfg, preset, shapes, num_layers=args.verify_blocks, costs=_counts(args))
     rows = [("weights (DiT + LoRA" + (" + encoders" if r.encoder_weights else "") + ", after setup)", r.weights)]
     if r.encoder_weights:  # --on_the_fly: the encoders built on the fake device and one sample encoded
         rows += [("  of which the on-the-fly encoders", r.encoder_weights),
@@ -177,6 +181,7 @@ def _run_train(args, options, family) -> FakeRun:
     run = FakeRun(f"one training step ({args.loss}, loss {r.loss_dtype})", rows,
                   "training step (steady state)", r.peak, r.weights, r.seconds,
                   notes=[f"optimizer {cfg.optim.optimizer}, as qie train runs --loss {args.loss}", *r.notes])
+    run.profile = r.costs
     run.uncovered = tuple(t for t in ("EMA validation copy of the LoRA (fp32)",) if options.validate_with != "raw")
     if options.on_the_fly and not r.encoder_weights:
         run.uncovered += ENCODER_TERMS
@@ -200,16 +205,18 @@ def _run_edit(args, options, family) -> FakeRun:
                     lora_ranks=tuple(r for r in options.lora_ranks if r))  # each stacked LoRA its own branches
     r = verify_edit(preset, resolution=options.resolution, ref_images=max(1, options.ref_images),
                     prompt_tokens=options.prompt_tokens, steps=args.edit_steps, cfg=cfg, num_layers=args.verify_blocks,
-                    kv_cache=options.kv_cache == "on", load=load, cache=args.cache, cache_method=args.cache_method,
-                    cache_threshold=args.cache_threshold)
+                    kv_cache=options.kv_cache == "on", load=load, costs=_counts(args), cache=args.cache,
+                    cache_method=args.cache_method, cache_threshold=args.cache_threshold)
     rows = [("weights", r.weights)] + [(f"{k} peak", getattr(r, f"{k}_peak")) for k in ("encode", "denoise", "decode")]
     if r.kv_cache:
         rows.append(("prefix KV caches", r.kv_cache))
     phase = max(rows[1:4], key=lambda kv: kv[1])[0].replace(" peak", "")
     peak = max(b for name, b in rows if name.endswith("peak"))
     cached = f", step cache {args.cache}: {r.cache_skipped} of {r.cache_calls} calls reused" if r.cache_calls else ""
-    run = FakeRun(f"one edit ({args.edit_steps} steps, CFG {cfg:g}{cached})", rows, f"edit: {phase}", peak, r.weights,
-                  r.seconds)
-    return run
+    return FakeRun(f"one edit ({args.edit_steps} steps, CFG {cfg:g}{cached})", rows, f"edit: {phase}", peak,
+                   r.weights, r.seconds, profile=r.costs, steps_run=args.edit_steps)
 
 
+def _counts(args) -> bool:
+    """Whether the run counts its kernels for the time prediction (the whole DiT, and time asked for)."""
+    return not (args.verify_blocks or getattr(args, "no_time", False))

@@ -29,7 +29,7 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT_DIR = os.path.dirname(PACKAGE_DIR)
 # the fake device's own modules: never "our frame" in a message or an attribution
 FAKE_DEVICE_FILES = tuple(os.sep + os.path.join("fakegpu", name) for name in (
-    "device.py", "ops.py", "accounting.py", "backward.py", "checks.py", "streams.py"))
+    "device.py", "ops.py", "accounting.py", "backward.py", "checks.py", "streams.py", "costs.py"))
 _recorders: list[list] = []
 
 

@@ -58,7 +58,12 @@ class FakeCuda:
     the device in a given dtype; :attr:`phases` records each phase's peak of live device bytes.
     """
 
-    def __init__(self):
+    def __init__(self, costs=False):
+        """``costs``: count what each kernel would cost a GPU (True, or a :class:`~.costs.CostCounter`), in
+        :attr:`costs`, split by phase (``costs.section``)."""
+        from .costs import CostCounter
+
+        self.costs: Optional[CostCounter] = CostCounter() if costs is True else (costs or None)
         self.memory = DeviceMemory()
         self.phases: list[PhasePeak] = []
         self._stack: Optional[contextlib.ExitStack] = None
@@ -69,6 +74,7 @@ class FakeCuda:
         streams = self._stack.enter_context(modelled_cuda_calls())
         self._stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         self._ops = self._stack.enter_context(HostRealDeviceFake(self.memory, streams))
+        self._ops.counter = self.costs
         self._stack.enter_context(cuda_looks_available())
         self._stack.enter_context(FusedAttention(self._ops))
         self._stack.enter_context(module_moves_set_data())
@@ -116,6 +122,8 @@ class FakeCuda:
         ``host_syncs=True``. ``torch.tensor([device scalars])`` reads values: an error anywhere in a phase."""
         self.memory.reset_peak()
         start = self.memory.current
+        if self.costs is not None:
+            self.costs.section = name
         saved = self._ops.phase, self._ops.sync
         self._ops.phase, self._ops.sync = (None if host_syncs else name), None
         try:

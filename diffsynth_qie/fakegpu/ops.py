@@ -159,6 +159,7 @@ class HostRealDeviceFake(CheckingMode):
         self.memory, self.streams = memory, streams or StreamOrder()
         self.phase: Optional[str] = None
         self.sync: Optional[str] = None
+        self.counter = None  # a costs.CostCounter while a run's kernels are counted (FakeCuda(costs=...))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -184,6 +185,8 @@ class HostRealDeviceFake(CheckingMode):
             raise FakeRunError(f"{kind} {func} at {our_frame()}: {e}") from None
         outs = tree_flatten(out)[0]
         self.memory.add_tensors(outs)
+        if self.counter is not None:
+            self.counter.record(func, args, kwargs, out)
         if packet in (aten._to_copy, aten.copy_):
             self.streams.issued_copy(outs, our_frame())
         return out

@@ -1,7 +1,7 @@
 """``qie edit``'s preflight: the user's whole edit on a fake CUDA device before a real preset loads, and its
 memory verdict.
 
-The edit runs as ``qie edit`` would run it (``verify.verify_edit`` with the user's :class:`EditRequest` and
+The edit runs as ``qie edit`` would run it (``edit_step.verify_edit`` with the user's :class:`EditRequest` and
 :class:`~.verify.EditLoad`: references and mask at their real sizes, strength, schedule, CFG, LBM, every LoRA,
 FP8, block swapping, ``--compile``) on a DiT of :data:`PREFLIGHT_BLOCKS` full-width blocks. A device or dtype
 mismatch, or a host read inside the sampling loop, raises ``ValueError`` naming our file:line in seconds instead

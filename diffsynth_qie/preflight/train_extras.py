@@ -1,4 +1,4 @@
-"""What a fake-device training step runs besides forward, backward and the optimizer step (``verify.py``).
+"""What a fake-device training step runs besides forward, backward and the optimizer step (``train_step.py``).
 
 - **ProdigyPlusScheduleFree's own host reads.** The library reads values on the host by design: its step-size
   estimate ``d`` once per step and, when it sets up a parameter's state, whether the parameter is all zero

@@ -54,6 +54,8 @@ class StepReport:
     swap_events: list = dataclasses.field(default_factory=list)  # (what, block) of the block swapper, in order
     notes: list = dataclasses.field(default_factory=list)
     verdict: object = None      # the preflight's fakegpu.verdict.MemoryVerdict, scaled to the whole DiT
+    costs: object = None        # with costs=True: the step's counted kernels (fakegpu.costs.Profile)
+    prediction: object = None   # the preflight's predicted step time (preflight.timing.TimePrediction)
 
     @property
     def peak(self) -> int:
@@ -72,13 +74,17 @@ class StepReport:
         return self.after_step - self.weights
 
 
+STEP_SECTIONS = ("forward", "backward", "optimizer step")  # the counted kernels of one step (not validation)
+
+
 def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Optional[int] = None,
-                      dtype: torch.dtype = torch.bfloat16, encode: bool = True) -> StepReport:
+                      dtype: torch.dtype = torch.bfloat16, encode: bool = True, costs: bool = False) -> StepReport:
     """Run one optimizer step of ``cfg`` (a resolved ``RunConfig``) on ``preset``'s DiT on the fake device.
 
     Raises :class:`~..fakegpu.device.FakeRunError` where a GPU run would fail (a device or dtype
     mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests);
     ``encode=False`` leaves ``--on_the_fly``'s encoders out (the preflight builds them in one of its two runs).
+    ``costs``: count each kernel's cost (``report.costs``: sections :data:`STEP_SECTIONS` and validation).
     """
     from ..lora.frozen import first_blocks_copy
 
@@ -87,10 +93,10 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
         if cfg.lora.frozen_lora and num_layers is not None:  # the shallower DiT attaches its first blocks' part
             cfg = dataclasses.replace(cfg, lora=dataclasses.replace(
                 cfg.lora, frozen_lora=str(first_blocks_copy(cfg.lora.frozen_lora, num_layers, tmp))))
-        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0)
+        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs)
 
 
-def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> StepReport:
+def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs=False) -> StepReport:
     from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
     from ..models.presets import family_of
@@ -102,7 +108,7 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
     report = StepReport()
     t, family, spec = cfg.train, family_of(preset), loss_spec(cfg.loss.loss)
     lbm = spec.bridge
-    with FakeCuda() as fc, family.fake_device_standin(), library_host_reads(cfg.optim.optimizer):
+    with FakeCuda(costs=costs) as fc, family.fake_device_standin(), library_host_reads(cfg.optim.optimizer):
         torch.manual_seed(t.seed)
         # built on the device (a real load goes through the host first for FP8; the step is what counts);
         # PEFT makes the adapters beside their weights
@@ -129,9 +135,11 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
         generator = torch.Generator().manual_seed(t.seed)
         with compiled(cfg, module):
             with fc.phase("forward + backward"):
+                _section(fc, "forward")
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss, _ = module(batch, generator)
                 report.loss_dtype = str(loss.dtype).replace("torch.", "")
+                _section(fc, "backward")
                 backward(loss)
             del loss, batch
             report.after_backward = fc.current_bytes
@@ -149,6 +157,12 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
                     validate_once(cfg, preset, module, optimizer, ema, entry)
                 report.validation_peak = fc.phases[-1].peak_bytes
         del module, optimizer, dit, ema, encoders
+        report.costs = fc.costs.profile if fc.costs is not None else None
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _section(fc, name: str) -> None:
+    if fc.costs is not None:
+        fc.costs.section = name
 

@@ -19,6 +19,7 @@ import torch
 
 from ..utils.dir_lock import TrainLock
 from .config import RunConfig
+from .exports import check_exports
 from .placement import process_group_timeout, weight_dtype
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def setup(config: RunConfig, preflight: Optional[Callable] = None) -> Run:
     preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
     cfg = config.resolved(preset)
     check_flags(cfg)
+    check_exports(cfg, preset)  # --export against the modules this run trains, not after the last step
     out = Path(config.train.output_dir)
     existed, had_lock = out.exists(), (out / TrainLock.name).exists()
     lock = TrainLock(config.train.output_dir).acquire_for_ranks(accelerator)  # one run per --output_dir
@@ -170,6 +172,9 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
                                num_validation=t.num_validation if t.validate_every > 0 else 0,
                                num_replicas=accelerator.num_processes, rank=accelerator.process_index, live=live)
     dataset, sampler, store, val_idx = data.dataset, data.sampler, data.validation_store, data.validation_indices
+    check_data = loss_spec(cfg.loss.loss).check_data
+    if check_data is not None:  # the loss's own rows, before the DiT loads (--loss dpo: every row a pair)
+        check_data(dataset)
     total_steps = total_optimizer_steps(cfg, len(sampler.epoch_batches(0)))
 
     set_seed(t.seed)  # the LoRA init, identical on every rank

@@ -248,6 +248,31 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("loaded_image", None, "Textbox", dict(visible=False)),
 )
 
+# --- what each sampler shows ------------------------------------------------------------------------
+LIGHTNING_DEFAULT_STEPS = 8
+FLOW_DEFAULT_STEPS = 40
+
+
+def steps_for_mode(new: str, prev: str, steps: float, saved: float | None) -> tuple[float, float | None]:
+    """(steps to show, steps to remember) when the sampler changes from ``prev`` to ``new``.
+
+    Entering Lightning remembers the user's steps and shows 8; leaving it gives them back
+    (never leaves a flow-matching run silently at Lightning's 8).
+    """
+    if new == MODE_LIGHTNING and prev != MODE_LIGHTNING:
+        return LIGHTNING_DEFAULT_STEPS, steps
+    if prev == MODE_LIGHTNING and new != MODE_LIGHTNING:
+        return saved or FLOW_DEFAULT_STEPS, saved
+    return steps, saved
+
+
+def shown_for_mode(mode: str) -> dict[str, bool]:
+    """Which sampler widgets ``mode`` shows: LBM has its own steps and no CFG; Lightning runs 4/8 steps at CFG 1;
+    the negative prompt only where CFG applies (it has no effect at CFG 1)."""
+    lbm, few = mode == MODE_LBM, mode == MODE_LIGHTNING
+    return {"steps": not lbm, "cfg": not (lbm or few), "lbm_steps": lbm, "negative_prompt": not (lbm or few)}
+
+
 SETTING: dict[str, Setting] = {s.name: s for s in SETTINGS}
 INPUT_NAMES: tuple[str, ...] = tuple(SETTING)                      # Generate's inputs
 RECORDED: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.record)
