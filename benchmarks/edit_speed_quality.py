@@ -3,6 +3,7 @@
     python -m benchmarks.edit_speed_quality                 # the levels (off, balanced, fast), both families
     python -m benchmarks.edit_speed_quality --sweep         # and a threshold sweep of both methods
     python -m benchmarks.edit_speed_quality --calibrate     # first re-measure the schedule method's curves
+    python -m benchmarks.edit_speed_quality --time_model    # and the time model's H100 / H200 seconds (minutes)
 
 The CPU demo's held-out rows ("make the red circle blue", 64², ``data/demo.py``) are edited by the demo's LoRA
 (trained first on the demo's training rows, ``--lora_steps``; 0 edits with the base alone, whose edit PSNR barely
@@ -21,7 +22,9 @@ setting. Per setting:
   batch, DiffSynth's pipeline 34.9 s; 2.1 at 40 steps CFG 4, one reference, with its prefix KV cache, 13.1 s for
   80 calls) scaled by the DiT calls run, a ``first_block`` reuse costing one block of the real DiT's (60 for 2511,
   32 for 2.1). An H100 has the same dense bf16 FLOP rate, so the FLOP count predicts the same seconds there
-  (its lower memory bandwidth, which the element-wise third of a step feels, is not modelled).
+  (its lower memory bandwidth, which the element-wise third of a step feels, is not modelled);
+- **time model H100 / H200 s** (``--time_model``): the fake-device time model's seconds (``docs/SPEED.md``) of
+  the real model's 1024² edit with one reference, the steps after the first scaled by the DiT work left.
 
 ``--calibrate`` runs the demo's training rows (never the held-out ones) exactly, records the blocks' mean
 residual magnitude at every σ, and writes ``diffsynth_qie/models/samplers/step_cache_curves.json`` (one curve
@@ -54,6 +57,42 @@ def predicted_seconds(family: str, stats, method: str | None) -> float:
     reuse_cost = 1.0 / blocks if method == "first_block" else 0.0
     work = (stats.calls - stats.skipped + stats.skipped * reuse_cost) / stats.calls
     return seconds * work
+
+
+#: the real preset each tiny base stands for, for ``--time_model``
+REAL = {"qwen-image-edit": "2511", "qwen-image-2.1": "2.1"}
+GPUS = ("h100", "h200")
+
+
+def time_model(family: str) -> dict:
+    """``--time_model``: the fake-device time model's pieces of the real model's 1024² edit (one reference, 40
+    steps, CFG 4) per GPU: (seconds of the encoding, first step and decode, seconds of each later step)."""
+    from diffsynth_qie.fakegpu.timemodel import gpu_table, predict
+    from diffsynth_qie.models.presets import get_preset
+    from diffsynth_qie.preflight.edit_step import verify_edit
+    from diffsynth_qie.preflight.timing import DEPTHS, full_depth, step_profile
+
+    preset = get_preset(REAL[family])
+    reports = [verify_edit(preset, steps=2, cfg=CFG, num_layers=n, costs=True) for n in DEPTHS]
+    profile = step_profile(reports, full_depth(preset))
+    out = {}
+    for gpu in GPUS:
+        table = gpu_table(gpu)
+        out[gpu] = (predict(profile, table, sections=("encode", "denoise", "decode")).seconds,
+                    predict(profile, table, sections=("denoise_next",)).seconds)
+    return out
+
+
+def time_model_seconds(pieces: tuple, stats, method: str | None, family: str) -> float:
+    """The time model's seconds with a step cache: the later steps' DiT work scaled by what the cache left (the
+    first step is never reused)."""
+    once, later = pieces
+    if stats is None or not stats.calls:
+        return once + (STEPS - 1) * later
+    reuse_cost = 1.0 / MEASURED[family][3] if method == "first_block" else 0.0
+    later_calls = stats.calls * (STEPS - 1) / STEPS
+    work = 1.0 - stats.skipped * (1.0 - reuse_cost) / later_calls
+    return once + (STEPS - 1) * later * work
 
 
 def _editor(model: str, data: Path, lora_steps: int):
@@ -176,6 +215,7 @@ def bench_model(model: str, data: Path, args, lpips_model, curves: dict | None) 
         write_curves(curves)
     editor = _editor(model, data, args.lora_steps)
     sweep = args.sweep
+    pieces = time_model(family) if args.time_model else None
     exact = run_setting(editor, heldout, "off", lpips_model)
     rows = []
     for name, cache in settings_to_run(sweep):
@@ -192,6 +232,10 @@ def bench_model(model: str, data: Path, args, lpips_model, curves: dict | None) 
                      "preserve_psnr": row["preserve_psnr"], "d_preserve": row["preserve_psnr"] - exact["preserve_psnr"],
                      "seconds": seconds, "x_exact": MEASURED[family][0] / seconds,
                      "x_stock": stock / seconds if stock else None})
+        if pieces is not None:
+            for gpu in GPUS:
+                rows[-1][f"tm_{gpu}"] = time_model_seconds(pieces[gpu], _Stats(row["calls"], row["skipped"]), method,
+                                                           family)
         log.info("%s %-24s saved %5.1f %%  PSNR vs exact %5.1f  edit PSNR %+.2f dB", model, name,
                  100 * rows[-1]["saved"], rows[-1]["psnr_exact"], rows[-1]["d_edit"])
     return rows
@@ -212,12 +256,16 @@ def markdown(rows: list[dict], rows_per_model: int, lpips: bool, lora_steps: int
              "| model | setting | DiT calls saved | PSNR vs exact | SSIM vs exact | LPIPS vs exact | "
              "held-out edit PSNR (Δ) | preservation PSNR (Δ) | predicted s/image | × exact | × DiffSynth |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if any("tm_h100" in r for r in rows):
+        lines[2] += " time model H100 / H200 s |"
+        lines[3] += "---|"
     for r in rows:
+        tm = f" {r['tm_h100']:.1f} / {r['tm_h200']:.1f} |" if "tm_h100" in r else ""
         lines.append(f"| {r['model']} | {r['setting']} | {100 * r['saved']:.1f} % | {f(r['psnr_exact'], '.1f')} | "
                      f"{r['ssim_exact']:.4f} | "
                      f"{f(r['lpips_exact'], '.4f') if lpips else 'n/a'} | {r['edit_psnr']:.2f} ({r['d_edit']:+.2f}) | "
                      f"{r['preserve_psnr']:.2f} ({r['d_preserve']:+.2f}) | {r['seconds']:.1f} | "
-                     f"{r['x_exact']:.2f} | {f(r['x_stock'], '.2f')} |")
+                     f"{r['x_exact']:.2f} | {f(r['x_stock'], '.2f')} |" + tm)
     return "\n".join(lines)
 
 
@@ -251,6 +299,9 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "tiny-2.1"])
     parser.add_argument("--rows", type=int, default=8, help="held-out rows per model")
     parser.add_argument("--sweep", action="store_true", help="also a threshold sweep of both methods")
+    parser.add_argument("--time_model", action="store_true",
+                        help="also the fake-device time model's H100 / H200 seconds of the real model's 1024² edit "
+                             "(runs it at full width: a few minutes)")
     parser.add_argument("--lora_steps", type=int, default=150,
                         help="train the demo's LoRA for this many steps and edit with it (0: the base alone)")
     parser.add_argument("--calibrate", action="store_true", help="re-measure the schedule method's curves first")
