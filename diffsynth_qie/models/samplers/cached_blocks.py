@@ -169,7 +169,7 @@ class StepCache:
         """The one host read of the ``first_block`` method, one boolean per DiT call: the host must know whether
         to queue the other blocks. The host waits until the call's first block has run (with what was queued
         before it); the device then idles only while the host queues the next kernel, microseconds against a
-        call of about 0.4-0.9 s at 1024² (the other blocks are not queued yet, so nothing else is held up). On
+        call of about 0.16-0.9 s at 1024² (the other blocks are not queued yet, so nothing else is held up). On
         the fake device: :attr:`answer_without_reading`."""
         if StepCache.answer_without_reading is not None:
             return StepCache.answer_without_reading
