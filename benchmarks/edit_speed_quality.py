@@ -282,8 +282,8 @@ def acceptance(rows: list[dict], lpips: bool) -> list[str]:
         if level == "balanced" and lpips:
             ok = ok and r["lpips_exact"] is not None and r["lpips_exact"] <= 0.05
         out.append(f"{r['model']} {r['setting']}: {'meets' if ok else 'misses'} the target (saved "
-                   f"{100 * r['saved']:.1f} % ≥ {100 * saved:.0f} %, |Δ edit PSNR| {abs(r['d_edit']):.2f} and |Δ preservation| "
-                   f"{abs(r['d_preserve']):.2f} ≤ {within} dB"
+                   f"{100 * r['saved']:.1f} % ≥ {100 * saved:.0f} %, |Δ edit PSNR| {abs(r['d_edit']):.2f} and "
+                   f"|Δ preservation| {abs(r['d_preserve']):.2f} ≤ {within} dB"
                    f"{', LPIPS ≤ 0.05' if level == 'balanced' and lpips else ''})")
     return out
 

@@ -242,7 +242,8 @@ def test_the_fake_device_runs_the_reusing_path_and_lets_only_the_designed_read_t
     report = run("first_block")
     assert report.cache_calls == 4 and report.cache_skipped == 2  # each branch: step 1 computes, step 2 reuses
     monkeypatch.setattr(device, "step_cache_answers", contextlib.nullcontext)  # the read no longer answered
-    with pytest.raises(FakeRunError, match=r"host read .* at diffsynth_qie/models/samplers/cached_blocks\.py:\d+ \(read\)"):
+    where = r"host read .* at diffsynth_qie/models/samplers/cached_blocks\.py:\d+ \(read\)"
+    with pytest.raises(FakeRunError, match=where):
         run("first_block")
     if model == "tiny":
         run("schedule")  # the schedule reads nothing on the host: it runs unanswered

@@ -113,8 +113,8 @@ def add_cache_arguments(group) -> None:
     from ..models.samplers.step_cache import LEVEL_NAMES, METHODS
 
     group.add_argument("--cache", default="off", choices=LEVEL_NAMES,
-                       help="step cache: reuse the DiT blocks' work of an earlier step at some steps (docs/STEP_CACHE.md); "
-                            "off = every step exact (default); balanced = about half the DiT calls at 40 steps, "
+                       help="step cache: reuse the DiT blocks' work of an earlier step at some steps "
+                            "(docs/STEP_CACHE.md); off = every step exact (default); balanced = about half the DiT calls at 40 steps, "
                             "held-out edits within 0.3 dB; fast = about two thirds, within 1 dB; LBM: no effect")
     group.add_argument("--cache_method", default=None, choices=METHODS,
                        help="first_block (the levels' own): the first block's change decides each call (one boolean "

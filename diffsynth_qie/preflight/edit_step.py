@@ -6,8 +6,8 @@ real VAE, all built on the fake device (``fakegpu/device.py``) through the famil
 ``family_ops``; no family is named here): the VAE encoding of the references at their real size, the denoising
 steps with true CFG (one batch, or two passes when the prompts' lengths differ, as on a GPU), the edit strength's
 part-way start, the Lightning schedule, the step cache (``--cache``: the fake device answers its decisions with
-"reuse" wherever allowed, ``fakegpu/device.py``), the mask's latent and pixel blends, LBM, the unmerged branches of every
-LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (``compile_blocks`` with the
+"reuse" wherever allowed, ``fakegpu/device.py``), the mask's latent and pixel blends, LBM, the unmerged branches
+of every LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (``compile_blocks`` with the
 eager backend: dynamo compiles the blocks, and the compiled graphs run on the fake device, checked and
 counted), Qwen-Image-2.1's prefix KV cache, and the VAE decode. The host-side stand-ins
 (prompt token bookkeeping, the finished image's host copy, a family's DiT bookkeeping) are in

@@ -47,9 +47,6 @@ class CacheSettings:
     def warmup_steps(self, steps: int) -> int:
         return max(1, math.ceil(self.warmup * steps))
 
-    def describe(self) -> str:
-        return f"{self.method}, threshold {self.threshold:g}, warm-up {self.warmup:g}, at most {self.max_skips} in a row"
-
 
 # The levels, per method; the first method listed is the level's own. Chosen from the threshold sweep of
 # benchmarks/edit_speed_quality.py on both tiny bases at 40 steps, CFG 4 (docs/STEP_CACHE.md): ``balanced`` reuses
