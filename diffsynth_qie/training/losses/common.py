@@ -1,6 +1,6 @@
 """Pure helpers the training losses share (flow-matching SFT in ``sft.py``, LBM in ``lbm.py``).
 
-Per-sample pieces: noising and the velocity target (:func:`noised`), the prompt join, mask weights, the per-sample MSE,
+Per-sample pieces: noising, the velocity target, mask weights, the per-sample MSE,
 the weighted batch mean and reproducible noise; and, for the losses that decode latents (``--lbm_pixel_loss``,
 ``--loss nft``), the frozen VAE they load alone and their refusal of ZeRO-3. They import nothing from the losses.
 """
@@ -21,29 +21,6 @@ def add_noise(latents: Tensor, noise: Tensor, sigma: Tensor | float) -> Tensor:
 def flow_target(latents: Tensor, noise: Tensor) -> Tensor:
     """Velocity target ``ε - x0`` (DiffSynth's ``scheduler.training_target``)."""
     return noise - latents
-
-
-def noised(x0: Tensor, noise: Tensor, sigma: Tensor | float) -> tuple[Tensor, Tensor]:
-    """One sample's noisy latents ``x_σ`` (in ``x0``'s dtype) and its velocity target ``ε - x0`` (fp32), computed
-    in fp32 from its own noise and σ: the step every flow-matching loss takes per sample (sft, dpo, nft)."""
-    x, eps = x0.float(), noise.float()
-    return add_noise(x, eps, sigma).to(x0.dtype), flow_target(x, eps)
-
-
-def joined_prompts(ops, batch: dict) -> list:
-    """Each sample's prompt as its family's DiT takes it: the embedding joined with the extra tensors the cache
-    keeps beside it (``FamilyOps.join_prompt``; 2.1: the references' slot mask)."""
-    extras = batch.get("prompt_extras") or [{}] * len(batch["prompt_emb"])
-    return [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)]
-
-
-def pixel_weights(masks: Sequence[Optional[Tensor]], config) -> list:
-    """Each sample's ``--mask_loss_weights`` map (:func:`mask_weights`); None for a sample without a mask, and
-    for every sample without the flag."""
-    if config.loss.mask_loss_weights is None:
-        return [None] * len(masks)
-    inside, outside = config.loss.mask_loss_weights
-    return [None if m is None else mask_weights(m, inside, outside) for m in masks]
 
 
 def mask_weights(back_mask: Tensor, inside: float, outside: float) -> Tensor:

@@ -142,7 +142,7 @@ def flow_dpo_loss(dit, batch: dict, config, generator: "torch.Generator | None" 
     from ...models.family_ops import ops_for
     from ...models.presets import family_of
     from ..timesteps import Strata, draw_timesteps
-    from .common import joined_prompts, noised, per_sample_mse, pixel_weights, sample_noise, weighted_batch_mean
+    from .common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
 
     chosen = batch["target_latents"]
     rejected = _rejected_of(batch)
@@ -154,17 +154,20 @@ def flow_dpo_loss(dit, batch: dict, config, generator: "torch.Generator | None" 
         one = None if strata is None else Strata((strata.strata[b],), strata.count)
         d = draw_timesteps(1, config.timesteps, generator, weighting=config.loss.loss_weighting, strata=one,
                            family=ops.family)
-        noise = sample_noise(xw, generator)  # one ε for both images of the pair
+        noise = sample_noise(xw, generator).float()  # one ε for both images of the pair
         sigma = d.sigmas[0].to(xw.device, torch.float32)
         for k, x0 in enumerate((xw, xl)):
-            x_sigma, target = noised(x0, noise, sigma)
-            noisy[k].append(x_sigma)
-            velocity[k].append(target)
+            noisy[k].append(add_noise(x0.float(), noise, sigma).to(x0.dtype))
+            velocity[k].append(flow_target(x0.float(), noise))
         draws.append(d)
     timesteps = torch.cat([d.timesteps for d in draws]).to(chosen[0].device)
     weights = torch.cat([d.weights for d in draws])
-    prompts = joined_prompts(ops, batch)
-    pixel_w = pixel_weights(batch["back_mask"], config)
+    extras = batch.get("prompt_extras") or [{}] * n
+    prompts = [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)]
+    pixel_w = [None] * n
+    if config.loss.mask_loss_weights is not None:
+        inside, outside = config.loss.mask_loss_weights
+        pixel_w = [None if m is None else mask_weights(m, inside, outside) for m in batch["back_mask"]]
 
     def errors(grad: bool) -> "Tensor":  # [2, B]: chosen and rejected in one DiT call of 2B samples
         pred = ops.forward(dit, noisy[0] + noisy[1], torch.cat([timesteps, timesteps]), prompts * 2,

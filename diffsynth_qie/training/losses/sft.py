@@ -52,9 +52,10 @@ def flow_match_sft_loss(dit, batch: dict, config, generator: "torch.Generator | 
     from ...models.family_ops import ops_for
     from ...models.presets import family_of
     from ..timesteps import Strata, draw_timesteps
-    from .common import joined_prompts, noised, per_sample_mse, pixel_weights, sample_noise, weighted_batch_mean
+    from .common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
 
     targets = batch["target_latents"]
+    n = len(targets)
     ops = ops_for(family_of(config.train.model))  # the model family's DiT call and σ schedule (models/family_ops.py)
     draws = []
     noisy, velocity = [], []
@@ -66,18 +67,22 @@ def flow_match_sft_loss(dit, batch: dict, config, generator: "torch.Generator | 
                            family=ops.family)
         noise = sample_noise(x0, generator)
         sigma = d.sigmas[0].to(x0.device, torch.float32)
-        x_sigma, target = noised(x0, noise, sigma)
-        noisy.append(x_sigma)
-        velocity.append(target)
+        noisy.append(add_noise(x0.float(), noise.float(), sigma).to(x0.dtype))
+        velocity.append(flow_target(x0.float(), noise.float()))
         draws.append(d)
     timesteps = torch.cat([d.timesteps for d in draws])
     weights = torch.cat([d.weights for d in draws])
+    extras = batch.get("prompt_extras") or [{}] * n
     pred = ops.forward(
-        dit, noisy, timesteps.to(targets[0].device), joined_prompts(ops, batch),
+        dit, noisy, timesteps.to(targets[0].device), [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)],
         batch["edit_latents"], zero_cond_t=bool(config.train.zero_cond_t),
         use_gradient_checkpointing=config.train.gradient_checkpointing and torch.is_grad_enabled(),
     )
-    losses = [per_sample_mse(p, t, w) for p, t, w in zip(pred, velocity, pixel_weights(batch["back_mask"], config))]
+    pixel_w = [None] * n
+    if config.loss.mask_loss_weights is not None:
+        inside, outside = config.loss.mask_loss_weights
+        pixel_w = [None if m is None else mask_weights(m, inside, outside) for m in batch["back_mask"]]
+    losses = [per_sample_mse(p, t, w) for p, t, w in zip(pred, velocity, pixel_w)]
     loss = weighted_batch_mean(losses, weights)
     metrics = {
         "mse": torch.stack(losses).detach().mean(),
