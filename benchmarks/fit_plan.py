@@ -2,7 +2,7 @@
 
     python -m benchmarks.fit_plan            # prints the measurements, the fitted constants and the check
 
-Each case is one real training step (``training/verify.py``: the 2511 DiT at full width, bf16 as
+Each case is one real training step (``preflight/train_step.py``: the 2511 DiT at full width, bf16 as
 ``--compute_precision`` says (pure by default: ``CALIBRATION``; autocast: ``AUTOCAST_CALIBRATION``),
 rank-32 LoRA on the 2511 targets, 1024² target + one 1024² reference + 300 prompt tokens) at 2 and 4 blocks,
 with and without activation checkpointing. The activation term is what the steady-state peak holds beyond
@@ -23,7 +23,7 @@ GiB = 1024 ** 3
 def step_case(depth: int, checkpointing: bool, rank: int = 32, precision: str = "auto"):
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.training.config import RunConfig
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
 
     preset = get_preset("2511")
     cfg = RunConfig()
@@ -67,7 +67,7 @@ def main() -> None:
         else:
             fitted["K_BLOCK"] = slope - lora_per_token
             fitted["K_OUTSIDE"] = intercept
-    from diffsynth_qie.inference.verify import verify_edit
+    from diffsynth_qie.preflight.edit_step import verify_edit
     from diffsynth_qie.models.presets import get_preset
 
     e = verify_edit(get_preset("2511"), num_layers=2, lora_rank=32)  # no graph: one block's working set at a time

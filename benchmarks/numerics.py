@@ -130,10 +130,14 @@ def precision_parity(module, entry: dict, seed: int) -> dict:
         for p, dtype in zip(params, dtypes):
             p.data = p.data.to(dtype)
     a, b = torch.cat([g.flatten() for g in pure_grads]), torch.cat([g.flatten() for g in auto_grads])
-    return {"loss_pure": float(pure_loss), "loss_autocast": float(auto_loss),
-            "rel_diff": abs(float(pure_loss) - float(auto_loss)) / max(abs(float(auto_loss)), 1e-12),
-            "grad_cosine": float(torch.nn.functional.cosine_similarity(a, b, 0)),
-            "grad_rel_diff": float((a - b).norm() / b.norm().clamp_min(1e-12))}
+    out = {"loss_pure": float(pure_loss), "loss_autocast": float(auto_loss),
+           "rel_diff": abs(float(pure_loss) - float(auto_loss)) / max(abs(float(auto_loss)), 1e-12),
+           "grad_cosine": float(torch.nn.functional.cosine_similarity(a, b, 0)),
+           "grad_rel_diff": float((a - b).norm() / b.norm().clamp_min(1e-12))}
+    out["line"] = (f"pure bf16 vs bf16 autocast (`--compute_precision`), one step: loss {out['loss_pure']:.6g} vs "
+                   f"{out['loss_autocast']:.6g} (relative difference {out['rel_diff']:.1e}), gradients cosine "
+                   f"{out['grad_cosine']:.5f}, relative difference {out['grad_rel_diff']:.1e}")
+    return out
 
 
 def run_all(module, pipe, entry: dict, seed: int, device, blocks_to_swap: int) -> dict:

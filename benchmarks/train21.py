@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 times = common.time_calls(lambda: losses.append(step()), device, cfg.warmup, cfg.steps)
                 med = common.median(times)
                 row.update(status="ok", median_s=med, times_s=times, samples_per_s=batch / med,
-                           peak_mem_gib=common.peak_memory_gib(device), flops_step=flops,
+                           **common.memory_fields(device), flops_step=flops,
                            mfu=flops / (med * matmul), loss_last=float(losses[-1]))
             except Exception as exc:  # noqa: BLE001 - a failed case is a result row
                 common.record_failure(row, exc, device, log)

@@ -189,12 +189,12 @@ def run_case(spec: CaseSpec, ckpt: str, rank: int, module, pipe, dims: flops.DiT
         med = common.median(times)
         counted = flops.lora_step_flops(dims, spec.samples, zero_cond_t=True)
         row.update(status="ok", median_s=med, min_s=min(times), times_s=times,
-                   samples_per_s=spec.batch / med, peak_mem_gib=common.peak_memory_gib(device),
+                   samples_per_s=spec.batch / med, **common.memory_fields(device),
                    flops_step=counted, mfu=flops.mfu(counted, med, matmul_rate),
                    loss_last=float(losses[-1]))
     except Exception as exc:  # noqa: BLE001 - a failed case is a result row, the run goes on
         if common.is_oom(exc):
-            row.update(status="OOM", peak_mem_gib=common.peak_memory_gib(device))
+            row.update(status="OOM", **common.memory_fields(device))
         else:
             log.exception("case %s failed", row["id"])
             row.update(status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")

@@ -204,7 +204,7 @@ def test_benchmark_step_is_set_up_as_qie_train(precision, tiny_model_dir, cache_
 
 # --- fused AdamW and pinned copies at the step's start ------------------------------------------------
 def test_adamw_is_fused_on_a_gpu_only():
-    from diffsynth_qie.memory.fake_device import FakeCuda
+    from diffsynth_qie.fakegpu.device import FakeCuda
     from diffsynth_qie.training.config import OptimConfig
     from diffsynth_qie.training.optim import build_optimizer
 
@@ -223,7 +223,7 @@ def test_adamw_is_fused_on_a_gpu_only():
 def test_batches_reach_a_gpu_through_pinned_memory_without_blocking():
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from diffsynth_qie.memory.fake_device import FakeCuda
+    from diffsynth_qie.fakegpu.device import FakeCuda
     from diffsynth_qie.training.module import _to_device
 
     class Copies(TorchDispatchMode):

@@ -3,7 +3,7 @@ prefix KV cache, the VAE's working set. Their own module so that ``plan.py`` and
 from __future__ import annotations
 
 # Activation constants, in elements (of ``dtype_bytes``) per token and per unit of model width, fitted on
-# full-width training steps and edits of the real 2511 DiT on the fake CUDA device (``memory/fake_device.py``,
+# full-width training steps and edits of the real 2511 DiT on the fake CUDA device (``fakegpu/device.py``,
 # ``python -m benchmarks.fit_plan``): bf16 without autocast (``--compute_precision pure``, the default), rank-32
 # LoRA on the 2511 targets, 1024² target + one 1024² reference + 300 prompt tokens, at 2 and 4 blocks (a line
 # through the two depths), with and without checkpointing; attention runs the fused (flash / memory-efficient)

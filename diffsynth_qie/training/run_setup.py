@@ -13,12 +13,13 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..utils.dir_lock import TrainLock
 from .config import RunConfig
+from .exports import check_exports
 from .placement import process_group_timeout, weight_dtype
 
 log = logging.getLogger(__name__)
@@ -113,10 +114,11 @@ def forget_refused(output_dir: Path, existed: bool, had_lock: bool) -> None:
         (output_dir / TrainLock.name).unlink(missing_ok=True)
 
 
-def setup(config: RunConfig) -> Run:
+def setup(config: RunConfig, preflight: Optional[Callable] = None) -> Run:
     """Accelerator, the checked config, the output-directory lock, then the run (:func:`build_run`). Every flag
     is checked before the lock creates --output_dir; if the set-up still fails (a missing weight file, a
-    refused resume), the lock is released and what this run created is removed (:func:`forget_refused`)."""
+    refused resume), the lock is released and what this run created is removed (:func:`forget_refused`).
+    ``preflight(cfg, preset)`` runs before a real preset's DiT loads (``Hooks.before_load``)."""
     from ..models.presets import get_preset
 
     accelerator = make_accelerator(config)  # first: under ZeRO-3 the DiT must be built partitioned
@@ -124,11 +126,12 @@ def setup(config: RunConfig) -> Run:
     preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
     cfg = config.resolved(preset)
     check_flags(cfg)
+    check_exports(cfg, preset)  # --export against the modules this run trains, not after the last step
     out = Path(config.train.output_dir)
     existed, had_lock = out.exists(), (out / TrainLock.name).exists()
     lock = TrainLock(config.train.output_dir).acquire_for_ranks(accelerator)  # one run per --output_dir
     try:
-        return build_run(cfg, preset, accelerator, ds_config, lock)
+        return build_run(cfg, preset, accelerator, ds_config, lock, preflight)
     except BaseException:
         lock.release()
         if accelerator.is_main_process:
@@ -136,7 +139,8 @@ def setup(config: RunConfig) -> Run:
         raise
 
 
-def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lock) -> Run:
+def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lock,
+              preflight: Optional[Callable] = None) -> Run:
     """Cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
     from accelerate.utils import set_seed
 
@@ -171,15 +175,16 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
                                num_validation=t.num_validation if t.validate_every > 0 else 0,
                                num_replicas=accelerator.num_processes, rank=accelerator.process_index, live=live)
     dataset, sampler, store, val_idx = data.dataset, data.sampler, data.validation_store, data.validation_indices
+    check_data = loss_spec(cfg.loss.loss).check_data
+    if check_data is not None:  # the loss's own rows, before the DiT loads (--loss dpo: every row a pair)
+        check_data(dataset)
     total_steps = total_optimizer_steps(cfg, len(sampler.epoch_batches(0)))
 
     set_seed(t.seed)  # the LoRA init, identical on every rank
     check_device_for(preset, accelerator.device, explicit_cpu=t.device == "cpu")
     check_fp8_base(cfg, ds_config)
     check_block_swap(cfg, ds_config)  # both before the (long) load
-    if not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:
-        from .verify_preflight import preflight
-
+    if preflight is not None and not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
         set_seed(t.seed)
     module, swapper = build_module(cfg, preset, accelerator, ds_config)
