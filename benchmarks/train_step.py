@@ -215,13 +215,14 @@ def run_case(spec: CaseSpec, ckpt: str, rank: int, module, pipe, dims: flops.DiT
     return row
 
 
-def options_of(cfg: TrainBenchConfig) -> dict:
+def options_of(cfg: TrainBenchConfig, impl: str = "ours") -> dict:
+    """A row's options (in its id); stock's step has no --compute_precision (its ids stay as they were)."""
     return {"sdpa_backend": cfg.sdpa_backend, "compile_blocks": cfg.compile_blocks, "fp8_base": cfg.fp8_base,
-            "lora_fp32": cfg.lora_fp32, "compute_precision": cfg.compute_precision}
+            "lora_fp32": cfg.lora_fp32, **({"compute_precision": cfg.compute_precision} if impl == "ours" else {})}
 
 
 def base_row(spec: CaseSpec, ckpt: str, rank: int, cfg: TrainBenchConfig, env: dict, swap: int = 0) -> dict:
-    opts = {**options_of(cfg), **({"blocks_to_swap": swap} if swap else {})}
+    opts = {**options_of(cfg, spec.impl), **({"blocks_to_swap": swap} if swap else {})}
     opt_key = ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
     tag = f"/{cfg.tag}" if cfg.tag else ""
     return {
