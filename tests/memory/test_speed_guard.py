@@ -94,3 +94,11 @@ def test_the_guard_names_the_casts_of_a_planted_regression(monkeypatch):
     with pytest.raises(AssertionError, match=r"(?s)2511 train: one block moves .* over its budget.*_to_copy at "
                                              r"\S+\.py:\d+"):
         check("2511 train", train_block("2511"))
+
+
+def test_the_guard_fails_when_autocast_over_fp32_adapters_comes_back():
+    """The step before pure bf16 (autocast: fp32 norms and modulation, cast again for every consumer) is over the
+    budget, naming the casts."""
+    with pytest.raises(AssertionError, match=r"(?s)2511 train: one block moves .* over its budget.*_to_copy at "
+                                             r"\S+\.py:\d+"):
+        check("2511 train", train_block("2511", run_config("2511", compute_precision="autocast")))
