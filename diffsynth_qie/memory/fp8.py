@@ -65,7 +65,7 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return q.to(dtype) * scale.to(dtype)[:, None]
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
@@ -139,7 +139,7 @@ class Fp8Linear(torch.nn.Module):
         return dequantize_weight(self.weight, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Fp8LinearFn.apply(x, self.weight_bits, self.scale_bits, self.bias, _compute_dtype(x))
+        return _Fp8LinearFn.apply(x, self.weight_bits, self.scale_bits, self.bias, compute_dtype(x))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
