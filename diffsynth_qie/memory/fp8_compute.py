@@ -3,8 +3,10 @@
 :func:`enable_fp8_compute` turns each :class:`~.fp8.Fp8Linear` of ``--fp8_base`` (e4m3 weights, one power-of-two
 scale per output channel) into an :class:`Fp8ComputeLinear`, which multiplies the stored bits themselves:
 
-1. the activation's rows are quantised to e4m3 with a dynamic power-of-two scale per row (the row's maximum lands
-   in [224, 448), as the weight's): one reduction, one scale, one cast, with no rounding but e4m3's own;
+1. the activation's rows are quantised to e4m3 with a dynamic power-of-two scale per row, read off the row
+   maximum's exponent bits (the maximum lands in [128, 256)): one reduction, three tiny kernels on the ``[M, 1]``
+   scales, one exact division and one cast, with no rounding but e4m3's own; layers fed the very same tensor one
+   after another (the attention's q, k and v projections) reuse it (:func:`rows_of`);
 2. ``torch._scaled_mm(x_q, q.T, scale_a=[M, 1], scale_b=[1, N], bias, out_dtype=bf16)``: row-wise scaling,
    fp32 accumulation (``use_fast_accum=False``), the bias added in the epilogue. ``q.T`` is the column-major
    operand the kernel wants as stored, without a copy.
@@ -23,23 +25,54 @@ LoRA branches (PEFT's, around the base layer) stay bf16 on top. Layers with a si
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 
 import torch
 
-from .fp8 import FP8_DTYPE, Fp8Linear, compute_dtype, linear_input_grad, power_of_two_scale
+from .fp8 import FP8_DTYPE, Fp8Linear, compute_dtype, linear_input_grad
 
 log = logging.getLogger(__name__)
 
 FP8_CAPABILITY = (8, 9)
 FLAG = "--fp8_compute"
+EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                 torch.float32: (torch.int32, 0x7F800000)}
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_q, scale)`` of a 2-D ``x``: ``x_q`` float8_e4m3fn, ``scale`` fp32 ``[M, 1]`` powers of two, with
-    ``x ≈ x_q · scale`` row by row (dividing by a power of two is exact: e4m3's rounding is the only error)."""
-    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=1, keepdim=True)
-    scale = power_of_two_scale(amax)
-    return (x / scale.to(x.dtype)).to(FP8_DTYPE), scale
+    """``(x_q, scale)`` of a 2-D ``x`` (bf16, fp16 or fp32): ``x_q`` float8_e4m3fn, ``scale`` fp32 ``[M, 1]``
+    powers of two, with ``x ≈ x_q · scale`` row by row. The scale is the row maximum's exponent bits (``2^floor(log2
+    max)``) over 128, so the maximum lands in [128, 256); dividing by a power of two is exact: e4m3's rounding is the
+    only error."""
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+    ints, mask = EXPONENT_BITS[x.dtype]
+    scale = (amax.view(ints) & mask).view(x.dtype) * 2.0 ** -7
+    return (x / scale).to(FP8_DTYPE), scale.float()
+
+
+_held = threading.local()
+
+
+def rows_of(x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` of ``x2`` (``x``'s rows), reused while the next call brings the very same ``x``
+    unchanged (same object, same version counter): DiffSynth's attention feeds one tensor to ``to_q``, ``to_k`` and
+    ``to_v``, which then quantise it once, not three times. One entry per thread, dropped when ``x`` is freed;
+    not under ``torch.compile`` (its graph fuses and deduplicates the quantisation itself) or for inference tensors
+    (no version counter)."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return quantize_rows(x2)
+    entry = getattr(_held, "entry", None)
+    if entry is not None and entry[0]() is x and entry[1] == x._version:
+        return entry[2]
+
+    def drop(ref):
+        if getattr(_held, "entry", (None,))[0] is ref:
+            _held.entry = None
+
+    out = quantize_rows(x2)
+    _held.entry = (weakref.ref(x, drop), x._version, out)
+    return out
 
 
 def emulated_scaled_mm(x_q, w_t, scale_a, scale_b, bias, out_dtype):
@@ -54,7 +87,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias) -> t
     :func:`emulated_scaled_mm` elsewhere. The output has ``x``'s dtype (bf16 on a GPU)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    x_q, scale_a = quantize_rows(x2 if x2.is_contiguous() else x2.contiguous())
+    x_q, scale_a = rows_of(x, x2 if x2.is_contiguous() else x2.contiguous())
     scale_b = scale.view(1, -1)
     bias = None if bias is None else bias.to(x.dtype)
     if x.device.type == "cuda":
