@@ -60,7 +60,7 @@ def _reference(x, layer, bias):
 def test_the_emulation_matches_an_independent_quantisation_reference_and_bf16_within_tolerance():
     """Tolerances: against the reference (same quantisation, exact products) at most one bf16 unit in the last
     place where fp32 accumulation rounds the other way (|Δ| <= 2^-7 |y| + 2^-12 max|y of the row|, in under 2 % of
-    the outputs; measured: none). Against the bf16 linear with the original weights:
+    the outputs; measured: 0.002 %). Against the bf16 linear with the original weights:
     e4m3 on both operands, relative Frobenius error < 0.06 (measured 0.037), and more than 0.01 (FP8 really ran)."""
     linear, layer = _layer()
     x = _activations((2, 300, 256))
