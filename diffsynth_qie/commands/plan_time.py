@@ -79,7 +79,8 @@ def log_time(args, options, verified=None) -> None:
 
     steps = args.steps or family.default_steps
     cfg = 4.0 if options.cfg else 1.0
-    load = EditLoad(fp8_base=options.fp8_base, fp8_compute=options.fp8_compute, blocks_to_swap=options.blocks_to_swap,
+    load = EditLoad(fp8_base=options.fp8_base, fp8_compute=options.fp8_compute,
+                    blocks_to_swap=options.blocks_to_swap,
                     lora_ranks=tuple(r for r in options.lora_ranks if r))
     if verified is not None and verified.profile is not None:
         from ..preflight.timing import TimePrediction, edit_estimate

@@ -98,7 +98,8 @@ def linear_input_grad(ctx, grad_out):
     g = grad_out.to(ctx.dtype)
     grad_x = None
     if ctx.needs_input_grad[0]:
-        grad_x = (g @ dequantize_weight(bits.view(FP8_DTYPE), scale_bits.view(torch.float32), ctx.dtype)).to(ctx.x_dtype)
+        weight = dequantize_weight(bits.view(FP8_DTYPE), scale_bits.view(torch.float32), ctx.dtype)
+        grad_x = (g @ weight).to(ctx.x_dtype)
     grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.bias_grad else None
     return grad_x, None, None, grad_b, None
 
