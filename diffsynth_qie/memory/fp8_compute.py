@@ -67,7 +67,8 @@ def rows_of(x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         return entry[2]
 
     def drop(ref):
-        if getattr(_held, "entry", (None,))[0] is ref:
+        held = getattr(_held, "entry", None)
+        if held is not None and held[0] is ref:
             _held.entry = None
 
     out = quantize_rows(x2)
