@@ -98,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--fp8_base", action="store_true",
                    help="store the DiT's block weights as float8 e4m3 with per-channel scales (about half "
                         "the DiT memory of bf16; compute stays in --dtype)")
+    d.add_argument("--fp8_compute", action="store_true",
+                   help="multiply those FP8 weights in FP8 on the tensor cores (torch._scaled_mm, row-wise scales, "
+                        "activations quantised per row; implies --fp8_base; LoRA branches stay bf16); needs a GPU "
+                        "with FP8 (compute capability 8.9+: L40S, RTX 4090, H100, H200) and bf16")
     d.add_argument("--compile", action="store_true",
                    help="torch.compile each DiT block (regional; faster steps on a GPU after about a minute of compiling)")
     d.add_argument("--gpu_memory_gb", type=checked(float, 0.1, 1 << 20), default=None, metavar="GB",
@@ -202,7 +206,8 @@ def edit_load(args: argparse.Namespace, loras: list[tuple[str, float]]):
     from ..preflight.edit_step import EditLoad
     from ..preflight.edit_standins import lora_rank_of
 
-    return EditLoad(fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap,
+    return EditLoad(fp8_base=args.fp8_base or args.fp8_compute, fp8_compute=args.fp8_compute,
+                    blocks_to_swap=args.blocks_to_swap,
                     lora_ranks=tuple(lora_rank_of(p) for p, _ in loras), lora_scales=tuple(s for _, s in loras),
                     lora_merge=args.lora_merge, compile=args.compile, zero_cond_t=args.zero_cond_t,
                     dtype=parse_dtype(args.dtype), one_gpu=one_gpu(args))
@@ -259,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
                                                            vae=args.vae_device, dit=args.dit_device),
                                 cpu_offload=args.cpu_offload,
                                 zero_cond_t=args.zero_cond_t, lora_merge=args.lora_merge,
-                                fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap)
+                                fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap,
+                                fp8_compute=args.fp8_compute)
     if args.compile:
         from ..models.load.compile import compile_blocks
 

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="recompute DiT blocks in backward (on by default, as in qie train)")
     parser.add_argument("--fp8_base", action="store_true", help="frozen DiT linears in FP8 (e4m3 + scales)")
+    parser.add_argument("--fp8_compute", action="store_true",
+                        help="those linears multiplied in FP8 (qie train / qie edit --fp8_compute; implies --fp8_base); "
+                             "refused for a --gpu without FP8 tensor cores (A100)")
     parser.add_argument("--blocks_to_swap", type=checked(int, 0, 1 << 10), default=0, help="DiT blocks kept in host RAM")
     parser.add_argument("--zero_stage", type=int, default=0, choices=(0, 2, 3))
     parser.add_argument("--num_gpus", type=checked(int, 1, 1 << 16), default=1)
@@ -106,6 +109,10 @@ def run(args) -> int:
 
     if cache_settings(args.cache, args.cache_method, args.cache_threshold) is not None and args.task != "edit":
         raise ValueError(f"--cache {args.cache} is an edit's step cache; add --task edit, or drop --cache")
+    if args.fp8_compute and isinstance(getattr(args, "gpu", None), str):
+        from .plan_time import check_fp8_table
+
+        check_fp8_table(args.gpu)
     census = _census(args)
     if not family.fullsize_verify:
         log.warning("%s: weights, LoRA and optimizer state are counted exactly; activations use the constants "
@@ -152,7 +159,8 @@ def options_of(args):
     return PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
                        prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
                        optimizer=args.optimizer or loss_spec(args.loss).default_optimizer, gradient_checkpointing=args.gradient_checkpointing,
-                       fp8_base=args.fp8_base, blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
+                       fp8_base=args.fp8_base or args.fp8_compute, fp8_compute=args.fp8_compute,
+                       blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
                        num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
                        text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu",
                        ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),

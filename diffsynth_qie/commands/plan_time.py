@@ -33,6 +33,15 @@ def table_for(gpu):
     return gpu_table(gpu)
 
 
+def check_fp8_table(gpu: str) -> None:
+    """``--fp8_compute`` for a ``--gpu`` whose table has no FP8 GEMM rate (no FP8 tensor cores): refused."""
+    from ..memory.fp8_compute import fp8_refusal
+
+    table = table_for(gpu)
+    if not table.has_fp8:
+        raise fp8_refusal(table.name, f"--gpu {gpu}")
+
+
 def memory_of(gpu, gpu_memory_gb):
     """``--gpu_memory_gb``, else what ``--gpu`` says (its number, or its table's memory)."""
     if gpu_memory_gb is not None or gpu is None:
@@ -70,7 +79,8 @@ def log_time(args, options, verified=None) -> None:
 
     steps = args.steps or family.default_steps
     cfg = 4.0 if options.cfg else 1.0
-    load = EditLoad(fp8_base=options.fp8_base, blocks_to_swap=options.blocks_to_swap,
+    load = EditLoad(fp8_base=options.fp8_base, fp8_compute=options.fp8_compute,
+                    blocks_to_swap=options.blocks_to_swap,
                     lora_ranks=tuple(r for r in options.lora_ranks if r))
     if verified is not None and verified.profile is not None:
         from ..preflight.timing import TimePrediction, edit_estimate

@@ -47,9 +47,9 @@ def train_config(args, options):
         cfg,
         train=dataclasses.replace(cfg.train, model=args.model, cache_dir="-", output_dir="-",
                                   batch_size=options.batch_size, gradient_checkpointing=options.gradient_checkpointing,
-                                  fp8_base=options.fp8_base, blocks_to_swap=options.blocks_to_swap,
-                                  ema_decay=ema_decay, validate_with=options.validate_with,
-                                  compute_precision=options.compute_precision),
+                                  fp8_base=options.fp8_base, fp8_compute=options.fp8_compute,
+                                  blocks_to_swap=options.blocks_to_swap, ema_decay=ema_decay,
+                                  validate_with=options.validate_with, compute_precision=options.compute_precision),
         lora=dataclasses.replace(cfg.lora, lora_rank=options.lora_rank),
         optim=dataclasses.replace(cfg.optim, optimizer=options.optimizer),
         loss=dataclasses.replace(cfg.loss, loss=args.loss))
@@ -201,7 +201,8 @@ def _run_edit(args, options, family) -> FakeRun:
 
     preset = get_preset(args.model)
     cfg = 4.0 if options.cfg else 1.0
-    load = EditLoad(fp8_base=options.fp8_base, blocks_to_swap=options.blocks_to_swap,
+    load = EditLoad(fp8_base=options.fp8_base, fp8_compute=options.fp8_compute,
+                    blocks_to_swap=options.blocks_to_swap,
                     lora_ranks=tuple(r for r in options.lora_ranks if r))  # each stacked LoRA its own branches
     r = verify_edit(preset, resolution=options.resolution, ref_images=max(1, options.ref_images),
                     prompt_tokens=options.prompt_tokens, steps=args.edit_steps, cfg=cfg, num_layers=args.verify_blocks,

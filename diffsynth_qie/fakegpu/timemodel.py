@@ -61,6 +61,11 @@ class GpuTable:
                 eff = e
         return rate * eff
 
+    @property
+    def has_fp8(self) -> bool:
+        """FP8 tensor cores (an FP8 GEMM rate in the table)."""
+        return "float8_e4m3fn" in self.gemm_tflops
+
     def to_json(self) -> dict:
         d = dict(self.__dict__)
         d.pop("key")

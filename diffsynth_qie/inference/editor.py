@@ -116,13 +116,15 @@ class Editor:
     def from_preset(cls, model: str = "tiny", model_dir=None, device: str | None = None,
                     torch_dtype: str | torch.dtype | None = None, device_map: Mapping[str, str] | str | None = None,
                     cpu_offload: bool = False, zero_cond_t: bool | None = None,
-                    lora_merge: bool = False, fp8_base: bool = False, blocks_to_swap: int = 0) -> "Editor":
+                    lora_merge: bool = False, fp8_base: bool = False, blocks_to_swap: int = 0,
+                    fp8_compute: bool = False) -> "Editor":
         """Load ``model`` (edit, 2509, 2511, tiny; tiny is built on first use) and wrap it.
 
         dtype ``None``/"auto": bf16 when any component runs on a GPU, fp32 on CPU.
         With a ``device_map``, ``cpu_offload``, ``fp8_base`` or ``blocks_to_swap`` the weights are loaded on the
         CPU first. ``fp8_base``: the DiT's block linears are stored as FP8 (``memory/fp8.py``), quantised
-        from a host copy straight onto the DiT's device; LoRAs are then applied unmerged.
+        from a host copy straight onto the DiT's device; LoRAs are then applied unmerged. ``fp8_compute`` (implies
+        ``fp8_base``): those layers multiply in FP8 (``memory/fp8_compute.py``; a GPU below sm_89 is refused).
         """
         from ..models.load.loading import default_device, load_pipeline
 
@@ -134,6 +136,11 @@ class Editor:
             on_gpu = any(not d.startswith("cpu") for d in devices.values())
             dtype = torch.bfloat16 if on_gpu else torch.float32
         split = len(set(devices.values())) > 1
+        fp8_base = fp8_base or fp8_compute
+        if fp8_compute:
+            from ..memory.fp8_compute import check_fp8_gpu, enable_fp8_compute
+
+            check_fp8_gpu(devices["dit"])
         load_device = "cpu" if (cpu_offload or split or fp8_base or blocks_to_swap) else device
         pipe = load_pipeline(model, model_dir=model_dir, device=load_device, torch_dtype=dtype, zero_cond_t=zero_cond_t,
                              map_weights=any(d.startswith("cuda") for d in devices.values()))  # host staging
@@ -143,6 +150,8 @@ class Editor:
 
             quantize_linears(pipe.dit.requires_grad_(False), device="cpu" if cpu_offload else devices["dit"],
                              host=swapped_blocks(pipe.dit, blocks_to_swap))  # (swapped blocks: back to the host)
+            if fp8_compute:
+                enable_fp8_compute(pipe.dit)
         pipe.device = devices["dit"]  # where the pipeline's own intermediate tensors live
         return cls(pipe, device_map=devices, cpu_offload=cpu_offload, lora_merge=lora_merge,
                    blocks_to_swap=blocks_to_swap)

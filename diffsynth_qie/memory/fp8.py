@@ -2,10 +2,15 @@
 
 ``quantize_linears(dit)`` replaces every frozen ``nn.Linear`` under ``transformer_blocks``
 (≈99.6 % of the real DiT's 20 B parameters) by :class:`Fp8Linear`. The weight is kept as
-``float8_e4m3fn`` bits, ``w ≈ q · s`` with ``s = max|w_row| / 448`` per output channel, and
-dequantised to the compute dtype inside ``forward`` (weight-only quantisation: it halves the
-memory of a bf16 base, it does not make matmuls faster). The backward pass saves the FP8
-weight, not a dequantised copy, so a step holds one layer's full-precision weight at a time.
+``float8_e4m3fn`` bits, ``w ≈ q · s`` with one scale per output channel, ``s`` the power of two with
+``max|w_row| / s`` in [224, 448). A power of two makes the dequantised weight ``q · s`` exact in bf16 (``q`` has
+4 significant bits), so ``forward`` scales the weight, not the output: one cast and one multiply of the weight
+(3 + 4 bytes per weight), then one bf16 GEMM with the bias fused, for ``--fp8_base`` (weight-only
+quantisation: half the memory of a bf16 base, no faster matmuls). Scaling the output instead costs three fp32
+passes over it, 20 bytes per output element, and the output is 2.8x the weight at 8.5 k tokens. The backward
+pass saves the FP8 weight, not a dequantised copy, and dequantises it again for ``dX = dY @ W``; a step holds
+one layer's full-precision weight at a time. ``--fp8_compute`` multiplies the FP8 bits themselves
+(``memory/fp8_compute.py``).
 
 What stays in full precision: LoRA adapters (PEFT's ``lora_A``/``lora_B``; for a PEFT-wrapped
 linear only its ``base_layer`` is quantised), every linear with a trainable parameter (fully
@@ -20,8 +25,9 @@ them, and ``compute dtype = first frozen floating-point parameter`` rules keep w
 
 Error bound (round-to-nearest into e4m3's 3 mantissa bits): for every element,
 ``|w - q·s| <= 2^-4·|w| + 2^-10·s`` (relative 2^-4 for normal numbers, half the subnormal
-step below), hence per channel ``max|w - q·s| <= max|w| / 28`` (the top binade's half step,
-16, over 448).
+step below), hence per channel ``max|w - q·s| <= max|w| / 16`` (the row's maximum lands in [224, 448); a
+scale of exactly ``max|w| / 448`` bounded it by ``max|w| / 28`` but is not a power of two, and its product with
+``q`` rounds in bf16: a per-channel gain error of up to 2^-9 on the weight side).
 """
 from __future__ import annotations
 
@@ -38,19 +44,28 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 DEFAULT_SCOPE = "transformer_blocks"
 
 
+def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two ``s`` with ``amax / s`` in [224, 448) (fp32): ``amax / 448 = m·2^e``, ``m`` in [0.5, 1),
+    gives ``s = 2^e``."""
+    _, exponent = torch.frexp(amax.float().clamp(min=1e-12) / FP8_MAX)
+    return torch.ldexp(torch.ones_like(amax, dtype=torch.float32), exponent)
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)``: ``q`` float8_e4m3fn of ``weight``'s shape, ``scale`` fp32 of shape ``[out]``."""
+    """``(q, scale)``: ``q`` float8_e4m3fn of ``weight``'s shape, ``scale`` fp32 powers of two of shape ``[out]``."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    scale = power_of_two_scale(w.abs().amax(dim=1))
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q · s`` in ``dtype``, exact in bf16 and fp32 (a power of two times 4 significant bits): one cast, one
+    multiply by the scale (in ``dtype``: a power of two converts exactly)."""
     return q.to(dtype) * scale.to(dtype)[:, None]
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
@@ -68,22 +83,25 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(bits, scale_bits)
         ctx.dtype, ctx.x_dtype = dtype, x.dtype
         ctx.bias_grad = bias is not None and bias.requires_grad
-        # the per-channel scale multiplies the output, in fp32: no scaled weight-sized copy, and the scale is
-        # not rounded to bf16 (a systematic gain error of up to 2^-9 per output channel)
-        y = torch.nn.functional.linear(x.to(dtype), bits.view(FP8_DTYPE).to(dtype))
-        y = (y.float() * scale_bits.view(torch.float32)).to(dtype)
-        return y if bias is None else y + bias.to(dtype)
+        weight = dequantize_weight(bits.view(FP8_DTYPE), scale_bits.view(torch.float32), dtype)
+        return torch.nn.functional.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
-        bits, scale_bits = ctx.saved_tensors
-        q, scale = bits.view(FP8_DTYPE), scale_bits.view(torch.float32)
-        g = grad_out.to(ctx.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:  # (g * s) @ q: the scale again on the small side, in fp32
-            grad_x = ((g.float() * scale).to(ctx.dtype) @ q.to(ctx.dtype)).to(ctx.x_dtype)
-        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.bias_grad else None
-        return grad_x, None, None, grad_b, None
+        return linear_input_grad(ctx, grad_out)
+
+
+def linear_input_grad(ctx, grad_out):
+    """The backward of a frozen FP8 linear (``_Fp8LinearFn``, ``fp8_compute._Fp8MatmulFn``): ``dX = dY @ (q·s)``
+    with the weight dequantised again in the compute dtype, and the bias's gradient where it trains."""
+    bits, scale_bits = ctx.saved_tensors
+    g = grad_out.to(ctx.dtype)
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        weight = dequantize_weight(bits.view(FP8_DTYPE), scale_bits.view(torch.float32), ctx.dtype)
+        grad_x = (g @ weight).to(ctx.x_dtype)
+    grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.bias_grad else None
+    return grad_x, None, None, grad_b, None
 
 
 class Fp8Linear(torch.nn.Module):
@@ -122,7 +140,7 @@ class Fp8Linear(torch.nn.Module):
         return dequantize_weight(self.weight, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Fp8LinearFn.apply(x, self.weight_bits, self.scale_bits, self.bias, _compute_dtype(x))
+        return _Fp8LinearFn.apply(x, self.weight_bits, self.scale_bits, self.bias, compute_dtype(x))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \

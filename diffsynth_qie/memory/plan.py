@@ -68,6 +68,7 @@ class PlanOptions:
     optimizer: Literal["adamw", "prodigy_sf"] = "adamw"
     gradient_checkpointing: bool = False
     fp8_base: bool = False
+    fp8_compute: bool = False  # the FP8 base multiplied in FP8: the same memory as fp8_base (which it implies)
     blocks_to_swap: int = 0
     zero_stage: int = 0
     num_gpus: int = 1
@@ -84,6 +85,10 @@ class PlanOptions:
     pairs: bool = False  # train, a preference loss (--loss dpo): chosen + rejected per row, and a reference pass
     rollouts: int = 0  # train, --loss nft: K rollouts per source trained on (memory/plan_rollouts.py)
     overhead_bytes: int = CUDA_OVERHEAD
+
+    def __post_init__(self):
+        if self.fp8_compute:  # FP8 compute multiplies the FP8 base's weights
+            object.__setattr__(self, "fp8_base", True)
 
     def validate(self, census: DiTCensus) -> None:
         if self.resolution % 16 or self.resolution <= 0:
@@ -285,7 +290,7 @@ def describe(o: PlanOptions) -> str:
         parts += [f"--loras {' '.join(map(str, o.loras))}"] if o.loras else []
         parts += ["--no_cfg"] if not o.cfg else []
         parts += [f"--kv_cache {o.kv_cache}"] if o.kv_cache != "on" else []
-    parts += ["--fp8_base"] if o.fp8_base else []
+    parts += ["--fp8_compute"] if o.fp8_compute else ["--fp8_base"] if o.fp8_base else []
     parts += [f"--blocks_to_swap {o.blocks_to_swap}"] if o.blocks_to_swap else []
     parts += [f"--zero_stage {o.zero_stage} --num_gpus {o.num_gpus}"] if o.zero_stage else []
     return " ".join(parts)
@@ -309,6 +314,6 @@ def choose_distribution(c: DiTCensus, base: PlanOptions, gpu_memory_gb: float) -
     if two.gpu_peak <= gpu_memory_gb * GiB:
         return 2, (f"ZeRO-2: the unsharded DiT run needs {two.gpu_peak / GiB:.1f} GiB per GPU, which fits "
                    f"{gpu_memory_gb:.0f} GiB, and ZeRO-3 would all-gather the frozen DiT every micro-batch")
-    three = predict(c, dataclasses.replace(base, zero_stage=3, blocks_to_swap=0, fp8_base=False))
+    three = predict(c, dataclasses.replace(base, zero_stage=3, blocks_to_swap=0, fp8_base=False, fp8_compute=False))
     return 3, (f"ZeRO-3: the unsharded run needs {two.gpu_peak / GiB:.1f} GiB per GPU, more than {gpu_memory_gb:.0f} "
                f"GiB; sharded over {base.num_gpus} GPUs it needs {three.gpu_peak / GiB:.1f} GiB")

@@ -36,6 +36,7 @@ class EditLoad:
     """How ``qie edit`` loads the model: every load option the fake run repeats."""
 
     fp8_base: bool = False
+    fp8_compute: bool = False                # the FP8 layers multiply in FP8 (torch._scaled_mm); implies fp8_base
     blocks_to_swap: int = 0
     lora_ranks: Sequence[int] = ()           # one per --lora, in order
     lora_scales: Sequence[float] = ()        # one per --lora (default 1.0 each)
@@ -114,10 +115,14 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
         pipe.text_encoder, pipe.dit, pipe.vae = te, dit, vae
         pipe.tokenizer = FakeTokenizer(prompt_tokens)
         pipe.qie_preset = preset
-        if load.fp8_base:
+        if load.fp8_base or load.fp8_compute:
             from ..memory.fp8 import quantize_linears
 
             quantize_linears(pipe.dit, device=DEVICE)  # (swapped blocks: the swapper evicts them below)
+        if load.fp8_compute:
+            from ..memory.fp8_compute import enable_fp8_compute
+
+            enable_fp8_compute(pipe.dit)
         fc.register(te), fc.register(vae), fc.register(pipe.dit)  # before the swapper evicts blocks
         editor = FakeEditor(pipe, blocks_to_swap=load.blocks_to_swap, zero_cond_t=load.zero_cond_t,
                             lora_merge=load.lora_merge)

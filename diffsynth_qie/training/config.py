@@ -161,6 +161,11 @@ class TrainConfig:
         "store the frozen DiT block linears as float8 e4m3 with a scale per output channel (half the "
         "memory of a bf16 base; compute stays bf16/fp32; LoRA and --full_finetune_modules stay full "
         "precision). Not with DeepSpeed ZeRO-3"))
+    fp8_compute: bool = field(default=False, metadata=_help(
+        "multiply the FP8 base's frozen linears in FP8 on the tensor cores (torch._scaled_mm, row-wise scales: the "
+        "stored e4m3 weights, the activations quantised per row); implies --fp8_base; LoRA stays bf16 on top, the "
+        "backward through the base is bf16. Needs a GPU with FP8 (compute capability 8.9+: L40S, RTX 4090, H100, "
+        "H200); the CPU runs an fp32 emulation (docs/SPEED.md)"))
     blocks_to_swap: int = field(default=0, metadata=_help(
         "keep this many DiT blocks (the last ones) in pinned CPU memory and stream each to the GPU just before "
         "it runs, forward and backward; 1..number of blocks (60 for the real DiT, ~0.68 GB bf16 each), "

@@ -21,7 +21,8 @@ def resolve(cfg, preset=None):
     """
     validate(cfg)
     train, lora = cfg.train, cfg.lora
-    train = dataclasses.replace(train, cache_dir=cache_dirs(train.cache_dir))
+    train = dataclasses.replace(train, cache_dir=cache_dirs(train.cache_dir),
+                                fp8_base=train.fp8_base or train.fp8_compute)  # FP8 compute multiplies FP8 weights
     sampling = dataclasses.replace(cfg.sampling, batch_size=train.batch_size, seed=train.seed)
     sampling.validate()
     if preset is not None:

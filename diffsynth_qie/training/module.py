@@ -127,13 +127,19 @@ class QIETrainingModule(DiffusionTrainingModule):
         layers of the ``blocks_to_swap`` swapped blocks are made there too and then kept on the host.
 
         Called after the LoRA is injected: only PEFT's ``base_layer`` is quantised; adapters and
-        ``--full_finetune_modules`` (trainable) stay in full precision. Returns the report.
+        ``--full_finetune_modules`` (trainable) stay in full precision. ``--fp8_compute``: the quantised layers
+        then multiply in FP8 (``memory/fp8_compute.py``). Returns the report.
         """
         from ..memory.block_swap import swapped_blocks
         from ..memory.fp8 import quantize_linears
 
-        return quantize_linears(self.dit, skip=self.config.lora.full_finetune_modules or (), device=device,
-                                host=swapped_blocks(self.dit, blocks_to_swap))
+        report = quantize_linears(self.dit, skip=self.config.lora.full_finetune_modules or (), device=device,
+                                  host=swapped_blocks(self.dit, blocks_to_swap))
+        if self.config.train.fp8_compute:
+            from ..memory.fp8_compute import enable_fp8_compute
+
+            enable_fp8_compute(self.dit)
+        return report
 
     def upcast_trainable(self, dtype: torch.dtype = torch.float32) -> None:
         """Keep trainable weights in ``dtype`` (fp32 for AdamW states) while the frozen DiT

@@ -183,6 +183,10 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     set_seed(t.seed)  # the LoRA init, identical on every rank
     check_device_for(preset, accelerator.device, explicit_cpu=t.device == "cpu")
     check_fp8_base(cfg, ds_config)
+    if t.fp8_compute:  # an A100 has no FP8 tensor cores: refused before the load
+        from ..memory.fp8_compute import check_fp8_gpu
+
+        check_fp8_gpu(accelerator.device)
     check_block_swap(cfg, ds_config)  # both before the (long) load
     if preflight is not None and not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load

@@ -95,6 +95,22 @@ def test_every_table_is_complete_and_slower_gpus_predict_longer_steps():
         gpu_table("tpu")
 
 
+def test_an_fp8_gemm_costs_the_fp8_rate_where_the_gpu_has_fp8_tensor_cores():
+    """The FP8 rate is the datasheet's fp8/bf16 ratio (2x on every FP8 GPU listed) on the fitted bf16 rate; an A100
+    has none. A compute-bound FP8 GEMM then costs half the bf16 one's seconds."""
+    shape = (8192, 12288, 3072)
+    flops = 2 * 8192 * 12288 * 3072
+    for key, t in tables().items():
+        assert t.has_fp8 == (key != "a100"), key
+        if not t.has_fp8:
+            continue
+        assert 1.95 < t.gemm_tflops["float8_e4m3fn"] / t.gemm_tflops["bfloat16"] < 2.05, key
+        assert "FP8 GEMM rate derived" in t.source, key
+        bf16, fp8 = (predict(Profile({("f", "gemm", (d, *shape)): Group(1, flops, 1e8)}), t).split["gemm"]
+                     for d in ("bfloat16", "float8_e4m3fn"))
+        assert fp8 == pytest.approx(bf16 / (t.gemm_tflops["float8_e4m3fn"] / t.gemm_tflops["bfloat16"])), key
+
+
 def test_the_report_shows_the_measured_step_time_beside_the_preflights_prediction(tmp_path):
     import json
 

@@ -80,13 +80,15 @@ def test_the_preflight_catches_a_bug_behind_each_edit_flag_at_its_line(monkeypat
 
 def test_every_edit_option_runs_and_each_lora_is_counted():
     """Strength, mask blend and feather, true CFG as one batch (prompts of one length), two references, two
-    LoRAs, FP8, block swapping and --compile in one edit; LBM part-way with a mask in another."""
+    LoRAs, FP8 weights multiplied in FP8, block swapping and --compile in one edit; LBM part-way with a mask in
+    another."""
     from diffsynth_qie.memory.census import preset_census
 
     census = preset_census("2511", with_encoders=False)
     stacked = run(request(strength=0.5, mask=mask(), mask_blend=0.7, mask_feather=3.0, negative_prompt="blurry",
                           images=[Image.new("RGB", (640, 512))] * 2),
-                  lora_ranks=(32, 16), lora_scales=(1.0, -0.5), fp8_base=True, blocks_to_swap=30, compile=True)
+                  lora_ranks=(32, 16), lora_scales=(1.0, -0.5), fp8_base=True, fp8_compute=True, blocks_to_swap=30,
+                  compile=True)
     targets = _targets_in_two_blocks()
     assert stacked.lora_branches == 2 * targets  # one branch per LoRA on every target
     lora_per_block = (census.lora_params(32) + census.lora_params(16)) * 2 // census.num_layers

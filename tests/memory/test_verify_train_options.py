@@ -106,6 +106,21 @@ def test_compile_runs_compile_blocks_on_the_checked_dit(monkeypatch):
     assert calls == [{"backend": "eager"}]
 
 
+def test_fp8_compute_multiplies_the_fp8_base_through_scaled_mm_on_the_checked_dit():
+    """--fp8_compute: every FP8 block linear's forward (and its checkpoint recompute) is an FP8 GEMM; the backward's
+    dX and the LoRA stay bf16; the memory is --fp8_base's."""
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
+
+    shapes = batch_shapes(512, 1, 40, 1)
+    base, fp8 = (verify_train_step(run_config(fp8_base=True, fp8_compute=c), get_preset("2511"), shapes, num_layers=1,
+                                   costs=True) for c in (False, True))
+    kinds = lambda r, dtype: sum(g.count for (s, k, key), g in r.costs.groups.items()  # noqa: E731
+                                 if k in ("gemm", "gemm_thin") and key[0] == dtype)
+    assert kinds(base, "float8_e4m3fn") == 0 and kinds(fp8, "float8_e4m3fn") == 2 * 14  # forward and recompute
+    assert kinds(fp8, "bfloat16") < kinds(base, "bfloat16")
+    assert abs(fp8.peak - base.peak) < 0.05 * base.peak
+
+
 # --- bugs reachable only behind a flag ------------------------------------------------------------------------
 def test_a_device_mismatch_in_the_ema_update_is_caught_only_with_ema_decay(monkeypatch):
     from diffsynth_qie.training import ema as ema_mod
