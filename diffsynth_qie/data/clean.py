@@ -22,13 +22,31 @@ def _path_fields(f: FieldNames) -> tuple[str, ...]:
     return (f.image_field, f.edit_image_field, f.target_field, f.source_field, f.back_mask_field, f.ref_gt_field)
 
 
-def _moved(value: Any, base: Path, here: Path, from_csv: bool) -> Any:
+class _Resolver:
+    """``Path.resolve()`` of many files in few folders: each folder's real path is looked up once (a file that is
+    itself a link is still followed), instead of one ``lstat`` per path component per file."""
+
+    def __init__(self):
+        self.folders: dict[Path, str] = {}
+
+    def __call__(self, path: Path) -> str:
+        if path.name in ("", ".", ".."):
+            return str(path.resolve())
+        folder = self.folders.get(path.parent)
+        if folder is None:
+            folder = self.folders[path.parent] = str(path.parent.resolve())
+        full = os.path.join(folder, path.name)
+        return str(Path(full).resolve()) if os.path.islink(full) else full
+
+
+def _moved(value: Any, base: Path, here: Path, from_csv: bool, resolve: _Resolver) -> Any:
     """A path field's value with each relative path re-based from ``base`` to ``here`` (absolute paths and
     URLs as they were)."""
+
     def one(p: Any) -> Any:
         if not isinstance(p, str) or not p.strip() or "://" in p or Path(p).expanduser().is_absolute():
             return p
-        return os.path.relpath((base / p).resolve(), here)
+        return os.path.relpath(resolve(base / p), here)
 
     if isinstance(value, str) and from_csv and value.strip().startswith("["):
         try:
@@ -92,7 +110,8 @@ def write_clean(metadata: str | os.PathLike, out: str | os.PathLike, flagged: Ma
     kept, dropped, from_csv = clean_records(metadata, flagged, skipped, f)
     base_dir = Path(base) if base is not None else Path(metadata).parent
     here = Path(out).resolve().parent
-    moved = [{k: (_moved(v, base_dir, here, from_csv) if k in _path_fields(f) and v is not None else v)
+    resolve, path_fields = _Resolver(), _path_fields(f)
+    moved = [{k: (_moved(v, base_dir, here, from_csv, resolve) if k in path_fields and v is not None else v)
               for k, v in rec.items()} for _, rec in kept]
     atomic_write_text(out, _dumps(moved, Path(out)))
     return len(kept), dropped
