@@ -125,15 +125,19 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 8192
     return best
 
 
-def peak_memory_gib(device: torch.device) -> float | None:
+def memory_fields(device: torch.device) -> dict:
+    """A row's memory columns: the peak, and the caching allocator's retries since the last reset (a row near the
+    GPU's capacity slows down on them: it frees its cache and tries again, which no kernel count shows)."""
     if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) / GiB
+        return {"peak_mem_gib": None, "alloc_retries": None}
+    return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / GiB,
+            "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries")}
 
 
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
 
 
 def free_memory(device: torch.device) -> None:
@@ -153,11 +157,11 @@ def record_failure(row: dict, exc: BaseException, device: torch.device, logger: 
     """A failed case as a result row: ``OOM`` (with the peak it reached) or ``error: <type>: <first line>``
     (logged with its traceback); the run goes on."""
     if is_oom(exc):
-        row.update(status="OOM", peak_mem_gib=peak_memory_gib(device))
+        row.update(status="OOM", **memory_fields(device))
         return
     logger.exception("case %s failed", row["id"])
     first = str(exc).splitlines()[0][:200] if str(exc) else ""
-    row.update(status=f"error: {type(exc).__name__}: {first}", peak_mem_gib=peak_memory_gib(device))
+    row.update(status=f"error: {type(exc).__name__}: {first}", **memory_fields(device))
 
 
 def time_image_row(row: dict, fn: Callable[[], Any], warm: Callable[[], Any] | None, device: torch.device,
@@ -172,7 +176,7 @@ def time_image_row(row: dict, fn: Callable[[], Any], warm: Callable[[], Any] | N
             free_memory(device)
             reset_peak_memory(device)
             times = time_calls(fn, device, warmup=0, repeats=repeats)
-        row.update(status="ok", s_per_image=median(times), times_s=times, peak_mem_gib=peak_memory_gib(device))
+        row.update(status="ok", s_per_image=median(times), times_s=times, **memory_fields(device))
     except Exception as exc:  # noqa: BLE001 - a failed case is a result row
         record_failure(row, exc, device, logger)
     finally:
@@ -235,7 +239,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 # Option values that are the defaults (not shown in the tables).
-DEFAULT_OPTIONS = {"sdpa_backend": "auto", "compile_blocks": False, "fp8_base": False, "lora_fp32": True}
+DEFAULT_OPTIONS = dict(sdpa_backend="auto", compile_blocks=False, fp8_base=False, lora_fp32=True,
+                       compute_precision="auto")
 
 
 def _options(row: dict) -> str:
@@ -300,6 +305,7 @@ def _numerics_lines(meta: dict) -> list[str]:
         out.append(f"- unmerged LoRA ({lora['dtype']}) vs merged fp32, {lora['layers']} layers of block "
                    f"{lora['block']}: relative error median {lora['median_rel_err']:.1e}, worst "
                    f"{lora['max_rel_err']:.1e} ({lora['worst_layer']})")
+    out += [f"- {check['line']}" for check in num.values() if isinstance(check, dict) and "line" in check]
     for name, check in num.items():
         if isinstance(check, dict) and "error" in check:
             out.append(f"- {name.replace('_', ' ')}: not measured ({check['error']})")

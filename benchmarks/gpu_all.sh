@@ -9,7 +9,9 @@
 #   RUN_DIR    where results/ (<gpu>-<date>.json/.md) and log.txt go (default: benchmarks/results/run-<time>)
 #   WHEELS     a folder of wheels to install first with --no-deps into /tmp/site (default: .whl if present;
 #              for a machine with torch but no registry access: diffsynth, modelscope, transformers, ...)
-#   STAGES     which stages to run, in order (default: "train infer train21 infer21 preflight")
+#   STAGES     which stages to run, in order (default: "calibrate train infer train21 infer21 preflight predict":
+#              calibrate measures this GPU's time-model table first, predict prints the time model's prediction
+#              beside every measured row, with the shipped table and with the one just measured)
 #   LIMIT_SCALE  an integer that multiplies every stage's time limit (default 1; the limits are about 1.5x what each stage
 #              took on an H200, where the whole batch ran in about 13 minutes)
 # Each stage's failure is logged and the next stage still runs; rows are written as they are measured, so a
@@ -53,8 +55,12 @@ stage() {  # stage NAME LIMIT_S COMMAND...
 
 if [ -n "$TINY" ]; then S1="--steps 1 --warmup 0"; MODEL=tiny; SWAP="--blocks_to_swap 1"
 else S1="--steps 4 --warmup 1"; MODEL=2511; SWAP="--blocks_to_swap 16 30"; fi
-for s in ${STAGES:-train infer train21 infer21 preflight}; do
+TABLE="$RESULTS/gpu-table.json"
+for s in ${STAGES:-calibrate train infer train21 infer21 preflight predict}; do
   case "$s" in
+    calibrate) stage calibrate 300 "$PY" -m benchmarks.calibrate_gpu ${TINY:+--cpu} --out "$TABLE" ;;
+    predict) stage predict 60 "$PY" -m benchmarks.timemodel_fit --compare "$RESULTS" --table "$TABLE"
+             cat "$RESULTS/timemodel-compare.md" 2>/dev/null ;;
     train) stage train 420 "$PY" -m benchmarks.train_step $TINY $S1 --lora_ranks 32 --checkpointing on off \
              $SWAP --sdpa_rows cudnn flash --fp8_row --numerics --out_dir "$RESULTS" ;;
     infer) stage infer 200 "$PY" -m benchmarks.inference $TINY --repeats 1 --parity_steps 4 \
@@ -64,7 +70,7 @@ for s in ${STAGES:-train infer train21 infer21 preflight}; do
     preflight)  # the fake-device verify of the defaults, on a machine with the real GPU beside it
       stage preflight-train 120 "$PY" -m diffsynth_qie plan --model $MODEL --verify
       stage preflight-edit 90 "$PY" -m diffsynth_qie plan --model $MODEL --task edit --verify ;;
-    *) echo "unknown stage $s (choose from train infer train21 infer21 preflight)" | tee -a "$LOG" ;;
+    *) echo "unknown stage $s (choose from calibrate train infer train21 infer21 preflight predict)" | tee -a "$LOG" ;;
   esac
 done
 tail -n 60 "$RESULTS"/*.md 2>/dev/null

@@ -37,11 +37,11 @@ EDIT = [  # (label, model, PlanOptions fields, verify_edit kwargs)
 
 def main() -> None:
     from diffsynth_qie.commands.plan_verify import train_config
-    from diffsynth_qie.inference.verify import verify_edit
+    from diffsynth_qie.preflight.edit_step import verify_edit
     from diffsynth_qie.memory.census import preset_census
     from diffsynth_qie.memory.plan import PlanOptions, predict
     from diffsynth_qie.models.presets import get_preset
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also write the table to this Markdown file")

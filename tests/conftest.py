@@ -106,34 +106,73 @@ def cache_demo21(tiny21_dir, tmp_path_factory, seed: int, name: str) -> Path:
 
 
 @contextlib.contextmanager
-def chat_server(reply):
-    """A local OpenAI-compatible chat endpoint on 127.0.0.1 for the judge tests: each POST is recorded in ``seen``
-    as (path, Authorization header, JSON body) and answered with ``reply(seen)`` as the message content.
-    Yields ``(base_url, seen)``."""
+def chat_server(reply, models=None, lifetime: float = 120.0):
+    """A stand-in OpenAI-compatible chat endpoint on 127.0.0.1 for the judge tests: each POST is recorded in
+    ``seen`` as (path, Authorization header, JSON body) and answered with ``reply(seen)``: the message content (a
+    string), or a dict with any of ``content``, ``status`` (default 200), ``delay`` (seconds before answering),
+    ``finish_reason`` ("length": a reply cut at max_tokens), ``body`` (raw bytes instead of a chat completion) and
+    ``headers``. ``GET /v1/models`` lists ``models`` (404 without). Requests are served concurrently (``active``:
+    the most at once); the server stops at the end of the block, or after ``lifetime`` seconds, whichever is
+    first, and a delayed answer ends when it stops. Yields ``(base_url, seen)``; ``seen.active`` holds the peak."""
     import json
     import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    seen: list = []
+    class Seen(list):
+        active = 0
+
+    seen, lock, stop, now = Seen(), threading.Lock(), threading.Event(), [0]
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
-            seen.append((self.path, self.headers.get("Authorization"),
-                         json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
-            body = json.dumps({"choices": [{"message": {"content": reply(seen)}}]}).encode()
+            with lock:
+                seen.append((self.path, self.headers.get("Authorization"),
+                             json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+                now[0] += 1
+                seen.active = max(seen.active, now[0])
+                answer = reply(seen)
+            try:
+                self._answer(answer if isinstance(answer, dict) else {"content": answer})
+            finally:
+                with lock:
+                    now[0] -= 1
+
+        def _answer(self, a: dict):
+            if stop.wait(a.get("delay", 0)):
+                return  # the server is stopping: no answer
+            body = a.get("body") or json.dumps({"choices": [{"message": {"content": a.get("content")},
+                                                             "finish_reason": a.get("finish_reason", "stop")}]}).encode()
+            self.send_response(a.get("status", 200))
+            for k, v in {"Content-Type": "application/json", **a.get("headers", {})}.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # noqa: N802
+            if models is None or not self.path.endswith("/models"):
+                self.send_error(404)
+                return
+            body = json.dumps({"data": [{"id": m} for m in models]}).encode()
             self.send_response(200)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
         def log_message(self, *args):
             pass
 
-    httpd = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    timer = threading.Timer(lifetime, lambda: (stop.set(), httpd.shutdown()))
+    timer.daemon = True
+    timer.start()
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", seen
     finally:
+        stop.set()
+        timer.cancel()
         httpd.shutdown()
         httpd.server_close()
 

@@ -1,7 +1,7 @@
 """The shape of the package: one-way layers, no import cycles, small modules.
 
-Layers, lowest first: ``utils`` < ``models`` < ``tiny`` < ``lora``, ``memory``, ``metrics`` < ``data`` < ``cache``
-< ``training`` < ``inference`` < ``ui`` < ``commands`` / ``cli``. A module may import from its own layer and the
+Layers, lowest first: ``utils`` < ``models`` < ``tiny`` < ``lora``, ``memory``, ``metrics`` < ``fakegpu`` < ``data``
+< ``cache`` < ``training`` < ``inference`` < ``preflight`` < ``ui`` < ``commands`` / ``cli``. A module may import from its own layer and the
 ones below (packages sharing a layer may import each other, without cycles); imports inside functions count the
 same as top-level ones (they are edges all the same, only later).
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "diffsynth_qie"
-LAYERS = [("utils",), ("models",), ("tiny",), ("lora", "memory", "metrics"), ("data",), ("cache",), ("training",),
-          ("inference",), ("ui",), ("commands",)]
+LAYERS = [("utils",), ("models",), ("tiny",), ("lora", "memory", "metrics"), ("fakegpu",), ("data",), ("cache",),
+          ("training",), ("inference",), ("preflight",), ("ui",), ("commands",)]
 MAX_LINES = 350
 
 

@@ -29,7 +29,7 @@ def test_split_and_joint_cfg_give_the_same_velocity():
 
 
 def test_on_a_gpu_prompts_of_different_lengths_run_as_two_unmasked_passes(monkeypatch):
-    from diffsynth_qie.memory.fake_device import FakeCuda
+    from diffsynth_qie.fakegpu.device import FakeCuda
 
     calls = []
     real = fwd.key_padding_mask

@@ -47,9 +47,16 @@ def _lora(path, seed, metadata=None):
     return save_lora(path, state, metadata=metadata)
 
 
+def _judged_by_instruction(seen):
+    """A verbose reply whose score follows the row's instruction (a column's rows are judged concurrently, in any
+    order), 2 more for the second column (the LoRA's: the base column is judged first)."""
+    text = seen[-1][2]["messages"][0]["content"][0]["text"]
+    return f"Image 2 shows the edit.\nStep 1 of 2 ... Score: {(2 if 'blue' in text else 7) + 2 * (len(seen) > 2)}/10"
+
+
 @pytest.fixture
 def judge_server():
-    with chat_server(lambda seen: f"{len(seen) % 10} points") as served:
+    with chat_server(_judged_by_instruction) as served:
         yield served
 
 
@@ -75,15 +82,52 @@ def test_reads_imgedit_and_gedit_as_they_ship(tmp_path):
     assert detect(tmp_path / "g") == "gedit"
 
 
-def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir, tmp_path, judge_server, capsys):
+@pytest.mark.parametrize("field, value", [("id", 7), ("id", ["animal/1.jpg"]), ("id", ""), ("prompt", None),
+                                          ("prompt", ["make it red", "make it blue"]), ("prompt", 3), ("prompt", " ")])
+def test_an_imgedit_row_with_an_id_or_prompt_that_is_not_text_is_named(tmp_path, field, value):
+    """Not a traceback, and never the text "None" or "['a', 'b']" sent as the instruction: one line naming the
+    file, the row, the field and what it holds."""
+    root = _imgedit_dir(tmp_path / "imgedit")
+    meta = json.loads((root / "basic_edit.json").read_text())
+    meta["101"][field] = value
+    (root / "basic_edit.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"basic_edit.json: row '101': '{field}' must be "):
+        read_bench(root)
+
+
+@pytest.mark.parametrize("keys", [("a/b", "a_b"), ("x" * 80 + "1", "x" * 80 + "2")])
+def test_two_rows_that_would_write_one_file_are_refused_before_anything_is_edited(tmp_path, keys):
+    """Keys that differ only in characters a file name cannot hold, or after the 80 a file name keeps, would write
+    one output for two rows: refused when the benchmark is read, naming both rows and the file."""
+    from diffsynth_qie.inference.bench_layout import export
+
+    root = _imgedit_dir(tmp_path / "imgedit")
+    meta = json.loads((root / "basic_edit.json").read_text())
+    (root / "basic_edit.json").write_text(json.dumps(dict(zip(keys, meta.values()))))
+    with pytest.raises(ValueError, match=f"rows {keys[0]!r} and {keys[1]!r} would both be written as "):
+        read_bench(root)
+    with pytest.raises(ValueError, match="would both be written as"):  # the writer refuses them too
+        export("gedit", tmp_path / "out", [_image(0)] * 2, ["a", "b"], [_image(1)] * 2, [{"key": k} for k in keys])
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir, tmp_path, judge_server, capsys,
+                                                                monkeypatch):
+    """... and with --reward holding a judge term too, each row is turned into pixels once and judged once."""
+    from diffsynth_qie.inference import evaluate as ev
+
     url, requests = judge_server
+    converted, real = [], ev.case_pixels
+    monkeypatch.setattr(ev, "case_pixels", lambda *a, **k: converted.append(1) or real(*a, **k))
     bench = _imgedit_dir(tmp_path / "imgedit")
     lora = _lora(tmp_path / "mine.safetensors", 0)
     out, card = tmp_path / "out", tmp_path / "card.json"
     code = main(["eval-edits", "--model", "tiny", "--model_dir", str(tiny_model_dir), "--bench", str(bench),
                  "--lora", str(lora), "--steps", "2", "--export", "imgedit", str(out), "--judge", f"{url}#judge-m",
-                 "--scorecard", str(card), "--device", "cpu"])
-    assert code == 0
+                 "--reward", "drift:1,judge:0.5", "--scorecard", str(card), "--device", "cpu"])
+    assert code == 0 and len(converted) == 4  # 2 rows x (base, LoRA), once each
+    for row in json.loads(card.read_text())["per_row"]["lora"]:
+        assert row["reward"] == pytest.approx(-row["shift_px"] + 0.5 * row["judge"])
     for column in ("base", "lora"):
         meta = json.loads((out / column / "edit.json").read_text())
         assert set(meta) == {"100", "101"} and meta["101"]["prompt"] == "make the animal red"
@@ -92,7 +136,7 @@ def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir,
     assert len(requests) == 4 and all(body["model"] == "judge-m" for *_, body in requests)  # 2 rows x (base, LoRA)
     summary = json.loads(card.read_text())
     assert set(summary["metrics"]["judge"]) == {"base", "lora"}
-    assert [r["judge"] for r in summary["per_row"]["base"] + summary["per_row"]["lora"]] == [1.0, 2.0, 3.0, 4.0]
+    assert [r["judge"] for r in summary["per_row"]["base"] + summary["per_row"]["lora"]] == [2.0, 7.0, 4.0, 9.0]
     assert "edit_psnr" not in summary["metrics"]  # no targets: no fidelity, never invented
     err = capsys.readouterr().err
     assert "beats base" in err and "by judge" in err

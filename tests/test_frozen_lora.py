@@ -192,7 +192,7 @@ def test_the_training_preflight_runs_the_frozen_branches_on_the_fake_device(tmp_
 
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.training.config import RunConfig
-    from diffsynth_qie.training.verify_preflight import preflight
+    from diffsynth_qie.preflight.train import preflight
 
     frozen = _frozen_file(tmp_path / "turbo.safetensors")
     preset = get_preset("tiny-2.1")

@@ -42,6 +42,7 @@ def test_nft_trains_on_rewarded_rollouts_and_resumes_exactly(tiny_model_dir, cac
     (["--reward", "myrew:broken"], "'myrew:broken' returned a non-finite value"),
     (["--reward", "myrew:short"], "'myrew:short' returned 1 values for 2 rows"),
     (["--reward", "preserve", "--nft_group_size", "1"], "--nft_group_size"),
+    (["--reward", "judge", "--reward_judge", "http://127.0.0.1:9/v1#m#json"], "reply format 'json' is unknown"),
 ])
 def test_nft_refuses_in_one_line_before_any_rollout(tiny_model_dir, cache_dir, tmp_path, monkeypatch, capsys,
                                                      extra, message):
@@ -102,7 +103,7 @@ def test_the_nft_step_runs_on_the_fake_device_beside_the_plan():
     from diffsynth_qie.commands import plan as plan_cmd
     from diffsynth_qie.commands.plan_verify import train_config
     from diffsynth_qie.memory.plan import predict
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -116,3 +117,63 @@ def test_the_nft_step_runs_on_the_fake_device_beside_the_plan():
         plan = predict(plan_cmd._census(args), options)
     assert peaks["nft"] > peaks["sft"]  # K = 4 training samples per source
     assert "old policy (fp32 copy of the LoRA)" in plan.gpu and "VAE weights (decodes the rollouts)" in plan.gpu
+
+
+def test_a_reward_judge_that_fails_for_a_moment_is_retried_and_one_that_goes_down_stops_the_run_in_one_line(
+        tiny_model_dir, cache_dir, tmp_path, capsys):
+    """Medium 1 and 2 of the round-5 findings: a 429, a 500 and a reply that never comes (past --judge_timeout)
+    cost retries, not the run; when the judge then answers 503 to every rollout of a group, the run stops with one
+    line naming the judge's failure and the checkpoint that is safe, rather than train on partial rewards."""
+    from conftest import chat_server, fresh_accelerate
+    from diffsynth_qie.cli import main
+
+    served = {"ok": 0}
+
+    def reply(seen):
+        n = len(seen)
+        if n <= 3:  # the first three requests fail, each in its own way
+            return [{"status": 429, "headers": {"Retry-After": "0"}}, {"status": 500, "headers": {"Retry-After": "0"}},
+                    {"delay": 30, "content": "Score: 1/10"}][n - 1]
+        if served["ok"] >= 4:  # two steps of two rollouts scored: then the judge goes down
+            return {"status": 503, "headers": {"Retry-After": "0"}}
+        served["ok"] += 1
+        return f"Step 1 of 2: the circle is blue.\nStep 2 of 2: the rest is kept.\nScore: {2 + served['ok']}/10"
+
+    out = tmp_path / "o"
+    with chat_server(reply) as (url, seen), fresh_accelerate():
+        code = main(_train(tiny_model_dir, cache_dir, "--reward", "judge", "--reward_judge", f"{url}#m#number",
+                           "--judge_timeout", "1", "--judge_retries", "3", "--max_steps", "4", "--save_every", "1",
+                           "--output_dir", str(out))[3:])
+    err = capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines() if '"reward_mean"' in line]
+    assert [r["reward_mean"] for r in rows] == [3.5, 5.5]  # steps 1 and 2: the retried rollouts' real scores
+    assert code == 2 and "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if "could not score" in x]
+    assert "2 of 2 rollouts" in line and "HTTP 503 (after 4 tries)" in line and "--reward_judge_max_failed" in line
+    assert "checkpoint-2 is complete; resume with --resume latest" in line
+    assert len(seen) == 3 + 4 + 2 * 4  # three retried failures, four scores, then two rollouts tried four times
+
+
+def test_a_resume_with_changed_reward_or_rollout_settings_says_what_it_applies(caplog):
+    """Round 5 (low): a resumed --loss nft run with another --reward, --nft_group_size, --nft_rollout_steps or
+    --nft_beta applies them from its next step, and says so, one line each; an SFT run's unused nft flags stay
+    silent."""
+    import dataclasses
+    import logging
+
+    from diffsynth_qie.training.config import RunConfig
+    from diffsynth_qie.training.resume import check_resume
+
+    def config(loss, **nft):
+        cfg = RunConfig()
+        cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, loss=loss),
+                                  nft=dataclasses.replace(cfg.nft, **{"reward": "preserve", **nft}))
+        return {"config": cfg.to_json()}
+
+    changed = dict(reward="preserve:0.5,judge", nft_group_size=8, nft_rollout_steps=4, nft_beta=0.5)
+    with caplog.at_level(logging.INFO):
+        applied = check_resume(config("nft"), config("nft", **changed), "ckpt")
+    assert [(flag, new) for flag, _, new in applied] == [(f"--{k}", v) for k, v in changed.items()]
+    for flag, old, new in applied:
+        assert f"resuming with {flag} {new} (the checkpoint had {old})" in caplog.text
+    assert check_resume(config("sft"), config("sft", **changed), "ckpt") == []

@@ -62,7 +62,7 @@ def test_a_users_function_and_a_jsonl_of_scores(tmp_path, monkeypatch):
 
 class _Judge:
     def score(self, source, instruction, output):
-        return {"overall": float(sum(output.getpixel((32, 32)))) / 100}
+        return {"judge": float(sum(output.getpixel((32, 32)))) / 100}
 
 
 def test_a_judge_term_and_what_fails_before_any_rollout(tmp_path):
@@ -78,6 +78,60 @@ def test_a_judge_term_and_what_fails_before_any_rollout(tmp_path):
             parse_reward(spec)
     with pytest.raises(ValueError, match="compares with the target"):
         parse_reward("fidelity")(RewardBatch(source=batch.source, output=batch.output, instructions=["x"] * 4))
+
+
+class _FlakyJudge:
+    """Scores rows by their output's brightness, except the rows listed in ``fails``."""
+
+    def __init__(self, fails):
+        self.fails, self.asked = set(fails), []
+
+    def assess_many(self, items):
+        from diffsynth_qie.metrics.judge import Verdict
+
+        self.asked.append(len(items))
+        return [Verdict({}, "HTTP 503 (after 3 tries)") if i in self.fails else
+                Verdict({"judge": float(sum(out.getpixel((32, 32)))) / 100}) for i, (_, _, out, _) in enumerate(items)]
+
+
+def test_a_judge_that_fails_on_some_rollouts_counts_them_as_the_mean_up_to_the_share_then_stops(caplog):
+    from diffsynth_qie.metrics.rewards import RewardFailed
+
+    batch = _batch(change_outside=1.0)
+    full = parse_reward("judge", judge=_FlakyJudge([]))(batch)
+    judge = _FlakyJudge([2])
+    one = parse_reward("judge", judge=judge, max_failed=0.25)(batch)
+    assert judge.asked == [4]  # the rows asked together
+    assert torch.allclose(one[[0, 1, 3]], full[[0, 1, 3]]) and torch.isclose(one[2], full[[0, 1, 3]].mean())
+    assert "1 of 4 rollouts of row2 got no score (HTTP 503 (after 3 tries))" in caplog.text
+    with pytest.raises(RewardFailed, match=r"could not score 2 of 4 rollouts .* HTTP 503 .*--reward_judge_max_failed "
+                                           r"0.25 of them, so the run stops"):
+        parse_reward("judge", judge=_FlakyJudge([1, 2]), max_failed=0.25)(batch)
+    with pytest.raises(RewardFailed, match="could not score 1 of 4"):  # the default: none may fail
+        parse_reward("judge", judge=_FlakyJudge([0]))(batch)
+
+
+def test_a_reward_that_raises_or_hangs_fails_in_one_line(tmp_path, monkeypatch):
+    import time
+
+    from diffsynth_qie.metrics.rewards import RewardFailed, call_reward
+
+    (tmp_path / "badrewards.py").write_text(textwrap.dedent("""
+        import time
+        def divide(batch):
+            return [1 / 0 for _ in range(len(batch))]
+        def hang(batch):
+            time.sleep(30)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    batch = _batch()
+    with pytest.raises(RewardFailed, match=r"reward term 'badrewards:divide' raised ZeroDivisionError: division by zero"):
+        call_reward(parse_reward("badrewards:divide"), batch, timeout=5)
+    started = time.monotonic()
+    with pytest.raises(RewardFailed, match=r"the reward of row x took more than --reward_timeout 0.2 s"):
+        call_reward(parse_reward("badrewards:hang"), batch, timeout=0.2, what="the reward of row x")
+    assert time.monotonic() - started < 5
+    assert torch.equal(call_reward(parse_reward("preserve"), batch, timeout=30), parse_reward("preserve")(batch))
 
 
 def _pil(x):
@@ -139,3 +193,24 @@ def test_nft_refuses_groups_of_one_and_bad_settings():
     assert torch.allclose(old[0], torch.full((3,), 0.25))
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         soft_update_(old, cur, 1.0)
+
+
+def test_a_reward_judge_that_goes_down_is_never_left_out():
+    """A reward judge that is down stops the run in one line, under --judge_on_dead stop (the judge's rule) and
+    skip alike: a reward is never computed without it."""
+    from conftest import chat_server
+    from diffsynth_qie.metrics.judge import OpenAIJudge
+    from diffsynth_qie.metrics.judge_config import JudgeConfig
+    from diffsynth_qie.metrics.judge_formats import format_named
+    from diffsynth_qie.metrics.rewards import RewardFailed
+    from diffsynth_qie.training.losses.nft import NFTConfig, build_reward
+
+    batch = _batch()
+    with chat_server(lambda seen: {"status": 503}) as (url, seen):
+        judge = OpenAIJudge(url, "m", format_named("number"), JudgeConfig(judge_retries=0))
+        with pytest.raises(RewardFailed, match=r"the reward judge m at .* is down \(3 requests in a row failed, the "
+                                               r"last: HTTP 503.*the run stops rather than train without its rewards"):
+            parse_reward("judge", judge=judge, max_failed=1.0)(batch)
+    nft = NFTConfig(reward="judge", reward_judge="http://127.0.0.1:9/v1#m")  # nothing listens there
+    with pytest.raises(ValueError, match="--reward judge cannot be left out"):
+        build_reward(nft, JudgeConfig(judge_timeout=0.5, judge_on_dead="skip"))

@@ -1,4 +1,4 @@
-"""Qwen-Image-2.1 at full size on the fake CUDA device, with the host-bookkeeping stand-in (``memory/standin21.py``).
+"""Qwen-Image-2.1 at full size on the fake CUDA device, with the host-bookkeeping stand-in (``fakegpu/standin21.py``).
 
 The real ``2.1`` preset's DiT (32 layers, width 4096) runs a LoRA training step (the edit:
 ``tests/memory/test_verify_edit21.py``).
@@ -35,8 +35,8 @@ def test_a_21_lora_step_runs_and_its_peak_grows_by_one_block_at_a_time(preset21)
     """Forward, backward and the optimizer's step of a rank-32 LoRA at 1024² with one reference. Every block
     runs the same code and holds the same, so two depths give the full model's peak by extrapolation (a
     full-depth step takes about 30 s here; ``verify_train_step`` without ``num_layers`` runs it)."""
-    from diffsynth_qie.training.verify import batch_shapes
-    from diffsynth_qie.training.verify import verify_train_step as verify_train_step21
+    from diffsynth_qie.preflight.train_step import batch_shapes
+    from diffsynth_qie.preflight.train_step import verify_train_step as verify_train_step21
 
     cfg, shapes = _train_config(preset21), batch_shapes(1024, 1, 300, 1)
     r2, r3 = (verify_train_step21(cfg, preset21, shapes, num_layers=n) for n in (2, 3))
@@ -54,9 +54,9 @@ def test_a_bug_outside_the_dit_is_named_at_our_line_not_the_standins(preset21, m
     """The stand-in's dispatch mode sees every operator of the run; an error it passes on must still name the
     line of ours that made it (here: noise drawn on the host and mixed with device latents)."""
     import diffsynth_qie.training.losses.common as common  # the SFT loss imports it when it runs
-    from diffsynth_qie.memory.fake_device import FakeRunError
-    from diffsynth_qie.training.verify import batch_shapes
-    from diffsynth_qie.training.verify import verify_train_step as verify_train_step21
+    from diffsynth_qie.fakegpu.device import FakeRunError
+    from diffsynth_qie.preflight.train_step import batch_shapes
+    from diffsynth_qie.preflight.train_step import verify_train_step as verify_train_step21
 
     monkeypatch.setattr(common, "sample_noise", lambda like, generator: torch.randn(like.shape, generator=generator))
     with pytest.raises(FakeRunError, match=r"device mismatch .* at diffsynth_qie/training/losses/common\.py:\d+ "

@@ -1,4 +1,4 @@
-"""The 2.1 DiT's host-bookkeeping stand-in (``memory/standin21.py``) computes what DiffSynth's forward computes.
+"""The 2.1 DiT's host-bookkeeping stand-in (``fakegpu/standin21.py``) computes what DiffSynth's forward computes.
 
 Real tensors on the CPU, DiffSynth's tiny 2.1 DiT: the stand-in's output and gradients must equal DiffSynth's own
 ``QwenImage21DiT.forward`` through DiffSynth's ``model_fn_qwen_image_21``, with and without references, with a
@@ -39,7 +39,7 @@ def _inputs(refs: list[tuple[int, int]], text: int = 7, target=(4, 6), seed: int
 def _run(dit, inputs, standin: bool, **kwargs):
     from diffsynth.pipelines.qwen_image_21 import model_fn_qwen_image_21
 
-    from diffsynth_qie.memory.standin21 import host_bookkeeping21
+    from diffsynth_qie.fakegpu.standin21 import host_bookkeeping21
 
     dit.zero_grad(set_to_none=True)
     with host_bookkeeping21() if standin else torch.enable_grad():
@@ -91,7 +91,7 @@ def test_the_standin_fills_and_reads_the_prefix_kv_cache_as_diffsynth_does():
 def _run_no_grad(dit, inputs, standin, cache):
     from diffsynth.pipelines.qwen_image_21 import model_fn_qwen_image_21
 
-    from diffsynth_qie.memory.standin21 import host_bookkeeping21
+    from diffsynth_qie.fakegpu.standin21 import host_bookkeeping21
 
     with host_bookkeeping21() if standin else torch.no_grad():
         return model_fn_qwen_image_21(dit, **inputs, prompt_embeds_mask=None, kv_cache=cache)
@@ -100,7 +100,7 @@ def _run_no_grad(dit, inputs, standin, cache):
 def test_the_context_restores_diffsynths_forward():
     from diffsynth.models.qwen_image_21_dit import QwenImage21DiT
 
-    from diffsynth_qie.memory.standin21 import host_bookkeeping21
+    from diffsynth_qie.fakegpu.standin21 import host_bookkeeping21
 
     original = QwenImage21DiT.__dict__["forward"]
     with pytest.raises(KeyError):

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cfg", type=checked(float, 0, 100), default=1.0, help="true CFG scale (1 = off)")
     parser.add_argument("--lbm_steps", type=checked(int, 1, 4), default=None, help="LBM bridge sampling with N steps")
     parser.add_argument("--seed", type=checked(int, 0, INT64_MAX), default=0)
+    from .edit import add_cache_arguments
+
+    add_cache_arguments(parser)
     parser.add_argument("--few_steps", type=checked(int, 1, 10000), action="append", default=[], metavar="N",
                         help="also score the LoRA at N steps (LBM: N bridge steps, 1-4), e.g. a Lightning LoRA's 4 "
                              "or 8 (repeatable); one line says how much each loses against --steps")
@@ -57,19 +60,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a reward per row, as qie train --loss nft scores rollouts (docs/REWARD.md), e.g. "
                              "'preserve:1,diffsynth_qie.metrics.demo_reward:blue_inside:1'")
     parser.add_argument("--judge", default=None, metavar="SPEC",
-                        help="add a judge's 0-10 score per row: URL#MODEL (an OpenAI-compatible endpoint, e.g. a local "
-                             "vLLM) or a local EditScore-7B directory ([BASE_DIR,]DIR); nothing is downloaded")
+                        help="add a judge's 0-10 score per row: URL#MODEL[#FORMAT] (an OpenAI-compatible endpoint, "
+                             "e.g. a local vLLM; FORMAT: editscore, viescore or number, docs/SCORECARD.md) or a local "
+                             "EditScore-7B directory ([BASE_DIR,]DIR); nothing is downloaded")
     parser.add_argument("--scorecard", default=None, metavar="JSON", help="write the scorecard (per row too) here")
     parser.add_argument("--grid", default=None, metavar="PNG", help="write the comparison grid here")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")
+    from ..metrics.judge_config import JudgeConfig
+    from ..utils.config_cli import add_dataclass_args
+
+    add_dataclass_args(parser, JudgeConfig, title="--judge: how it is asked")
 
 
 def _reward(args, judge):
     """``--reward``'s reward (its judge term scores with ``--judge``), or None."""
     from ..metrics.rewards import parse_reward
 
-    return None if not args.reward else parse_reward(args.reward, judge=judge)
+    return None if not args.reward else parse_reward(args.reward, judge=judge, judge_flag="--judge")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,27 +88,30 @@ def run(args: argparse.Namespace) -> int:
     check_device_name(args.device)  # before anything loads
     check_flags(args)
     cases = _cases(args)
+    from ..metrics.judge_config import JudgeConfig
     from ..metrics.judge_spec import build_judge
+    from ..utils.config_cli import dataclass_from_args
 
-    judge = build_judge(args.judge)
+    judge = build_judge(args.judge, "--judge", dataclass_from_args(JudgeConfig, args))  # (answers, or is refused)
     editor = Editor.from_preset(args.model, model_dir=args.model_dir, device=args.device, torch_dtype=args.dtype,
                                 zero_cond_t=args.zero_cond_t)
     from ..metrics.lpips import load_lpips
 
     kwargs = dict(use_mask=not args.no_mask, steps=args.steps, cfg=args.cfg, seed=args.seed,
                   lbm_steps=args.lbm_steps, lpips_model=load_lpips(), clip=_clip(args.clip), judge=judge,
-                  reward=_reward(args, judge))
-    reports = {"base": evaluate(editor, cases, **kwargs)}
+                  reward=_reward(args, judge), cache=args.cache, cache_method=args.cache_method,
+                  cache_threshold=args.cache_threshold)
+    reports = {"base": evaluate(editor, cases, column="base", **kwargs)}
     scores = {"base": reports["base"].scores}
     if args.lora:
         from .edit import lora_pairs
 
         editor.set_loras(lora_pairs(args.lora, []))
-        reports["lora"] = evaluate(editor, cases, **kwargs)
+        reports["lora"] = evaluate(editor, cases, column="lora", **kwargs)
         scores["lora"] = reports["lora"].scores
         for n in args.few_steps:
             few = {"lbm_steps": n} if args.lbm_steps else {"steps": n}
-            scores[f"lora@{n}"] = evaluate(editor, cases, **{**kwargs, **few}).scores
+            scores[f"lora@{n}"] = evaluate(editor, cases, column=f"lora@{n}", **{**kwargs, **few}).scores
         stacked = _stacked_on_frozen(editor, args, cases, kwargs)
         if stacked is not None:
             reports[stacked[0]] = stacked[1]
@@ -145,6 +156,13 @@ def check_flags(args: argparse.Namespace) -> None:
         from ..metrics.judge_spec import parse_spec
 
         parse_spec(args.judge)
+    if args.reward:  # the reward resolves (a judge term needs --judge) before a model loads
+        from ..metrics.rewards import parse_reward
+
+        parse_reward(args.reward, judge=object() if args.judge else None, judge_flag="--judge")
+    from ..models.samplers.step_cache import cache_settings
+
+    cache_settings(args.cache, args.cache_method, args.cache_threshold)
 
 
 def _cases(args: argparse.Namespace) -> list:
@@ -184,13 +202,16 @@ def _stacked_on_frozen(editor, args: argparse.Namespace, cases, kwargs: dict):
              " (its declared schedule)" if plan.sigmas is not None else "", name)
     editor.set_loras(lora_pairs(args.lora, []) + found)
     schedule = dict(steps=plan.steps, cfg=plan.cfg, sigmas=plan.sigmas, scheduler=plan.scheduler)
-    report = evaluate(editor, cases, **{**kwargs, **schedule})
+    report = evaluate(editor, cases, column=name, **{**kwargs, **schedule})
     editor.set_loras(lora_pairs(args.lora, []))
     return name, report
 
 
 def _log_psnr(reports: dict, rows: int) -> None:
     base = reports["base"]
+    stats = [s for r in reports.values() for s in r.cache if s is not None]
+    if stats:
+        log.info("the step cache reused %d of %d DiT calls", sum(s.skipped for s in stats), sum(s.calls for s in stats))
     if not base.psnr:
         return  # benchmark rows: no target
     line = f"held-out PSNR to target ({rows} rows): base {base.mean_psnr:.2f} dB"

@@ -5,7 +5,7 @@ checkpoint's safetensors headers); activations from constants fitted on full-siz
 device (``benchmarks/fit_plan.py``). ``--verify`` runs the configuration itself there — our training step
 or ``Editor.edit`` on the real full-size model, no memory, no arithmetic — prints its peak of live device
 bytes per phase beside the prediction, and fails (exit 2, one line) when the peak exceeds the GPU or the plan
-is more than 10 % off (``commands/plan_verify.py``, ``memory/verdict.py``, ``docs/MEMORY.md``).
+is more than 10 % off (``commands/plan_verify.py``, ``fakegpu/verdict.py``, ``docs/MEMORY.md``).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import logging
 from ..models.preset_flags import preset_help, preset_type
 from ..training.losses.registry import loss_names, loss_spec
 from ..utils.cli_checks import checked
+from .plan_time import gpu_choice
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train: the text encoder and VAE run beside the DiT (qie train --on_the_fly)")
     parser.add_argument("--nft_group_size", type=checked(int, 2, 256), default=4,
                         help="train, --loss nft: rollouts per source (qie train --nft_group_size)")
+    parser.add_argument("--compute_precision", default="auto", choices=("auto", "pure", "autocast"),
+                        help="train: qie train --compute_precision (auto = pure bf16 over fp32 LoRA weights; "
+                             "autocast = bf16 autocast); --verify runs it")
     parser.add_argument("--ema_decay", type=checked(float, 0.0, 1.0), default=0.0,
                         help="train: keep an fp32 EMA of the LoRA (qie train --ema_decay; 0 = none)")
     parser.add_argument("--validate_with", default="raw", choices=("raw", "ema", "both"),
@@ -54,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv_cache", default="on", choices=("on", "off"),
                         help="edit, Qwen-Image-2.1: its prefix KV cache on the GPU, or off (each step recomputes "
                              "the prefix; --gpu_memory_gb turns it off when nothing else fits)")
+    from .edit import add_cache_arguments
+
+    add_cache_arguments(parser.add_argument_group("edit: the step cache (--verify runs it: it reuses wherever allowed)"))
     for name in ("text_encoder", "vae"):
         parser.add_argument(f"--{name}_device", default="gpu", choices=("gpu", "cpu"),
                             help=f"edit / --on_the_fly: where the {name.replace('_', ' ')} runs (cpu: host RAM, fp32)")
@@ -62,6 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distribution", action="store_true",
                         help="print the DeepSpeed config the launchers use for --num_gpus processes on GPUs of "
                              "--gpu_memory_gb (zero2.yaml when the unsharded run fits, else zero3.yaml)")
+    t = parser.add_argument_group("time on a GPU, predicted from the fake device's kernel counts (docs/SPEED.md)")
+    t.add_argument("--gpu", type=gpu_choice, default=None, metavar="NAME|GiB",
+                   help="the GPU to predict time (and fit) for: h200, h100, a100, l40s, rtx4090, rtx5090, or its "
+                        "memory in GiB (default: the visible GPU, else h100); also sets --gpu_memory_gb")
+    t.add_argument("--no_time", action="store_true", help="skip the time prediction (it runs the step on the fake "
+                                                          "device at 1 and 2 blocks: seconds of CPU)")
+    t.add_argument("--max_steps", type=checked(int, 0, 1 << 30), default=1000,
+                   help="train: optimizer steps to give the run's predicted duration for")
+    t.add_argument("--steps", type=checked(int, 0, 10000), default=0,
+                   help="edit: denoising steps to predict seconds per image at (0: the family's default)")
     v = parser.add_argument_group("verify on a fake CUDA device (no GPU needed)")
     v.add_argument("--verify", action="store_true",
                    help="run the configuration with the real full-size model on a fake CUDA device (a training "
@@ -78,12 +95,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..memory.plan import describe, format_plan, predict, recommend
-
-    from ..models.presets import family_of
+    from ..models.presets import family_of, get_preset
+    from .plan_time import memory_of
 
     family = family_of(args.model)
+    args.gpu_memory_gb = memory_of(getattr(args, "gpu", None), args.gpu_memory_gb)
     if getattr(args, "mixed", False) and not args.verify:
         raise ValueError("--mixed shapes the batch of the --verify run; add --verify, or drop --mixed")
+    from ..models.samplers.step_cache import cache_settings
+
+    if cache_settings(args.cache, args.cache_method, args.cache_threshold) is not None and args.task != "edit":
+        raise ValueError(f"--cache {args.cache} is an edit's step cache; add --task edit, or drop --cache")
     census = _census(args)
     if not family.fullsize_verify:
         log.warning("%s: weights, LoRA and optimizer state are counted exactly; activations use the constants "
@@ -96,19 +118,30 @@ def run(args) -> int:
         return _distribution(census, base, args.gpu_memory_gb)
     plan = predict(census, base)
     log.info("%s (%d tokens per sample):\n%s", describe(base), base.tokens, format_plan(plan))
+    verified = None
     if args.verify:
         from .plan_verify import verify_and_compare
 
-        verify_and_compare(args, base, plan)
+        verified = verify_and_compare(args, base, plan)
+    if not args.no_time:
+        from .plan_time import log_time
+
+        log_time(args, base, verified)
     if args.gpu_memory_gb is None:
         return 0
-    fit = recommend(census, base, args.gpu_memory_gb)
+    if args.gpu is not None and base.task == "train" and not args.no_time and family.fullsize_verify \
+            and not base.zero_stage and not get_preset(args.model).is_tiny:
+        from .plan_time import fastest_fit
+
+        fit = fastest_fit(args, census, base)
+    else:
+        fit = recommend(census, base, args.gpu_memory_gb)
     if fit is None:
         log.error("nothing fits %.1f GiB even with every option; lower --resolution or --batch_size, "
                   "or use more GPUs with --zero_stage 3", args.gpu_memory_gb)
         return 1
-    log.info("cheapest options that fit %.1f GiB: %s\n%s", args.gpu_memory_gb, describe(fit.options),
-             format_plan(fit))
+    log.info("%s options that fit %.1f GiB: %s\n%s", "cheapest" if args.gpu is None else "chosen",
+             args.gpu_memory_gb, describe(fit.options), format_plan(fit))
     return 0
 
 
@@ -123,6 +156,7 @@ def options_of(args):
                        num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
                        text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu",
                        ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),
+                       compute_precision=args.compute_precision,
                        kv_cache=args.kv_cache, pairs=args.task == "train" and loss_spec(args.loss).preference,
                        rollouts=args.nft_group_size if args.task == "train" and loss_spec(args.loss).needs_rollouts else 0)
 

@@ -2,11 +2,11 @@
 
 The run is the one ``qie train`` / ``qie edit`` would make with the plan's options (the loss's own optimizer,
 ``--ema_decay``, stacked LoRAs, the 2.1 family through its own fake-device run). Its peak is then judged
-(``memory/verdict.py``): the command fails with one line naming the phase, the largest holders by our frame and
+(``fakegpu/verdict.py``): the command fails with one line naming the phase, the largest holders by our frame and
 the fix when the peak exceeds the GPU (``--gpu_memory_gb``, default: the visible GPU) or when the plan is more
 than 10 % off. The plan is compared like with like: the terms of what the run does not build (say, the 2.1
 edit's encoders) are left out of both and named; with ``--verify_blocks N`` the plan of an N-block DiT is.
-A :class:`~..memory.fake_device.FakeRunError` is reported like the preflight's (one line, exit code 2).
+A :class:`~..fakegpu.device.FakeRunError` is reported like the preflight's (one line, exit code 2).
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ class FakeRun:
     holders: list = field(default_factory=list)  # (our frame, bytes) at the run's highest moment
     uncovered: tuple = ()  # plan terms the run does not build
     notes: list = field(default_factory=list)
+    profile: object = None  # the whole DiT's counted kernels (fakegpu.costs.Profile; None with --verify_blocks)
+    steps_run: int = 0      # an edit's denoising steps run
 
 
 def train_config(args, options):
@@ -46,12 +48,12 @@ def train_config(args, options):
         train=dataclasses.replace(cfg.train, model=args.model, cache_dir="-", output_dir="-",
                                   batch_size=options.batch_size, gradient_checkpointing=options.gradient_checkpointing,
                                   fp8_base=options.fp8_base, blocks_to_swap=options.blocks_to_swap,
-                                  ema_decay=ema_decay,
-                                  validate_with=options.validate_with),
+                                  ema_decay=ema_decay, validate_with=options.validate_with,
+                                  compute_precision=options.compute_precision),
         lora=dataclasses.replace(cfg.lora, lora_rank=options.lora_rank),
         optim=dataclasses.replace(cfg.optim, optimizer=options.optimizer),
         loss=dataclasses.replace(cfg.loss, loss=args.loss))
-    if options.rollouts:  # --loss nft: K rollouts; the fake run's reward is a stand-in (training/verify_extras.py)
+    if options.rollouts:  # --loss nft: K rollouts; the fake run's reward is a stand-in (preflight/train_extras.py)
         cfg = dataclasses.replace(cfg, nft=dataclasses.replace(cfg.nft, reward="preserve",
                                                                nft_group_size=options.rollouts))
     if options.on_the_fly:
@@ -62,19 +64,21 @@ def train_config(args, options):
     return cfg.resolved(preset), preset
 
 
-def verify_and_compare(args, options, plan) -> str:
-    """Run ``options`` on the fake device, log its phases beside ``plan`` and return the verdict's line;
-    ``ValueError`` (one line) on a fake-device error or a failed verdict."""
-    from ..memory.verdict import gpu_bytes_of
+def verify_and_compare(args, options, plan) -> FakeRun:
+    """Run ``options`` on the fake device, log its phases beside ``plan`` and the verdict's line; returns the run
+    (its counted kernels time it). ``ValueError`` (one line) on a fake-device error or a failed verdict."""
+    from ..fakegpu.verdict import gpu_bytes_of
 
     gpu = gpu_bytes_of(args.gpu_memory_gb)  # the visible GPU is asked before the fake device patches CUDA
-    return judge(args, options, plan, fake_run(args, options), gpu)
+    run = fake_run(args, options)
+    judge(args, options, plan, run, gpu)
+    return run
 
 
 def fake_run(args, options) -> FakeRun:
     """The planned configuration run on the fake device, with the largest holders at its highest moment."""
-    from ..memory.fake_device import FakeRunError
-    from ..memory.fake_memory import recorded_sessions
+    from ..fakegpu.device import FakeRunError
+    from ..fakegpu.accounting import recorded_sessions
     from ..models.presets import family_of
 
     if options.zero_stage:
@@ -110,7 +114,7 @@ def planned_like(args, options, plan, run: FakeRun) -> tuple[int, int]:
 
 def judge(args, options, plan, run: FakeRun, gpu) -> str:
     """Log the run beside the plan and check its memory verdicts (the GPU's, then the plan's)."""
-    from ..memory.verdict import MemoryVerdict, check_memory
+    from ..fakegpu.verdict import MemoryVerdict, check_memory
 
     blocks = args.verify_blocks
     like, full = planned_like(args, options, plan, run)
@@ -162,12 +166,12 @@ def _shallow(options, blocks: int):
 
 def _run_train(args, options, family) -> FakeRun:
     from ..memory.plan import ENCODER_TERMS
-    from ..training.verify import batch_shapes, verify_train_step
+    from ..preflight.train_step import batch_shapes, verify_train_step
 
     cfg, preset = train_config(args, options)
     shapes = batch_shapes(options.resolution, options.ref_images, options.prompt_tokens, options.batch_size,
                           mixed=args.mixed)
-    r = verify_train_step(cfg, preset, shapes, num_layers=args.verify_blocks)
+    r = verify_train_step(cfg, preset, shapes, num_layers=args.verify_blocks, costs=_counts(args))
     rows = [("weights (DiT + LoRA" + (" + encoders" if r.encoder_weights else "") + ", after setup)", r.weights)]
     if r.encoder_weights:  # --on_the_fly: the encoders built on the fake device and one sample encoded
         rows += [("  of which the on-the-fly encoders", r.encoder_weights),
@@ -177,6 +181,7 @@ def _run_train(args, options, family) -> FakeRun:
     run = FakeRun(f"one training step ({args.loss}, loss {r.loss_dtype})", rows,
                   "training step (steady state)", r.peak, r.weights, r.seconds,
                   notes=[f"optimizer {cfg.optim.optimizer}, as qie train runs --loss {args.loss}", *r.notes])
+    run.profile = r.costs
     run.uncovered = tuple(t for t in ("EMA validation copy of the LoRA (fp32)",) if options.validate_with != "raw")
     if options.on_the_fly and not r.encoder_weights:
         run.uncovered += ENCODER_TERMS
@@ -191,7 +196,7 @@ def _run_train(args, options, family) -> FakeRun:
 
 
 def _run_edit(args, options, family) -> FakeRun:
-    from ..inference.verify import EditLoad, verify_edit
+    from ..preflight.edit_step import EditLoad, verify_edit
     from ..models.presets import get_preset
 
     preset = get_preset(args.model)
@@ -200,14 +205,18 @@ def _run_edit(args, options, family) -> FakeRun:
                     lora_ranks=tuple(r for r in options.lora_ranks if r))  # each stacked LoRA its own branches
     r = verify_edit(preset, resolution=options.resolution, ref_images=max(1, options.ref_images),
                     prompt_tokens=options.prompt_tokens, steps=args.edit_steps, cfg=cfg, num_layers=args.verify_blocks,
-                    kv_cache=options.kv_cache == "on", load=load)
+                    kv_cache=options.kv_cache == "on", load=load, costs=_counts(args), cache=args.cache,
+                    cache_method=args.cache_method, cache_threshold=args.cache_threshold)
     rows = [("weights", r.weights)] + [(f"{k} peak", getattr(r, f"{k}_peak")) for k in ("encode", "denoise", "decode")]
     if r.kv_cache:
         rows.append(("prefix KV caches", r.kv_cache))
     phase = max(rows[1:4], key=lambda kv: kv[1])[0].replace(" peak", "")
     peak = max(b for name, b in rows if name.endswith("peak"))
-    run = FakeRun(f"one edit ({args.edit_steps} steps, CFG {cfg:g})", rows, f"edit: {phase}", peak, r.weights,
-                  r.seconds)
-    return run
+    cached = f", step cache {args.cache}: {r.cache_skipped} of {r.cache_calls} calls reused" if r.cache_calls else ""
+    return FakeRun(f"one edit ({args.edit_steps} steps, CFG {cfg:g}{cached})", rows, f"edit: {phase}", peak,
+                   r.weights, r.seconds, profile=r.costs, steps_run=args.edit_steps)
 
 
+def _counts(args) -> bool:
+    """Whether the run counts its kernels for the time prediction (the whole DiT, and time asked for)."""
+    return not (args.verify_blocks or getattr(args, "no_time", False))

@@ -30,6 +30,7 @@ GROUPS = (
     ("OptimConfig", "optim", "optimizer and learning rate"),
     ("TimestepConfig", "timesteps", "timestep sampling"),
     ("LossConfig", "loss", "loss"),
+    ("JudgeConfig", "judge", "judges (--val_judge, --reward_judge): how they are asked"),
     ("SamplingConfig", "sampling", "batching and sampling (buckets, token budget, weighted datasets)"),
     ("OnTheFlyConfig", "onthefly", "training without a cache (--on_the_fly)"),
     ("DatasetConfig", "dataset", "--on_the_fly: the dataset (as `qie cache`)"),
@@ -68,10 +69,26 @@ def config_from_args(args: argparse.Namespace):
     return tc.RunConfig(**parts)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..training.loop import train
+def preflight(cfg, preset):
+    """The fake-device preflight of a real preset (imported only when a run reaches it); its predicted step time
+    goes beside the run's log (``predicted_step.json``), where ``qie report`` shows it next to the measured one."""
+    from ..preflight.train import preflight as train_preflight
+    from ..training.report import write_prediction
 
-    result = train(config_from_args(args))
+    report = train_preflight(cfg, preset)
+    write_prediction(cfg.train.output_dir, report.prediction)
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..metrics.judge import JudgeDown
+    from ..metrics.rewards import RewardFailed
+    from ..training.loop import Hooks, train
+
+    try:
+        result = train(config_from_args(args), Hooks(before_load=preflight))
+    except (RewardFailed, JudgeDown) as e:  # a reward or a judge that stopped the run: one line, and what is safe
+        raise type(e)(f"{e}. {interrupted(args)}") from None
     log.info("LoRA written to %s (%d steps, %.2f steps/s); load it with `qie edit --lora %s`",
              result.lora_path, result.steps, result.steps_per_second, result.lora_path)
     return 0

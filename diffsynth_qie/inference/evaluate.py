@@ -53,6 +53,7 @@ class EvalReport:
     outputs: list[Image.Image] = field(repr=False)
     sub_outputs: list[Image.Image | None] = field(default_factory=list, repr=False)
     scores: list[dict[str, float]] = field(default_factory=list)  # the scorecard of each row
+    cache: list = field(default_factory=list)  # each row's step-cache stats (``CacheStats``; None without a cache)
 
     @property
     def mean_psnr(self) -> float:
@@ -91,25 +92,31 @@ def case_pixels(case: EvalCase, output: Image.Image):
     return to_pixels([source]), to_pixels([output]), to_pixels([target]) if target is not None else None, region
 
 
-def score_case(case: EvalCase, output: Image.Image, lpips_model=None) -> dict[str, float]:
-    """The scorecard of one output against its case's source (resized to the output) and target."""
+def score_case(case: EvalCase, output: Image.Image, lpips_model=None, pixels=None) -> dict[str, float]:
+    """The scorecard of one output against its case's source (resized to the output) and target (``pixels``: the
+    case's :func:`case_pixels`, when the caller has them already)."""
     from ..metrics.scorecard import score_batch
 
-    src, out, tgt, region = case_pixels(case, output)
+    src, out, tgt, region = pixels or case_pixels(case, output)
     return score_batch(src, out, tgt, region=region, lpips_model=lpips_model)[0]
 
 
 def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True, lpips_model=None, clip=None,
-             judge=None, reward=None, **request_kwargs) -> EvalReport:
+             judge=None, reward=None, column: str = "", **request_kwargs) -> EvalReport:
     """Edit every case with ``editor`` as it is (its LoRAs) and measure PSNR to the target.
 
     ``request_kwargs`` go to :class:`EditRequest` (steps, cfg, seed, lbm_steps, ...); the
     output has the target's size (without a target, the editor's size for the source).
-    ``judge``: a :class:`~diffsynth_qie.metrics.judge.Judge` whose scores join each row's; ``reward``: a
-    ``metrics.rewards.Reward`` (``--reward``), its value joins each row's as ``reward``.
+    ``judge``: a ``metrics.judge.ScoringJudge`` whose scores join each row's, asked while the next rows are edited;
+    ``reward``: a ``metrics.rewards.Reward`` (``--reward``), its value joins each row's as ``reward`` (its judge
+    terms take the row's judge score, asked once; a row the judge did not score has no reward). Each row is
+    turned into pixels once, for the scorecard and the reward. ``column`` names the rows in the judge's line.
     """
-    scores, outputs, subs, cards = [], [], [], []
-    for case in cases:
+    rest, judge_weight = reward, 0.0
+    if hasattr(reward, "split_judge"):
+        rest, judge_weight = reward.split_judge()
+    scores, outputs, subs, cards, pending, partial, cache = [], [], [], [], [], [], []
+    for i, case in enumerate(cases):
         w, h = case.target.size if case.target is not None else (None, None)
         request = EditRequest(images=case.images, prompt=case.prompt, mask=case.mask if use_mask else None,
                               width=w, height=h, **request_kwargs)
@@ -118,23 +125,45 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
             scores.append(psnr(result.image, case.target))
         outputs.append(result.image)
         subs.append(result.sub_image)
-        cards.append(score_case(case, result.image, lpips_model))
+        cache.append(result.cache)
+        pixels = case_pixels(case, result.image)
+        cards.append(score_case(case, result.image, lpips_model, pixels))
         if clip is not None:  # prompt adherence (metrics/clip_direction.py), only with a local CLIP model
             from ..metrics.clip_direction import clip_direction
 
             cards[-1]["clip_direction"] = float(clip_direction(clip, [case.images[0]], [result.image], [case.prompt])[0])
-        if judge is not None:  # an absent answer adds nothing (metrics/judge.py)
-            cards[-1].update(judge.score(case.images[0], case.prompt, result.image))
+        if judge is not None:
+            pending.append(judge.submit(case.images[0], case.prompt, result.image, row_label(case, i, column)))
         if reward is not None:
-            cards[-1]["reward"] = reward_of(reward, case, result.image)
-    return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards)
+            partial.append(reward_of(rest, case, result.image, pixels) if getattr(rest, "terms", True) else 0.0)
+    for card, verdict in zip(cards, pending):  # an absent answer adds nothing (metrics/judge.py)
+        card.update(verdict.result().scores)
+    missed = judge.take_unscored() if judge is not None else []
+    if missed:
+        from ..metrics.judge import unscored_line
+
+        log.warning("%s", unscored_line(f"--judge ({column or 'rows'})", missed, len(pending)))
+    for card, value in zip(cards, partial):
+        if not judge_weight:
+            card["reward"] = value
+        elif "judge" in card:
+            card["reward"] = value + judge_weight * card["judge"]
+    return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards, cache=cache)
 
 
-def reward_of(reward, case: EvalCase, output: Image.Image) -> float:
-    """``reward`` of one edit (``metrics/rewards.py``), at the output's size, with the row's mask and target."""
+def row_label(case: EvalCase, index: int, column: str = "") -> str:
+    """How a row is named in a log line: ``column`` and the benchmark key, else its position and instruction."""
+    key = case.extra.get("key")
+    name = f"row {key}" if key is not None else f"row {index} ({case.prompt[:40]!r})"
+    return f"{column} {name}" if column else name
+
+
+def reward_of(reward, case: EvalCase, output: Image.Image, pixels=None) -> float:
+    """``reward`` of one edit (``metrics/rewards.py``), at the output's size, with the row's mask and target
+    (``pixels``: the case's :func:`case_pixels`, when the caller has them already)."""
     from ..metrics.rewards import RewardBatch
 
-    src, out, tgt, region = case_pixels(case, output)
+    src, out, tgt, region = pixels or case_pixels(case, output)
     return float(reward(RewardBatch(source=src, output=out, instructions=[case.prompt],
                                     keys=[str(case.extra.get("key", case.prompt))], target=tgt, mask=region))[0])
 

@@ -1,16 +1,18 @@
-"""A judge named on the command line (``qie eval-edits --judge SPEC``, ``qie train --val_judge SPEC``).
+"""A judge named on the command line (``qie eval-edits --judge SPEC``, ``qie train --val_judge`` / ``--reward_judge``).
 
 ``SPEC`` is one of:
 
-- ``URL#MODEL``: an OpenAI-compatible endpoint and the model it serves, e.g.
-  ``http://127.0.0.1:8000/v1#EditScore-7B`` (a local vLLM); the key, if the endpoint wants one, is read from
-  ``OPENAI_API_KEY``;
+- ``URL#MODEL[#FORMAT]``: an OpenAI-compatible endpoint, the model it serves and its reply format
+  (``judge_formats.py``: ``editscore``, ``viescore`` or ``number``; left out: ``editscore`` when the model's name
+  says EditScore, else ``number``), e.g. ``http://127.0.0.1:8000/v1#EditScore-7B`` (a local vLLM); the key, if
+  the endpoint wants one, is read from ``OPENAI_API_KEY``;
 - ``DIR`` or ``BASE_DIR,DIR``: a local EditScore-7B (``DIR`` holds its PEFT ``adapter_config.json``; the
-  Qwen2.5-VL-7B-Instruct base is ``BASE_DIR``, else the local path its adapter config names). Nothing is
-  downloaded; when the weights are not there the judge is absent (no field) and one line says so.
+  Qwen2.5-VL-7B-Instruct base is ``BASE_DIR``, else the local path its adapter config names), asked in the
+  ``editscore`` format. Nothing is downloaded; when the weights are not there the judge is absent (no field)
+  and one line says so.
 
 :func:`parse_spec` checks a spec without loading anything (flags are checked before any work);
-:func:`build_judge` makes the judge, or None.
+:func:`build_judge` makes the judge (and checks that an endpoint answers), or None.
 """
 from __future__ import annotations
 
@@ -23,13 +25,16 @@ from typing import Optional
 
 from PIL import Image
 
-from .judge import SCORE_PROMPT, OpenAIJudge, load_editscore, parse_score
+from .judge import JudgeDown, OpenAIJudge, ScoringJudge, load_editscore
+from .judge_config import JudgeConfig
+from .judge_formats import FORMATS, format_named
+from .judge_http import Answer
 
 log = logging.getLogger(__name__)
 
-VAL_JUDGE_HELP = ("score every validation output with a judge too (val_judge in loss.jsonl, 0-10): URL#MODEL (an "
-                  "OpenAI-compatible endpoint, e.g. a local vLLM) or a local EditScore-7B directory ([BASE_DIR,]DIR); "
-                  "runs at validation only")
+VAL_JUDGE_HELP = ("score every validation output with a judge too (val_judge in loss.jsonl, 0-10): URL#MODEL[#FORMAT] "
+                  f"(an OpenAI-compatible endpoint, e.g. a local vLLM; FORMAT: {', '.join(FORMATS)}) or a local "
+                  "EditScore-7B directory ([BASE_DIR,]DIR); runs at validation only")
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class JudgeSpec:
     kind: str                       # "openai" or "editscore"
     url: Optional[str] = None
     model: Optional[str] = None
+    format: Optional[str] = None    # None: chosen by the model's name
     base_dir: Optional[str] = None
     lora_dir: Optional[str] = None
 
@@ -45,14 +51,18 @@ def parse_spec(spec: str, flag: str = "--judge") -> JudgeSpec:
     """The parts of ``spec`` (see the module docstring); a ValueError naming the flag and the fix otherwise."""
     spec = (spec or "").strip()
     if spec.startswith(("http://", "https://")):
-        url, _, model = spec.partition("#")
+        url, _, rest = spec.partition("#")
+        model, _, fmt = rest.partition("#")
         if not model:
             raise ValueError(f"{flag} {spec}: name the model the endpoint serves after '#', e.g. "
                              f"{url}#EditScore-7B")
-        return JudgeSpec("openai", url=url, model=model)
+        if fmt and fmt not in FORMATS:
+            raise ValueError(f"{flag} {spec}: reply format {fmt!r} is unknown; give URL#MODEL#FORMAT with FORMAT one "
+                             f"of {', '.join(FORMATS)} (or leave it out)")
+        return JudgeSpec("openai", url=url, model=model, format=fmt or None)
     base, _, lora = spec.rpartition(",")
     if not lora or not Path(lora).is_dir():
-        raise ValueError(f"{flag} {spec!r}: give an OpenAI-compatible endpoint as URL#MODEL (e.g. "
+        raise ValueError(f"{flag} {spec!r}: give an OpenAI-compatible endpoint as URL#MODEL[#FORMAT] (e.g. "
                          "http://127.0.0.1:8000/v1#EditScore-7B) or a local EditScore-7B directory ([BASE_DIR,]DIR)")
     return JudgeSpec("editscore", base_dir=base or _adapter_base(lora), lora_dir=lora)
 
@@ -78,41 +88,53 @@ def _adapter_base(lora_dir: str) -> str:
     return named if named and Path(named).is_dir() else str(Path(lora_dir) / "base")
 
 
-def build_judge(spec: Optional[str], flag: str = "--judge"):
-    """The judge ``spec`` names (None for no spec, or when a local model is not there: said once)."""
+def build_judge(spec: Optional[str], flag: str = "--judge", config: Optional[JudgeConfig] = None):
+    """The judge ``spec`` names (None for no spec, or when a local model is not there: said once). An endpoint
+    that does not answer is a dead judge at once: :class:`~.judge.JudgeDown` under ``--judge_on_dead stop``,
+    else None and one line."""
     if not spec:
         return None
+    config = config or JudgeConfig()
     parts = parse_spec(spec, flag)
     if parts.kind == "openai":
-        log.info("judge: %s at %s", parts.model, parts.url)
-        return OpenAIJudge(parts.url, parts.model, api_key=os.environ.get("OPENAI_API_KEY"))
+        fmt = format_named(parts.format, parts.model)
+        judge = OpenAIJudge(parts.url, parts.model, fmt, config, api_key=os.environ.get("OPENAI_API_KEY"))
+        if not judge.check_reachable():
+            line = (f"{flag}: {judge.name} does not answer (nothing within --judge_timeout {config.judge_timeout:g} "
+                    "s)")
+            if config.judge_on_dead == "stop":
+                raise JudgeDown(f"{line}; start it, or pass --judge_on_dead skip to go on without it")
+            log.warning("%s: going on without it (--judge_on_dead skip)", line)
+            return None
+        log.info("%s: %s (reply format %s; up to %d request(s) at once, %g s each, %d retr%s)", flag, judge.name,
+                 fmt.name, config.judge_workers, config.judge_timeout, config.judge_retries,
+                 "y" if config.judge_retries == 1 else "ies")
+        return judge
     loaded = load_editscore(parts.base_dir, parts.lora_dir)
-    return None if loaded is None else EditScoreJudge(*loaded)
+    return None if loaded is None else EditScoreJudge(*loaded, config=config)
 
 
-class EditScoreJudge:
-    """EditScore-7B run here: the source and the output with :data:`~.judge.SCORE_PROMPT`, greedy, the reply's
-    first number in 0-10 is the score."""
+class EditScoreJudge(ScoringJudge):
+    """EditScore-7B run here, asked in the ``editscore`` format (its two requests, greedy), one request at a
+    time (one model)."""
 
-    def __init__(self, model, processor, max_new_tokens: int = 32):
-        self.model, self.processor, self.max_new_tokens = model, processor, max_new_tokens
+    def __init__(self, model, processor, config: Optional[JudgeConfig] = None):
+        import dataclasses
 
-    def score(self, source: Image.Image, instruction: str, output: Image.Image) -> dict[str, float]:
+        config = dataclasses.replace(config or JudgeConfig(), judge_workers=1)
+        super().__init__(format_named("editscore"), config, name="judge EditScore-7B (local)")
+        self.model, self.processor = model, processor
+
+    def ask(self, text: str, images: list[Image.Image]) -> Answer:
         import torch
 
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                                 {"type": "text", "text": SCORE_PROMPT.format(instruction=instruction)}]}]
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = self.processor(text=[text], images=[source.convert("RGB"), output.convert("RGB")],
+        messages = [{"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]}]
+        prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = self.processor(text=[prompt], images=[im.convert("RGB") for im in images],
                                 return_tensors="pt").to(self.model.device)
         with torch.no_grad():
-            ids = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False)
-        reply = self.processor.batch_decode(ids[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
-        value = parse_score(reply)
-        return {} if value is None else {"judge": value}
-
-    def prefer(self, source, instruction, a, b) -> Optional[float]:
-        sa, sb = self.score(source, instruction, a).get("judge"), self.score(source, instruction, b).get("judge")
-        if sa is None or sb is None:
-            return None
-        return 0.5 if sa == sb else float(sa > sb)
+            ids = self.model.generate(**inputs, max_new_tokens=self.config.judge_max_tokens, do_sample=False)
+        new = ids[:, inputs["input_ids"].shape[1]:]
+        reply = self.processor.batch_decode(new, skip_special_tokens=True)[0]
+        cut = new.shape[1] >= self.config.judge_max_tokens
+        return Answer(text=reply, answered=True, cut=cut)

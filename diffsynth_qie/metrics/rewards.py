@@ -19,16 +19,22 @@ MODULE:FN      ``FN(batch: RewardBatch) -> sequence of B floats`` from an import
 ``jsonl:PATH`` the ``reward`` of the line whose ``key`` is the row's key
 =============  =====================================================================================
 
-Every term is checked on every call: a value that is not finite, or a result that is not one number per row,
-raises ``ValueError`` naming the term. :func:`parse_reward` resolves everything up front (the module imported,
-the file read, the judge present), so a missing reward model fails before any rollout. A reward runs in
-another process with :class:`ProcessReward` (the spec is re-parsed there; the batch travels as arrays).
+Every term is checked on every call: a value that is not finite, a result that is not one number per row, or a
+term that raises, raises :class:`RewardFailed` (a ``ValueError``: one line naming the term; the traceback is
+logged at debug level). The ``judge`` term scores a batch's rows together (``--judge_workers`` at once); rows the
+judge could not score count as the mean of the scored ones up to ``max_failed`` of the batch, past that it
+raises rather than reward on partial scores. :func:`call_reward` bounds a call in time. :func:`parse_reward`
+resolves everything up front (the module imported, the file read, the judge present), so a missing reward model
+fails before any rollout. A reward runs in another process with :class:`ProcessReward` (the spec is re-parsed
+there; the batch travels as arrays).
 """
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -36,6 +42,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 Tensor = torch.Tensor
+log = logging.getLogger(__name__)
+
+
+class RewardFailed(ValueError):
+    """A reward that could not score a batch: one line naming the term and why (the run stops)."""
 
 
 @dataclass
@@ -74,18 +85,39 @@ BUILTIN: dict[str, Callable[[], Callable[[RewardBatch], list[float]]]] = {
 }
 
 
-def _judge_term(judge) -> Callable[[RewardBatch], list[float]]:
+def _judge_term(judge, max_failed: float = 0.0) -> Callable[[RewardBatch], list[float]]:
+    """A judge's ``judge`` score per row, the rows asked together; unscored rows take the mean of the scored ones
+    while they are at most ``max_failed`` of the batch, else :class:`RewardFailed`."""
     from PIL import Image
 
     def to_pil(x: Tensor) -> Image.Image:
         return Image.fromarray((x.clamp(0, 1).permute(1, 2, 0) * 255).round().byte().cpu().numpy())
 
     def term(batch: RewardBatch) -> list[float]:
-        out = []
-        for i in range(len(batch)):
-            scores = judge.score(to_pil(batch.source[i]), batch.instructions[i], to_pil(batch.output[i]))
-            out.append(float(scores.get("overall", next(iter(scores.values()), float("nan")))))
-        return out
+        from .judge import JudgeDown, Verdict
+
+        keys = list(batch.keys) or [""] * len(batch)
+        items = [(to_pil(batch.source[i]), batch.instructions[i], to_pil(batch.output[i]), f"{keys[i]} #{i}")
+                 for i in range(len(batch))]
+        try:
+            verdicts = judge.assess_many(items) if hasattr(judge, "assess_many") else \
+                [Verdict(judge.score(*item[:3])) for item in items]  # (a judge with score() alone)
+        except JudgeDown as e:  # a reward judge is never left out: the run stops
+            raise RewardFailed(f"the reward {e.what}: the run stops rather than train without its rewards; start the "
+                               "judge and resume") from None
+        values = [v.scores.get("judge") for v in verdicts]
+        failed = [i for i, v in enumerate(values) if v is None]
+        if not failed:
+            return values
+        why = verdicts[failed[-1]].why
+        if len(failed) > max_failed * len(values) or len(failed) == len(values):
+            raise RewardFailed(f"the reward judge could not score {len(failed)} of {len(values)} rollouts of "
+                               f"{keys[failed[0]] or 'a row'} (the last: {why}); more than --reward_judge_max_failed "
+                               f"{max_failed:g} of them, so the run stops rather than reward on partial scores")
+        mean = sum(v for v in values if v is not None) / (len(values) - len(failed))
+        log.warning("reward judge: %d of %d rollouts of %s got no score (%s); they count as the mean of the others, "
+                    "%.3f", len(failed), len(values), keys[failed[0]] or "a row", why, mean)
+        return [mean if v is None else v for v in values]
 
     return term
 
@@ -135,18 +167,60 @@ class Reward:
     def __call__(self, batch: RewardBatch) -> Tensor:
         total = torch.zeros(len(batch), dtype=torch.float64)
         for name, weight, term in self.terms:
-            values = term(batch)
-            values = torch.as_tensor(values.detach().cpu() if isinstance(values, Tensor) else list(values),
-                                     dtype=torch.float64).reshape(-1)
+            try:
+                values = term(batch)
+                values = torch.as_tensor(values.detach().cpu() if isinstance(values, Tensor) else list(values),
+                                         dtype=torch.float64).reshape(-1)
+            except RewardFailed:
+                raise
+            except Exception as e:  # a user's function, a judge that stopped: one line, the traceback at debug
+                log.debug("reward term %r raised", name, exc_info=True)
+                raise RewardFailed(f"reward term {name!r} raised {type(e).__name__}: {e}") from e
             if values.numel() != len(batch):
-                raise ValueError(f"reward term {name!r} returned {values.numel()} values for {len(batch)} rows; "
-                                 "it must return one number per row")
+                raise RewardFailed(f"reward term {name!r} returned {values.numel()} values for {len(batch)} rows; "
+                                   "it must return one number per row")
             if not torch.isfinite(values).all():
                 bad = [i for i, v in enumerate(values.tolist()) if not math.isfinite(v)]
-                raise ValueError(f"reward term {name!r} returned a non-finite value for rows {bad[:5]}; a reward must "
-                                 "be a finite number for every row (is a scorecard region empty?)")
+                hint = " (is a scorecard region empty?)" if name in BUILTIN else ""
+                raise RewardFailed(f"reward term {name!r} returned a non-finite value for rows {bad[:5]}; a reward "
+                                   f"must be a finite number for every row{hint}")
             total += weight * values
         return total.float()
+
+    def split_judge(self) -> tuple["Reward", float]:
+        """(this reward without its ``judge`` terms, their summed weight): a caller that has the judge's score of
+        a row adds ``weight · score`` itself instead of asking the judge again."""
+        rest = [t for t in self.terms if t[0] != "judge"]
+        return Reward(self.spec, rest), sum(w for n, w, _ in self.terms if n == "judge")
+
+
+def call_reward(reward: Callable[[RewardBatch], Tensor], batch: RewardBatch, timeout: Optional[float],
+                what: str = "the reward") -> Tensor:
+    """``reward(batch)``, given at most ``timeout`` seconds (None: no limit): past them :class:`RewardFailed`
+    (the call is left running on a daemon thread, which does not hold the process at exit); any exception of
+    the reward comes back as :class:`RewardFailed`."""
+    if timeout is None:
+        return reward(batch)
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = reward(batch)
+        except BaseException as e:  # handed to the caller
+            result["error"] = e
+
+    worker = threading.Thread(target=run, name="reward", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise RewardFailed(f"{what} took more than --reward_timeout {timeout:g} s; make it faster or raise the limit")
+    if "error" in result:
+        error = result["error"]
+        if isinstance(error, RewardFailed):
+            raise error
+        log.debug("the reward raised", exc_info=error)
+        raise RewardFailed(f"{what} raised {type(error).__name__}: {error}") from error
+    return result["value"]
 
 
 def probe(reward: Reward) -> None:
@@ -163,8 +237,9 @@ def probe(reward: Reward) -> None:
     Reward(reward.spec, kept)(batch)
 
 
-def parse_reward(spec: str, judge=None) -> Reward:
-    """Resolve a ``--reward`` spec (see the module docstring); every term is loaded now."""
+def parse_reward(spec: str, judge=None, judge_flag: str = "--reward_judge", max_failed: float = 0.0) -> Reward:
+    """Resolve a ``--reward`` spec (see the module docstring); every term is loaded now. ``judge``: the judge of a
+    ``judge`` term (``judge_flag`` names its flag), ``max_failed`` its share of unscored rows allowed."""
     if not spec or not spec.strip():
         raise ValueError("--reward is empty; give e.g. 'preserve:0.5,fidelity:1.0'")
     reward = Reward(spec)
@@ -181,9 +256,9 @@ def parse_reward(spec: str, judge=None) -> Reward:
             term = BUILTIN[name]()
         elif name == "judge":
             if judge is None:
-                raise ValueError("--reward judge needs a judge: pass --reward_judge (an OpenAI-compatible URL or a "
-                                 "local EditScore directory)")
-            term = _judge_term(judge)
+                raise ValueError(f"--reward judge needs a judge: pass {judge_flag} (an OpenAI-compatible URL#MODEL or "
+                                 "a local EditScore directory)")
+            term = _judge_term(judge, max_failed)
         elif name.startswith("jsonl:"):
             term = _jsonl_term(name[len("jsonl:"):])
         elif ":" in name:

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 #: metric -> True where higher is better (the table in metrics/scorecard.py, with the optional CLIP and judge scores)
 HIGHER_IS_BETTER = {"preserve_psnr": True, "preserve_ssim": True, "preserve_lpips": False, "edit_psnr": True,
                     "edit_ssim": True, "shift_px": False, "scale_drift": False, "colour_cast": False,
-                    "clip_direction": True, "judge": True}
+                    "clip_direction": True, "judge": True, "judge_semantic": True, "judge_quality": True}
 #: ties within this tolerance count as neither a win nor a loss
 TIE = {"shift_px": 0.05, "scale_drift": 0.005}
 

@@ -49,6 +49,9 @@ class Hooks:
 
     on_step_end: Optional[Callable[[int, dict], None]] = None
     on_save: Optional[Callable[[Path], None]] = None
+    # once, after every flag is checked and before a real preset's DiT loads (tiny presets and --no_preflight
+    # skip it): ``qie train`` passes its fake-device preflight (``preflight/train.py``), which sits above training/
+    before_load: Optional[Callable[[object, object], object]] = None
 
 
 @dataclass
@@ -81,9 +84,10 @@ def micro_seed(seed: int, rank: int, step: int, micro: int) -> int:
 def train(config: RunConfig, hooks: Optional[Hooks] = None) -> TrainResult:
     """Train a LoRA from the cache; returns where the final LoRA is and the loss curve."""
     t_start = time.perf_counter()
-    run = setup(config)
+    hooks = hooks or Hooks()
+    run = setup(config, hooks.before_load)
     try:
-        result = run_loop(run, hooks or Hooks())
+        result = run_loop(run, hooks)
     finally:
         run.tracker.close()
         run.lock.release()
@@ -100,6 +104,7 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
 
     from . import checkpoint as ckpt
     from .data import iterate_batches
+    from .ema import remove_stale_ema
     from .onthefly import prefetched
     from .validation import validate_step
 
@@ -120,12 +125,17 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
         return path
 
     run.wrapped.train()
+    step_seconds = []  # wall time of the optimizer steps since the last log (the report shows it beside the prediction)
     try:
         while state.step < run.total_steps:
+            t_step = time.perf_counter()
             out = train_step(run, [next(stream) for _ in range(t.gradient_accumulation_steps)])
+            step_seconds.append(time.perf_counter() - t_step)
             record: dict = {}
             if state.step % t.log_every == 0 or state.step == run.total_steps:
                 record = _step_record(acc, out.micro, out.lr, run.optimizer, out.grad_norm, run.engine, state)
+                record["step_s"] = sum(step_seconds) / len(step_seconds)
+                step_seconds.clear()
                 if not math.isfinite(record["loss"]):  # the same reduced value on every rank: all stop together
                     raise RuntimeError(f"loss became {record['loss']} at step {state.step}; lower --learning_rate, "
                                        "or use bf16 instead of fp16")
@@ -145,11 +155,13 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
             save()
         ckpt.save_final_lora(acc, run.module, run.optimizer, run.engine, t.output_dir, {"step": state.step})
         if run.cfg.lora.export and acc.is_main_process:  # --export: checked exports beside it
-            from ..lora.export import export_beside
+            from .exports import write_exports
 
-            export_beside(result.lora_path, run.cfg.lora.export)
+            write_exports(run.cfg, result.lora_path)
         if run.ema is not None:  # lora_ema.safetensors beside it
             run.ema.save(acc, run.module, t.output_dir, {"step": state.step})
+        elif acc.is_main_process:  # (an earlier run's average is not this LoRA's)
+            remove_stale_ema(t.output_dir)
     finally:
         stream.close()
         bar.close()

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 REPORT_NAME = "report.html"
 SCORECARD_NAME = "scorecard.json"  # what `qie eval-edits --scorecard` wrote into the run's directory, if anything
+PREDICTION_NAME = "predicted_step.json"  # qie train's preflight: the step time predicted for the visible GPU
 HELDOUT_GRID_NAME = "heldout_grid.png"  # `qie eval-edits --grid`: every reference | base | LoRA | target per row
 NOT_PLOTTED = {"step", "loss", "lr", "epoch"}
 STRIP_MAX_WIDTH = 1536  # wider validation strips are scaled down in the page (the PNG files are untouched)
@@ -206,6 +207,38 @@ def _scorecard(path: Path) -> list[str]:
             f"{html.escape(names[0])})</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table>"]
 
 
+def write_prediction(output_dir: str | Path, prediction) -> None:
+    """Keep the preflight's predicted step time (a ``preflight.timing.TimePrediction``) in the run's directory."""
+    import json
+
+    e, t = prediction.estimate, prediction.table
+    atomic_write_text(Path(output_dir) / PREDICTION_NAME, json.dumps(
+        {"gpu": e.gpu, "step_s": e.seconds, "mfu": e.mfu, "split_s": e.split, "source": t.source,
+         "accuracy": t.accuracy}))
+
+
+def _step_time(out: Path, records: Sequence[dict]) -> list[str]:
+    """The measured step time (median of the logged ones, the first left out: it includes warm-up) beside the
+    preflight's prediction."""
+    import json
+    import statistics
+
+    measured = [r["step_s"] for r in records if isinstance(r.get("step_s"), (int, float))][1:]
+    path = out / PREDICTION_NAME
+    predicted = json.loads(path.read_text()) if path.is_file() else None
+    if not measured and predicted is None:
+        return []
+    parts = []
+    if measured:
+        parts.append(f"measured {statistics.median(measured):.3f} s per optimizer step (median of "
+                     f"{len(measured)} logged)")
+    if predicted is not None:
+        parts.append(f"predicted {predicted['step_s']:.3f} s on {html.escape(predicted['gpu'])} before the run "
+                     f"(MFU {100 * predicted['mfu']:.0f} %; {html.escape(predicted['source'])}, "
+                     f"{html.escape(predicted['accuracy'])})")
+    return [f"<p>Step time: {'; '.join(parts)}.</p>"]
+
+
 def build_report(output_dir: str | Path, smoothing: float = 0.9, select_by: Optional[str] = None,
                  worst: int = 3) -> str:
     """The report page's HTML for a run's ``output_dir``."""
@@ -246,6 +279,7 @@ def build_report(output_dir: str | Path, smoothing: float = 0.9, select_by: Opti
     parts += [f"<tr><td>{html.escape(k)}</td><td>{_fmt(last)}</td><td>{_fmt(best)}</td><td>{sm}</td></tr>"
               for k, last, best, sm in rows]
     parts.append("</table>")
+    parts += _step_time(out, records)
     if select_by:
         parts += _selection(out, records, select_by, worst)
     parts += _scorecard(out / SCORECARD_NAME)

@@ -9,7 +9,8 @@ Checked against the settings the checkpoint recorded, before anything of it is l
 - **Applied and logged**: the learning-rate schedule and the optimizer's hyper-parameters (learning rate,
   schedule, warmup, final ratio, weight decay, betas, clipping). A checkpoint's optimizer and scheduler
   state hold the old values; :func:`apply_schedule` puts the new ones in, so the next step runs at the new
-  schedule's learning rate for its step.
+  schedule's learning rate for its step. With ``--loss nft``, its reward and rollout settings (``--reward``,
+  ``--reward_judge``, ``--nft_group_size``, ``--nft_rollout_steps``, ``--nft_beta``, ...): the next rollouts use them.
 - **The EMA** (``--ema_decay``, ``training/ema.py``: ``EMAResume``): continued; a changed decay applied from
   the restored average on and logged; an EMA added (it starts from the resumed weights) or dropped, logged.
 - **Warned** (as before): seed, world size, batch size, accumulation and sampling flags change the data order.
@@ -34,6 +35,9 @@ REFUSED = {
 }
 APPLIED = [("optim", name) for name in ("learning_rate", "lr_schedule", "warmup_steps", "min_lr_ratio",
                                         "weight_decay", "betas", "max_grad_norm")]
+# a loss's own settings that a resume applies, checked when the run trains that loss
+LOSS_APPLIED = {"nft": [("nft", name) for name in ("reward", "reward_judge", "nft_group_size", "nft_rollout_steps",
+                                                   "nft_beta", "nft_old_decay", "nft_adv_clip")]}
 
 
 def cache_identity(cache_dirs) -> list[str]:
@@ -78,7 +82,8 @@ def check_resume(saved_extra: dict, extra: dict, ckpt) -> list[tuple[str, Any, A
     if refused:
         raise ValueError(f"--resume {ckpt}: {'; '.join(refused)}. Resume with the checkpoint's settings, or start "
                          "a new run in another --output_dir")
-    applied = [(f"--{name}", _get(saved, area, name), _get(new, area, name)) for area, name in APPLIED
+    checked = APPLIED + LOSS_APPLIED.get(_get(new, "loss", "loss"), [])
+    applied = [(f"--{name}", _get(saved, area, name), _get(new, area, name)) for area, name in checked
                if area in saved and _get(saved, area, name) != _get(new, area, name)]
     for flag, old, now in applied:
         log.info("resuming with %s %s (the checkpoint had %s): applied from this step on", flag, now, old)

@@ -38,7 +38,7 @@ def qwen21_verified():
 
     saved = {k: QWEN21.__dict__[k] for k in ("fake_standin", "fullsize_verify") if k in QWEN21.__dict__}
     if not getattr(QWEN21, "fake_standin", ""):
-        object.__setattr__(QWEN21, "fake_standin", "diffsynth_qie.memory.standin21.host_bookkeeping21")
+        object.__setattr__(QWEN21, "fake_standin", "diffsynth_qie.fakegpu.standin21.host_bookkeeping21")
     object.__setattr__(QWEN21, "fullsize_verify", True)
     try:
         yield QWEN21

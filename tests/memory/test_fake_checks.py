@@ -1,5 +1,5 @@
 """The fake device's checks, each shown able to fail: a planted GPU bug is caught at its file:line with a hint,
-and the legal counterpart passes (memory/fake_checks.py, fake_streams.py, fake_ops.py)."""
+and the legal counterpart passes (fakegpu/checks.py, streams.py, ops.py)."""
 from __future__ import annotations
 
 import inspect
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffsynth_qie.memory.fake_device import FakeCuda, FakeRunError
+from diffsynth_qie.fakegpu.device import FakeCuda, FakeRunError
 
 HERE = "test_fake_checks.py"
 

@@ -72,7 +72,7 @@ def test_a_fake_device_error_is_one_line_not_a_traceback(capfd, monkeypatch):
     assert rc == 2 and "Traceback" not in text
     (line,) = _error_lines(text)
     assert "qie plan --verify (train on a fake CUDA device): host read of a device tensor" in line
-    assert "at diffsynth_qie/training/verify.py:" in line  # the package's frame that called the planted code
+    assert "at diffsynth_qie/preflight/train_step.py:" in line  # the package's frame that called the planted code
 
 
 def test_qwen_image_21_training_and_editing_are_verified(capfd):
@@ -106,7 +106,7 @@ def test_lbm_ema_and_on_the_fly_are_verified_as_planned(capfd):
 
 
 def test_attribution_names_the_allocating_frame():
-    from diffsynth_qie.memory.fake_device import FakeCuda
+    from diffsynth_qie.fakegpu.device import FakeCuda
 
     with FakeCuda() as fc:
         kept = torch.empty(1 << 20, device="cuda:0")  # 4 MiB

@@ -2,7 +2,7 @@
 holders and the fix; a peak that fits and agrees passes with one line."""
 import pytest
 
-from diffsynth_qie.memory.verdict import GiB, MemoryVerdict, MemoryVerdictError, check_memory, gpu_bytes_of
+from diffsynth_qie.fakegpu.verdict import GiB, MemoryVerdict, MemoryVerdictError, check_memory, gpu_bytes_of
 
 
 def test_a_peak_over_the_gpu_names_phase_holders_and_fix():

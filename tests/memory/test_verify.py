@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from diffsynth_qie.memory.fake_device import FakeCuda, FakeRunError, backward
+from diffsynth_qie.fakegpu.device import FakeCuda, FakeRunError, backward
 from diffsynth_qie.models.presets import get_preset
 
 GiB = 1024 ** 3
@@ -86,7 +86,7 @@ def test_a_cpu_tensor_meeting_a_device_tensor_is_an_error():
     dict(model="2511", refs=2),
 ], ids=["2511-ckpt", "2509-no-ckpt", "batch2-mixed", "fp8", "lbm", "2-refs"])
 def test_training_step_configurations_run_at_full_width(case):
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
 
     case = dict(case)
     mixed, refs = case.pop("mixed", False), case.pop("refs", 1)
@@ -107,7 +107,7 @@ def test_checkpointing_lowers_the_peak_and_the_plan_agrees_with_the_depth_slope(
     """Activation memory per block, measured on the fake device, against qie plan's constants."""
     from diffsynth_qie.memory.census import preset_census
     from diffsynth_qie.memory.plan import CALIBRATION, PlanOptions
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
 
     preset = get_preset("2511")
     shapes = batch_shapes(1024, 1, 300, 1)
@@ -126,7 +126,7 @@ def test_checkpointing_lowers_the_peak_and_the_plan_agrees_with_the_depth_slope(
 
 
 def test_edit_runs_at_full_width_with_lora_branches_and_cfg():
-    from diffsynth_qie.inference.verify import verify_edit
+    from diffsynth_qie.preflight.edit_step import verify_edit
 
     r = verify_edit(get_preset("2511"), resolution=512, steps=1, lora_rank=16, num_layers=2)
     te = 8.29e9 * 2  # the real Qwen2.5-VL-7B text encoder in bf16
@@ -136,7 +136,7 @@ def test_edit_runs_at_full_width_with_lora_branches_and_cfg():
 
 def test_block_swapping_runs_on_the_fake_device_and_frees_the_swapped_blocks():
     """The real BlockSwapper's forward and backward hooks run under the fake device's backward walk."""
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
 
     preset, shapes = get_preset("2511"), batch_shapes(512, 1, 50, 1)
     plain = verify_train_step(run_config(), preset, shapes, num_layers=5)
@@ -153,7 +153,7 @@ def test_block_swapping_runs_on_the_fake_device_and_frees_the_swapped_blocks():
 
 
 def test_edit_with_block_swapping_keeps_the_swapped_block_off_the_device():
-    from diffsynth_qie.inference.verify import verify_edit
+    from diffsynth_qie.preflight.edit_step import verify_edit
 
     plain = verify_edit(get_preset("2511"), resolution=512, steps=1, num_layers=3)
     swapped = verify_edit(get_preset("2511"), resolution=512, steps=1, num_layers=3, blocks_to_swap=2)
@@ -164,7 +164,7 @@ def test_edit_with_block_swapping_keeps_the_swapped_block_off_the_device():
 
 
 def test_train_preflight_turns_a_host_sync_into_a_value_error(monkeypatch):
-    from diffsynth_qie.training import verify_preflight
+    from diffsynth_qie.preflight import train as verify_preflight
     from diffsynth_qie.training.losses import common
 
     real = common.per_sample_mse
@@ -191,7 +191,7 @@ def test_qie_plan_verify_prints_the_phases_beside_the_plan(capfd):
 
 
 def test_train_preflight_runs_a_block_swapping_run_with_its_swapper():
-    from diffsynth_qie.training import verify_preflight
+    from diffsynth_qie.preflight import train as verify_preflight
 
     report = verify_preflight.preflight(run_config(blocks_to_swap=20), get_preset("2511"))
     assert report.forward_backward_peak > report.weights

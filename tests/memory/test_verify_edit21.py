@@ -33,14 +33,14 @@ def request21(size=512, refs=1, cfg=1.0, steps=2, **fields):
 
 def prefix_tokens(size: int, refs: int, prompt_tokens: int) -> int:
     """The prefix of a 2.1 prompt: its text tokens and, per reference slot, 4 latents (2x2)."""
-    from diffsynth_qie.memory.standin21 import slot_mask21
+    from diffsynth_qie.fakegpu.standin21 import slot_mask21
 
     pad = slot_mask21([(size // 16, size // 16)] * refs, prompt_tokens)
     return int((~pad).sum()) + 4 * int(pad.sum())
 
 
 def test_a_21_edit_keeps_one_prefix_kv_cache_per_prompt(preset21):
-    from diffsynth_qie.inference.verify import EditLoad, verify_edit
+    from diffsynth_qie.preflight.edit_step import EditLoad, verify_edit
     from diffsynth_qie.memory.census import preset_census
 
     load = EditLoad(lora_ranks=(32,))
@@ -57,7 +57,7 @@ def test_a_21_edit_keeps_one_prefix_kv_cache_per_prompt(preset21):
 
 def test_the_check_catches_the_samplers_host_timesteps_at_our_line(preset21, monkeypatch):
     import diffsynth_qie.models.qwen_image_21.qwen21 as qwen21
-    from diffsynth_qie.inference.verify_preflight import preflight
+    from diffsynth_qie.preflight.edit import preflight
 
     plant(monkeypatch, qwen21, "forward21", "timesteps.reshape(-1)[group].to(device=x.device, dtype=dtype)",
           "timesteps.reshape(-1)[group].to(dtype=dtype)")
@@ -82,7 +82,7 @@ def test_qie_edit_model_21_preflight_judges_the_scaled_peak(preset21, tmp_path, 
 def test_a_21_lbm_edit_runs_both_streams_through_the_prefix(preset21):
     """``--lbm_steps`` on 2.1: the main and the white-prior stream as one batch of the repeated conditioning,
     which share one prefix KV cache (the same prompt and references), and the white image's VAE encoding."""
-    from diffsynth_qie.inference.verify import EditLoad, verify_edit
+    from diffsynth_qie.preflight.edit_step import EditLoad, verify_edit
 
     load = EditLoad(lora_ranks=(32,))
     flow = verify_edit(preset21, num_layers=2, request=request21(steps=1), load=load, prompt_tokens=300)

@@ -31,8 +31,8 @@ def mask():
 
 
 def run(req, **load):
-    from diffsynth_qie.inference.verify import EditLoad
-    from diffsynth_qie.inference.verify_preflight import preflight
+    from diffsynth_qie.preflight.edit_step import EditLoad
+    from diffsynth_qie.preflight.edit import preflight
 
     return preflight("2511", req, EditLoad(**load), gpu_memory_gb=1000)
 
@@ -112,8 +112,8 @@ def _targets_in_two_blocks() -> int:
 
 def test_the_verdict_scales_the_blocks_run_to_the_whole_dit():
     """Every block holds the same: two blocks scaled to three give the three-block run's peak."""
-    from diffsynth_qie.inference.verify import EditLoad, verify_edit
-    from diffsynth_qie.inference.verify_preflight import edit_verdict
+    from diffsynth_qie.preflight.edit_step import EditLoad, verify_edit
+    from diffsynth_qie.preflight.edit import edit_verdict
     from diffsynth_qie.models.presets import get_preset
 
     req, load = request(steps=1, mask=mask()), EditLoad(lora_ranks=(32,))

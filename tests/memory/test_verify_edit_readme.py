@@ -53,7 +53,8 @@ def stand_in_files(argv: list[str], tmp: Path) -> list[str]:
 def test_the_readme_edit_examples_pass_their_preflight(argv, tmp_path, monkeypatch):
     from diffsynth_qie.cli import build_parser
     from diffsynth_qie.commands import edit
-    from diffsynth_qie.inference import editor, verify_preflight
+    from diffsynth_qie.inference import editor
+    from diffsynth_qie.preflight import edit as verify_preflight
     from diffsynth_qie.models.presets import family_of, get_preset
 
     args = build_parser().parse_args(["edit", *stand_in_files(argv, tmp_path), "--gpu_memory_gb", "80"])

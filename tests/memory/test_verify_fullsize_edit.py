@@ -9,7 +9,7 @@ GiB = 1024 ** 3
 
 
 def test_full_size_2511_edit_matches_the_census_and_the_plan():
-    from diffsynth_qie.inference.verify import verify_edit
+    from diffsynth_qie.preflight.edit_step import verify_edit
 
     census = preset_census("2511")
     r = verify_edit(get_preset("2511"), resolution=1024, steps=2, lora_rank=32)

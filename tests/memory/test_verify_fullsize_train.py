@@ -15,7 +15,7 @@ GiB = 1024 ** 3
 def test_full_size_2511_step_matches_the_census_and_the_plan():
     from test_verify import run_config
 
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
 
     census = preset_census("2511", with_encoders=False)
     r = verify_train_step(run_config(gradient_checkpointing=True), get_preset("2511"), batch_shapes(1024, 1, 300, 1))

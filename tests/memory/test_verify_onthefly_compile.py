@@ -57,7 +57,7 @@ def test_a_cpu_tensor_in_the_on_the_fly_vae_input_is_caught_at_its_line(monkeypa
     line = _line_of(encode, "lat = pipe.vae.encode(pixels)")
     with pytest.raises(ValueError, match=rf"preflight.*device mismatch.*diffsynth_qie/cache/encode\.py:{line} "
                                          r"\(vae_encode_many\).*--no_preflight"):
-        from diffsynth_qie.training.verify_preflight import preflight
+        from diffsynth_qie.preflight.train import preflight
 
         preflight(on_the_fly(run_config(), max_pixels=512 * 512), get_preset("2511"))
 

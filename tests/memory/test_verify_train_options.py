@@ -31,7 +31,7 @@ def run_config(model="2511", loss="sft", mask=None, optimizer=None, **train):
 
 
 def step(cfg, model="2511", layers=1, batch=1):
-    from diffsynth_qie.training.verify import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
 
     family_divisor = 32 if model.startswith("2.1") else 16
     return verify_train_step(cfg, get_preset(model), batch_shapes(512, 1, 40, batch, mixed=batch > 1,
@@ -69,7 +69,7 @@ def test_lbm_runs_its_real_default_optimizer_step(model):
 
 
 def test_a_host_read_of_ours_is_still_caught_beside_the_optimizers_own(monkeypatch):
-    from diffsynth_qie.memory.fake_device import FakeRunError
+    from diffsynth_qie.fakegpu.device import FakeRunError
     from diffsynth_qie.training import optim
 
     real = optim.build_optimizer
@@ -86,7 +86,7 @@ def test_a_host_read_of_ours_is_still_caught_beside_the_optimizers_own(monkeypat
         return built
 
     monkeypatch.setattr(optim, "build_optimizer", syncing)
-    with pytest.raises(FakeRunError, match=r"host read .* at diffsynth_qie/training/verify\.py:\d+ \(_verify_train_step\)"):
+    with pytest.raises(FakeRunError, match=r"host read .* at diffsynth_qie/preflight/train_step\.py:\d+ \(_verify_train_step\)"):
         step(run_config(loss="lbm"))  # (the caller of the planted code: the innermost frame of the package)
 
 
@@ -108,7 +108,8 @@ def test_compile_runs_compile_blocks_on_the_checked_dit(monkeypatch):
 
 # --- bugs reachable only behind a flag ------------------------------------------------------------------------
 def test_a_device_mismatch_in_the_ema_update_is_caught_only_with_ema_decay(monkeypatch):
-    from diffsynth_qie.training import ema as ema_mod, verify_extras
+    from diffsynth_qie.training import ema as ema_mod
+    from diffsynth_qie.preflight import train_extras as verify_extras
 
     real = verify_extras.build_ema
 
@@ -119,10 +120,10 @@ def test_a_device_mismatch_in_the_ema_update_is_caught_only_with_ema_decay(monke
         return built
 
     monkeypatch.setattr(verify_extras, "build_ema", planted)
-    monkeypatch.setattr("diffsynth_qie.training.verify.build_ema", planted)
+    monkeypatch.setattr("diffsynth_qie.preflight.train_step.build_ema", planted)
     step(run_config())  # without --ema_decay the bug is not reached
     with pytest.raises(ValueError, match=r"preflight.*device mismatch.*training/ema\.py:\d+ \(update\).*--no_preflight"):
-        from diffsynth_qie.training.verify_preflight import preflight
+        from diffsynth_qie.preflight.train import preflight
 
         preflight(run_config(ema_decay=0.99), get_preset("2511"))
     assert ema_mod.LoraEMA.update  # (the class itself is untouched)
@@ -136,7 +137,7 @@ def _old_mask_weights(back_mask, inside, outside):
 
 
 def test_a_host_read_in_the_mask_weights_is_caught_only_with_mask_loss_weights(monkeypatch):
-    from diffsynth_qie.memory.fake_device import FakeRunError
+    from diffsynth_qie.fakegpu.device import FakeRunError
     from diffsynth_qie.training.losses import common
 
     monkeypatch.setattr(common, "mask_weights", _old_mask_weights)
@@ -146,7 +147,7 @@ def test_a_host_read_in_the_mask_weights_is_caught_only_with_mask_loss_weights(m
 
 
 def test_mask_weights_stay_on_the_device_with_the_same_numbers():
-    from diffsynth_qie.memory.fake_device import FakeCuda
+    from diffsynth_qie.fakegpu.device import FakeCuda
     from diffsynth_qie.training.losses.common import mask_weights
 
     g = torch.Generator().manual_seed(0)
@@ -177,7 +178,7 @@ def _parsed(model: str, flags: list[str]):
                                           ("Qwen-Image-Edit-LBM.sh", "2511"), ("Qwen-Image-2.1.sh", "2.1"),
                                           ("Qwen-Image-2.1-LBM.sh", "2.1")])
 def test_the_launch_scripts_training_configurations_pass_the_preflight_on_an_80_gb_gpu(script, model):
-    from diffsynth_qie.training.verify_preflight import preflight
+    from diffsynth_qie.preflight.train import preflight
 
     report = preflight(_parsed(model, _train_flags(script)), get_preset(model), gpu_memory_gb=80)
     assert 0 < report.verdict.peak_bytes < 80 * GiB and "scaled to" in report.verdict.scaled
@@ -185,8 +186,8 @@ def test_the_launch_scripts_training_configurations_pass_the_preflight_on_an_80_
 
 # --- the memory verdict ---------------------------------------------------------------------------------------
 def test_the_preflight_refuses_a_step_that_does_not_fit_the_gpu_in_one_line():
-    from diffsynth_qie.memory.verdict import MemoryVerdictError
-    from diffsynth_qie.training.verify_preflight import preflight
+    from diffsynth_qie.fakegpu.verdict import MemoryVerdictError
+    from diffsynth_qie.preflight.train import preflight
 
     with pytest.raises(MemoryVerdictError) as caught:
         preflight(run_config(gradient_checkpointing=False), get_preset("2511"), gpu_memory_gb=24)
@@ -197,7 +198,7 @@ def test_the_preflight_refuses_a_step_that_does_not_fit_the_gpu_in_one_line():
 
 def test_the_scaled_peak_matches_a_deeper_run():
     """Two depths scaled to four blocks give the four-block run's peak: the per-block share is linear."""
-    from diffsynth_qie.training.verify_preflight import scaled_verdict
+    from diffsynth_qie.preflight.train import scaled_verdict
 
     cfg = run_config()
     one, two, four = (step(cfg, layers=n) for n in (1, 2, 4))

@@ -92,13 +92,41 @@ def lora_switched_off(dit):
             m._disable_adapters = s
 
 
+FIX_PAIRS = ("give each such row a rejected image (the 'rejected' column beside the target, docs/PREFERENCE.md) and "
+             "re-run `qie cache`, or drop the rows from the metadata file")
+
+
+def _source(store) -> str:
+    """Where a store's rows come from, for a message: the metadata file (and the cache made from it)."""
+    cache = getattr(store, "cache_dir", None)
+    if cache is None:  # --on_the_fly: the LiveStore reads its metadata file itself
+        return str(store.config.dataset.dataset_metadata)
+    return f"{store.manifest.get('metadata', 'its metadata file')}, cached in {cache}"
+
+
+def check_pairs(dataset) -> None:
+    """Before anything loads: every training row of ``dataset`` (a ``training.data.CacheDataset``) is a pair, else
+    one ``ValueError`` naming the rows without a rejected image, their metadata file and the fix."""
+    missing: dict[str, list[str]] = {}
+    for part in dataset.parts:
+        for i in part.indices:
+            meta = part.store.meta(i)
+            if not meta.has_rejected:
+                missing.setdefault(_source(part.store), []).append(meta.row_id)
+    if missing:
+        n = sum(map(len, missing.values()))
+        rows = "; ".join(f"{', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''} ({where})"
+                         for where, ids in missing.items())
+        raise ValueError(f"--loss dpo trains on chosen/rejected pairs, but {n} of {len(dataset)} training rows have "
+                         f"no rejected image: {rows}; {FIX_PAIRS}")
+
+
 def _rejected_of(batch: dict) -> list:
     rejected = batch.get("rejected_latents") or [None] * len(batch["target_latents"])
     for b, (w, l) in enumerate(zip(batch["target_latents"], rejected)):
         where = f"entry {batch['entry_id'][b]!r}" if "entry_id" in batch else f"batch position {b}"
         if l is None:
-            raise ValueError(f"--loss dpo: {where} has no rejected image; cache a preference dataset (a 'rejected' "
-                             "column beside the target, docs/PREFERENCE.md) or train with --loss sft")
+            raise ValueError(f"--loss dpo: {where} has no rejected image; {FIX_PAIRS}")
         if tuple(l.shape) != tuple(w.shape):
             raise ValueError(f"--loss dpo: {where}: rejected latents {tuple(l.shape)} differ from the chosen "
                              f"{tuple(w.shape)}; re-run `qie cache` (it fits the rejected image to the target's size)")
@@ -163,4 +191,5 @@ def _setup(module, cfg, preset, device, dtype, ds_config) -> None:
 
 SPEC = LossSpec(
     name="dpo", summary="Diffusion-DPO on chosen/rejected pairs, reference = the base (docs/PREFERENCE.md)",
-    fn=flow_dpo_loss, config=DPOConfig, stratified_sigma=True, default_optimizer="adamw", preference=True, setup=_setup)
+    fn=flow_dpo_loss, config=DPOConfig, stratified_sigma=True, default_optimizer="adamw", preference=True, setup=_setup,
+    check_data=check_pairs)

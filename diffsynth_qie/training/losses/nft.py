@@ -34,7 +34,14 @@ class NFTConfig:
         "--loss nft: what rollouts are scored by, a weighted sum of terms (docs/REWARD.md): preserve, fidelity, "
         "drift, colour, judge, module:function, jsonl:PATH; e.g. 'preserve:0.5,mypkg.rewards:blue:1'"))
     reward_judge: Optional[str] = field(default=None, metadata=cli_help(
-        "--reward judge's judge: an OpenAI-compatible URL#MODEL or a local EditScore directory"))
+        "--reward judge's judge: an OpenAI-compatible URL#MODEL[#FORMAT] or a local EditScore directory "
+        "(docs/SCORECARD.md; how it is asked: the --judge_* flags)"))
+    reward_judge_max_failed: float = field(default=0.25, metadata=cli_help(
+        "--reward judge: the share of a group's rollouts the judge may fail to score (they count as the group's "
+        "mean); past it the run stops with one line instead of training on partial rewards", min=0.0, max=1.0))
+    reward_timeout: float = field(default=900.0, metadata=cli_help(
+        "--loss nft: seconds one reward call (one group of rollouts, every term) may take before the run stops "
+        "with one line", min=0.01, max=1e6))
     nft_group_size: int = field(default=4, metadata=cli_help(
         "--loss nft: rollouts per source, compared with each other (K >= 2)", min=2, max=256))
     nft_rollout_steps: int = field(default=8, metadata=cli_help(
@@ -65,10 +72,11 @@ class NFTState:
     ``state_dict``/``load_state_dict``: accelerate's checkpointing protocol (the old policy travels with every
     checkpoint)."""
 
-    def __init__(self, dit, vae, reward, decay: float, schedule=None):
+    def __init__(self, dit, vae, reward, decay: float, schedule=None, reward_timeout: Optional[float] = None):
         import torch
 
         self.vae, self.reward, self.decay, self.schedule = vae, reward, float(decay), schedule
+        self.reward_timeout = reward_timeout
         self.names = [n for n, p in dit.named_parameters() if p.requires_grad]
         with torch.no_grad():
             self.old = {n: p.detach().clone() for n, p in zip(self.names, self._params(dit))}
@@ -136,8 +144,9 @@ class NFTState:
         self.stepped = bool(state.get("stepped", True))  # a checkpoint is written after a step: follow it first
 
 
-def build_reward(nft: NFTConfig):
-    """The ``--reward`` of ``nft`` (``ValueError`` naming what is missing, before any rollout)."""
+def build_reward(nft: NFTConfig, judge_config=None):
+    """The ``--reward`` of ``nft`` (``ValueError`` naming what is missing, before any rollout); its judge is asked
+    as ``judge_config`` (the ``--judge_*`` flags) says."""
     from ...metrics.rewards import parse_reward
 
     if not nft.reward:
@@ -147,12 +156,15 @@ def build_reward(nft: NFTConfig):
     if nft.reward_judge:
         from ...metrics.judge_spec import build_judge
 
-        judge = build_judge(nft.reward_judge, "--reward_judge")
-    return parse_reward(nft.reward, judge=judge)
+        judge = build_judge(nft.reward_judge, "--reward_judge", judge_config)
+        if judge is None:  # (a local judge that is not there, or an endpoint that does not answer: said above)
+            raise ValueError(f"--reward_judge {nft.reward_judge}: the judge is not there (see the line above), and "
+                             "--reward judge cannot be left out; start it or give another --reward")
+    return parse_reward(nft.reward, judge=judge, max_failed=nft.reward_judge_max_failed)
 
 
 def check_nft(cfg) -> None:
-    """``config.validate``'s check of ``--loss nft``: the reward resolves (a module imports, a file reads), before
+    """``config_checks.validate``'s check of ``--loss nft``: the reward resolves (a module imports, a file reads), before
     anything is loaded; the judge itself loads in the set-up."""
     from ...metrics.rewards import parse_reward, probe
 
@@ -160,6 +172,10 @@ def check_nft(cfg) -> None:
     if not nft.reward:
         raise ValueError("--loss nft needs --reward SPEC: what to reward, e.g. 'preserve:0.5,mypkg.rewards:blue' "
                          "(docs/REWARD.md)")
+    if nft.reward_judge:
+        from ...metrics.judge_spec import parse_spec
+
+        parse_spec(nft.reward_judge, "--reward_judge")  # (the spec alone: the judge is asked in the set-up)
     reward = parse_reward(nft.reward, judge=object() if nft.reward_judge else None)
     if any(name.startswith("jsonl:") for name, _, _ in reward.terms):
         raise ValueError("--reward jsonl:... scores rows, and every rollout of a row would get the same score: no "
@@ -174,9 +190,10 @@ def attach_rollouts(module, cfg, preset, device, dtype, ds_config) -> None:
 
     nft = nft_config_of(cfg)
     refuse_zero3(ds_config, "--loss nft", "rollouts need the whole LoRA on every rank")
-    reward = build_reward(nft)  # (its terms were resolved by check_nft; a judge loads now)
+    reward = build_reward(nft, getattr(cfg, "judge", None))  # (its terms were resolved by check_nft; a judge loads now)
     vae = load_frozen_vae(preset, cfg.train.model_dir, device, dtype)
-    module.loss_extras["nft"] = NFTState(module.dit, vae, reward, nft.nft_old_decay, module.declared_schedule())
+    module.loss_extras["nft"] = NFTState(module.dit, vae, reward, nft.nft_old_decay, module.declared_schedule(),
+                                         reward_timeout=nft.reward_timeout)
 
 
 def rollouts(dit, ops, nft: NFTConfig, prompts, refs, targets, zero_cond_t: bool, generator, schedule=None):
@@ -199,11 +216,28 @@ def rollouts(dit, ops, nft: NFTConfig, prompts, refs, targets, zero_cond_t: bool
 
 
 def score(state: NFTState, samples, batch: dict):
-    """Rewards ``[B·K]`` of the rollouts (decoded) against each source's decoded source, target and mask."""
+    """Rewards ``[B·K]`` of the rollouts (decoded) against each source's decoded source, target and mask; a reward
+    that fails (raises, times out, a judge past its share of failures) stops the run on every rank with one
+    line (:class:`~diffsynth_qie.metrics.rewards.RewardFailed`)."""
+    from accelerate.state import PartialState
+
+    from ...metrics.rewards import RewardFailed
+    from ...utils.collective import raise_on_every_rank
+
+    failure, values = None, None
+    try:
+        values = _score_groups(state, samples, batch)
+    except RewardFailed as e:
+        failure = e
+    raise_on_every_rank(PartialState(), failure)
+    return values
+
+
+def _score_groups(state: NFTState, samples, batch: dict):
     import torch
     import torch.nn.functional as F
 
-    from ...metrics.rewards import RewardBatch
+    from ...metrics.rewards import RewardBatch, call_reward
 
     values = []
     for b, group in enumerate(samples):
@@ -219,9 +253,9 @@ def score(state: NFTState, samples, batch: dict):
             source = F.interpolate(source[None], size=output.shape[-2:], mode="bilinear", align_corners=False)[0]
         text = (batch.get("prompt_text") or [""] * len(samples))[b]
         key = str((batch.get("entry_id") or [b] * len(samples))[b])
-        values.append(state.reward(RewardBatch(
-            source=source.expand(k, -1, -1, -1), output=output, target=target.expand(k, -1, -1, -1), mask=mask,
-            instructions=[text] * k, keys=[key] * k)))
+        rows = RewardBatch(source=source.expand(k, -1, -1, -1), output=output, target=target.expand(k, -1, -1, -1),
+                           mask=mask, instructions=[text] * k, keys=[key] * k)
+        values.append(call_reward(state.reward, rows, state.reward_timeout, f"the reward of row {key}"))
     return torch.cat(values)
 
 

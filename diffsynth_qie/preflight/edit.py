@@ -1,13 +1,13 @@
 """``qie edit``'s preflight: the user's whole edit on a fake CUDA device before a real preset loads, and its
 memory verdict.
 
-The edit runs as ``qie edit`` would run it (``verify.verify_edit`` with the user's :class:`EditRequest` and
+The edit runs as ``qie edit`` would run it (``edit_step.verify_edit`` with the user's :class:`EditRequest` and
 :class:`~.verify.EditLoad`: references and mask at their real sizes, strength, schedule, CFG, LBM, every LoRA,
 FP8, block swapping, ``--compile``) on a DiT of :data:`PREFLIGHT_BLOCKS` full-width blocks. A device or dtype
 mismatch, or a host read inside the sampling loop, raises ``ValueError`` naming our file:line in seconds instead
 of after the load. Every block runs the same code and holds the same, so the peak of the whole DiT is the run's
 peak plus the resident blocks it did not build (their weights and LoRA branches, and their share of a prefix KV
-cache); the verdict (``memory/verdict.py``) judges that scaled peak against the GPU and says it was scaled.
+cache); the verdict (``fakegpu/verdict.py``) judges that scaled peak against the GPU and says it was scaled.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Optional
 
 from PIL import Image
 
-from ..memory.verdict import MemoryVerdict, check_memory, gpu_bytes_of
-from .editor import EditRequest
-from .verify import EditLoad, EditVerifyReport, verify_edit
+from ..fakegpu.verdict import MemoryVerdict, check_memory, gpu_bytes_of
+from ..inference.editor import EditRequest
+from .edit_step import EditLoad, EditVerifyReport, verify_edit
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def preflight(model: str, request: Optional[EditRequest] = None, load: Optional[
     """Run ``request`` with ``load`` on a :data:`PREFLIGHT_BLOCKS`-block DiT on the fake device and judge its peak,
     scaled to the whole DiT, against ``gpu_memory_gb`` (None: the visible GPU; not judged without one). Raises
     ``ValueError`` (one line) on a fake-run error or a peak that does not fit."""
-    from ..memory.fake_device import FakeRunError
+    from ..fakegpu.device import FakeRunError
     from ..models.presets import get_preset
 
     preset = get_preset(model)

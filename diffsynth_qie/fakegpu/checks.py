@@ -1,6 +1,6 @@
 """What the CUDA kernels check and the meta kernels do not: operand dtypes, generator devices, host syncs.
 
-Each function returns what is wrong (``None`` when the call is legal); ``fake_ops.py`` raises it as a
+Each function returns what is wrong (``None`` when the call is legal); ``ops.py`` raises it as a
 :class:`~.fake_ops.FakeRunError` naming the operator, our line and the fix.
 
 - **dtypes.** cuBLAS matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``; ``linear`` and ``matmul`` reach them)

@@ -4,10 +4,10 @@
 real CPU tensors (and that makes no tensor on the device) runs for real, so host-side work keeps its values;
 device operators go to the fake mode. A :class:`FakeRunError` names the operator, the line of our code that
 asked for it and the fix, for: mixing a CPU and a CUDA tensor; operand dtypes a CUDA kernel refuses and FP8
-reaching a matmul (``fake_checks.py``); a generator on another device than its output; a device-to-host
+reaching a matmul (``checks.py``); a generator on another device than its output; a device-to-host
 copy inside a verified phase; reading a device tensor's value on the host (``.item()``, ``.tolist()``,
 ``.numpy()``, ``nonzero`` sizes, ``if tensor:``); a tensor copied on a side stream used before its copy
-was waited for (``fake_streams.py``). Pinned host memory is modelled: a pinned allocation is a fake host
+was waited for (``streams.py``). Pinned host memory is modelled: a pinned allocation is a fake host
 tensor (no memory), counted at the size the pinned allocator would take. The patches below make the rest of
 PyTorch behave as on a machine with a GPU (autocast, fused attention, module moves).
 """
@@ -25,9 +25,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .fake_checks import generator_device, holds_device_tensor, host_copy, operand_dtypes, stacked
-from .fake_memory import FAKE_DEVICE_FILES, PACKAGE_DIR, DeviceMemory, is_device  # noqa: F401 (re-exported)
-from .fake_streams import StreamOrder
+from .checks import generator_device, holds_device_tensor, host_copy, operand_dtypes, stacked
+from .accounting import FAKE_DEVICE_FILES, PACKAGE_DIR, DeviceMemory, is_device  # noqa: F401 (re-exported)
+from .streams import StreamOrder
 
 aten = torch.ops.aten
 HOST_SYNC_HINT = ("on a GPU the host waits there for everything queued on the device, stalling the step; keep "
@@ -159,6 +159,7 @@ class HostRealDeviceFake(CheckingMode):
         self.memory, self.streams = memory, streams or StreamOrder()
         self.phase: Optional[str] = None
         self.sync: Optional[str] = None
+        self.counter = None  # a costs.CostCounter while a run's kernels are counted (FakeCuda(costs=...))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -184,6 +185,8 @@ class HostRealDeviceFake(CheckingMode):
             raise FakeRunError(f"{kind} {func} at {our_frame()}: {e}") from None
         outs = tree_flatten(out)[0]
         self.memory.add_tensors(outs)
+        if self.counter is not None:
+            self.counter.record(func, args, kwargs, out)
         if packet in (aten._to_copy, aten.copy_):
             self.streams.issued_copy(outs, our_frame())
         return out

@@ -1,11 +1,12 @@
 """One real training step at full size on a fake CUDA device (``qie plan --verify``, ``qie train``'s preflight).
 
 It runs what ``qie train`` runs for one optimizer step, for any model family, on the preset's real DiT built on
-the fake device (``memory/fake_device.py``), with the family's stand-in for host bookkeeping its DiffSynth DiT
-does (``Family.fake_standin``; Qwen-Image-2.1: ``memory/standin21.py``): :class:`~.module.QIETrainingModule`
-with the run's LoRA targets, the FP8 base as configured, the family's forward and the configured loss under bf16
-autocast (with ``--mask_loss_weights``, on masked samples), ``backward``, the optimizer's step (ProdigyPlusScheduleFree
-included, ``verify_extras.py``), the EMA's update, and with ``--validate_every`` one validation render (the EMA
+the fake device (``fakegpu/device.py``), with the family's stand-in for host bookkeeping its DiffSynth DiT
+does (``Family.fake_standin``; Qwen-Image-2.1: ``fakegpu/standin21.py``): the training module as ``qie train``
+builds it (``training/placement.training_module``: the run's LoRA targets, the FP8 base as configured,
+``--compute_precision``), the family's forward and the configured loss in bf16 (with ``--mask_loss_weights``, on
+masked samples), ``backward``, the optimizer's step (ProdigyPlusScheduleFree
+included, ``train_extras.py``), the EMA's update, and with ``--validate_every`` one validation render (the EMA
 swapped in as ``--validate_with`` asks). ``--compile`` compiles the blocks with the eager backend. Block swapping
 runs with the real :class:`~..memory.block_swap.BlockSwapper`, its hooks and its CUDA transport, on the fake
 device's modelled streams and events (a copy used before its event is waited for is an error): the swapped
@@ -14,9 +15,9 @@ blocks' pinned host copies take no memory here (they are counted).
 What it leaves out, and why: the data loader and accelerate's wrappers (host-side; the DiT sees the same batch
 dict) and DeepSpeed (the engine needs a process group; ZeRO-2/3 shard what this counts for one process).
 With ``--on_the_fly`` the family's text encoder and VAE are built on the fake device beside the DiT and one
-sample is encoded through the real on-the-fly path before the step (``verify_onthefly.py``); its transient
+sample is encoded through the real on-the-fly path before the step (``train_onthefly.py``); its transient
 counts on top of the step's peak (the encode thread runs beside the step). The batch is
-``verify_batch.fake_batch``; ``qie train``'s preflight is ``verify_preflight.py``.
+``train_batch.fake_batch``; ``qie train``'s preflight is ``train.py``.
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..memory.fake_device import FakeCuda, backward
-from .verify_batch import DEVICE, SampleShape, batch_shapes, fake_batch, text_dim  # noqa: F401 (public here)
-from .verify_extras import (build_ema, compiled, library_host_reads, rollout_state, validate_once,
+from ..fakegpu.device import FakeCuda, backward
+from .train_batch import DEVICE, SampleShape, batch_shapes, fake_batch, text_dim  # noqa: F401 (public here)
+from .train_extras import (build_ema, compiled, library_host_reads, rollout_state, validate_once,
                             validation_entry)
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ class StepReport:
     loss_dtype: str = ""
     swap_events: list = dataclasses.field(default_factory=list)  # (what, block) of the block swapper, in order
     notes: list = dataclasses.field(default_factory=list)
-    verdict: object = None      # the preflight's memory.verdict.MemoryVerdict, scaled to the whole DiT
+    verdict: object = None      # the preflight's fakegpu.verdict.MemoryVerdict, scaled to the whole DiT
+    costs: object = None        # with costs=True: the step's counted kernels (fakegpu.costs.Profile)
+    prediction: object = None   # the preflight's predicted step time (preflight.timing.TimePrediction)
 
     @property
     def peak(self) -> int:
@@ -72,13 +75,17 @@ class StepReport:
         return self.after_step - self.weights
 
 
+STEP_SECTIONS = ("forward", "backward", "optimizer step")  # the counted kernels of one step (not validation)
+
+
 def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Optional[int] = None,
-                      dtype: torch.dtype = torch.bfloat16, encode: bool = True) -> StepReport:
+                      dtype: torch.dtype = torch.bfloat16, encode: bool = True, costs: bool = False) -> StepReport:
     """Run one optimizer step of ``cfg`` (a resolved ``RunConfig``) on ``preset``'s DiT on the fake device.
 
-    Raises :class:`~..memory.fake_device.FakeRunError` where a GPU run would fail (a device or dtype
+    Raises :class:`~..fakegpu.device.FakeRunError` where a GPU run would fail (a device or dtype
     mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests);
     ``encode=False`` leaves ``--on_the_fly``'s encoders out (the preflight builds them in one of its two runs).
+    ``costs``: count each kernel's cost (``report.costs``: sections :data:`STEP_SECTIONS` and validation).
     """
     from ..lora.frozen import first_blocks_copy
 
@@ -87,32 +94,29 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
         if cfg.lora.frozen_lora and num_layers is not None:  # the shallower DiT attaches its first blocks' part
             cfg = dataclasses.replace(cfg, lora=dataclasses.replace(
                 cfg.lora, frozen_lora=str(first_blocks_copy(cfg.lora.frozen_lora, num_layers, tmp))))
-        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0)
+        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs)
 
 
-def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> StepReport:
+def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs=False) -> StepReport:
     from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
     from ..models.presets import family_of
-    from .losses.registry import loss_spec
-    from .module import QIETrainingModule
-    from .optim import build_optimizer
-    from .verify_onthefly import on_the_fly
+    from ..training.losses.registry import loss_spec
+    from ..training.optim import build_optimizer
+    from ..training.placement import training_module
+    from .train_onthefly import on_the_fly
 
     report = StepReport()
     t, family, spec = cfg.train, family_of(preset), loss_spec(cfg.loss.loss)
     lbm = spec.bridge
-    with FakeCuda() as fc, family.fake_device_standin(), library_host_reads(cfg.optim.optimizer):
+    with FakeCuda(costs=costs) as fc, family.fake_device_standin(), library_host_reads(cfg.optim.optimizer):
         torch.manual_seed(t.seed)
         # built on the device (a real load goes through the host first for FP8; the step is what counts);
         # PEFT makes the adapters beside their weights
         with fc.build(dtype, DEVICE):
             dit = build_dit(preset, num_layers)
-            module = QIETrainingModule(dit, cfg, preset.name)
-        if t.fp8_base:
-            module.quantize_frozen_base(DEVICE)
-        module.upcast_trainable(torch.float32)  # single process / DDP: fp32 LoRA + optimizer states
-        module.disable_lora_input_casting()  # as qie train does under bf16 autocast
+            module = training_module(dit, dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=0)),
+                                     preset.name, DEVICE, dtype)  # single process / DDP, as qie train builds it
         fc.register(module)
         if t.blocks_to_swap:  # the swapped blocks' frozen weights leave the device now
             swapper = BlockSwapper(module.dit, t.blocks_to_swap, DEVICE, record_events=True).install()
@@ -129,9 +133,10 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
         generator = torch.Generator().manual_seed(t.seed)
         with compiled(cfg, module):
             with fc.phase("forward + backward"):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss, _ = module(batch, generator)
+                _section(fc, "forward")
+                loss, _ = module(batch, generator)  # under autocast with --compute_precision autocast
                 report.loss_dtype = str(loss.dtype).replace("torch.", "")
+                _section(fc, "backward")
                 backward(loss)
             del loss, batch
             report.after_backward = fc.current_bytes
@@ -149,6 +154,12 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0) -> St
                     validate_once(cfg, preset, module, optimizer, ema, entry)
                 report.validation_peak = fc.phases[-1].peak_bytes
         del module, optimizer, dit, ema, encoders
+        report.costs = fc.costs.profile if fc.costs is not None else None
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _section(fc, name: str) -> None:
+    if fc.costs is not None:
+        fc.costs.section = name
 

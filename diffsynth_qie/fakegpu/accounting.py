@@ -23,13 +23,13 @@ from typing import Iterator, Optional
 
 import torch
 
-from .swap_transport import pinned_allocation_bytes
+from ..memory.swap_transport import pinned_allocation_bytes
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT_DIR = os.path.dirname(PACKAGE_DIR)
 # the fake device's own modules: never "our frame" in a message or an attribution
-FAKE_DEVICE_FILES = tuple(os.sep + name for name in ("fake_device.py", "fake_ops.py", "fake_memory.py",
-                                                      "fake_backward.py", "fake_checks.py", "fake_streams.py"))
+FAKE_DEVICE_FILES = tuple(os.sep + os.path.join("fakegpu", name) for name in (
+    "device.py", "ops.py", "accounting.py", "backward.py", "checks.py", "streams.py", "costs.py"))
 _recorders: list[list] = []
 
 

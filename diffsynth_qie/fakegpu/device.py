@@ -8,7 +8,7 @@ Four things are added on top of the mode:
 - **The host stays real.** An operator whose inputs are all real CPU tensors (and that makes no
   tensor on the device) runs for real: σ draws, CPU noise, index lists and other host-side work
   keep their values, so the code takes the same branches it takes on a GPU.
-- **What a GPU run would refuse, or stall on, is an error** (``fake_ops.py``, ``fake_checks.py``): mixing a
+- **What a GPU run would refuse, or stall on, is an error** (``ops.py``, ``checks.py``): mixing a
   CPU and a CUDA tensor; operand dtypes the CUDA matmul and attention kernels refuse, FP8 reaching a matmul;
   a ``generator=`` on another device than its output; reading a device tensor's value on the host
   (``.item()``, ``.tolist()``, ``.numpy()``, ``nonzero`` sizes, ``if tensor:``); inside a verified phase
@@ -16,9 +16,11 @@ Four things are added on top of the mode:
   a host tensor) with more device work after it, and ``torch.tensor([device scalars])``; a tensor copied on a side stream used before its
   copy was waited for. Each becomes a :class:`FakeRunError` naming the operator, the line of our code that
   asked for it and the fix; so does a CUDA driver error raised inside the session.
-- **Legal CUDA calls are modelled** (``fake_streams.py``): streams, events, ``synchronize``,
+- **Legal CUDA calls are modelled** (``streams.py``): streams, events, ``synchronize``,
   ``torch.Generator("cuda")`` and pinned host memory work without a driver.
-- **Live device bytes are counted** (``fake_memory.py``). Every device storage is registered when an
+- **The step cache decides without values** (:func:`step_cache_answers`): its one designed host read, and its
+  schedule, are answered "reuse" wherever a reuse is allowed, so a cached edit runs its reusing path.
+- **Live device bytes are counted** (``accounting.py``). Every device storage is registered when an
   operator makes it and released when Python frees it (storages keep their Python object while alive), so
   the peak of live bytes per phase is exact for what the program holds. It cannot see allocator
   fragmentation, the caching allocator's rounding, cuBLAS/cuDNN workspaces or the CUDA context
@@ -28,7 +30,7 @@ Block swapping runs its real CUDA transport (``memory/swap_transport.py``): the 
 copies are fake CPU tensors (no memory, counted as pinned host bytes), a swap-in is a copy on the modelled
 side stream, counted like any other device tensor and checked for its wait. PyTorch's autograd engine
 cannot run a backward pass over fake CUDA tensors on a machine without a GPU either: :func:`backward`
-(``fake_backward.py``) walks the graph itself, in the engine's order.
+(``backward.py``) walks the graph itself, in the engine's order.
 """
 from __future__ import annotations
 
@@ -40,11 +42,11 @@ from typing import Iterator, Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .fake_backward import backward, node_hooks_kept
-from .fake_memory import DeviceMemory, PhasePeak
-from .fake_ops import (FAKE_DEVICE_FILES, PACKAGE_DIR, FakeRunError, FusedAttention, HostRealDeviceFake,
+from .backward import backward, node_hooks_kept
+from .accounting import DeviceMemory, PhasePeak
+from .ops import (FAKE_DEVICE_FILES, PACKAGE_DIR, FakeRunError, FusedAttention, HostRealDeviceFake,
                        compiled_frame_error, cuda_looks_available, module_moves_set_data)
-from .fake_streams import modelled_cuda_calls
+from .streams import modelled_cuda_calls
 
 __all__ = ["FakeCuda", "FakeRunError", "PhasePeak", "backward"]
 
@@ -56,7 +58,12 @@ class FakeCuda:
     the device in a given dtype; :attr:`phases` records each phase's peak of live device bytes.
     """
 
-    def __init__(self):
+    def __init__(self, costs=False):
+        """``costs``: count what each kernel would cost a GPU (True, or a :class:`~.costs.CostCounter`), in
+        :attr:`costs`, split by phase (``costs.section``)."""
+        from .costs import CostCounter
+
+        self.costs: Optional[CostCounter] = CostCounter() if costs is True else (costs or None)
         self.memory = DeviceMemory()
         self.phases: list[PhasePeak] = []
         self._stack: Optional[contextlib.ExitStack] = None
@@ -67,10 +74,12 @@ class FakeCuda:
         streams = self._stack.enter_context(modelled_cuda_calls())
         self._stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         self._ops = self._stack.enter_context(HostRealDeviceFake(self.memory, streams))
+        self._ops.counter = self.costs
         self._stack.enter_context(cuda_looks_available())
         self._stack.enter_context(FusedAttention(self._ops))
         self._stack.enter_context(module_moves_set_data())
         self._stack.enter_context(node_hooks_kept())
+        self._stack.enter_context(step_cache_answers())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -113,6 +122,8 @@ class FakeCuda:
         ``host_syncs=True``. ``torch.tensor([device scalars])`` reads values: an error anywhere in a phase."""
         self.memory.reset_peak()
         start = self.memory.current
+        if self.costs is not None:
+            self.costs.section = name
         saved = self._ops.phase, self._ops.sync
         self._ops.phase, self._ops.sync = (None if host_syncs else name), None
         try:
@@ -126,6 +137,21 @@ class FakeCuda:
         return self.memory.current
 
 
+
+
+@contextlib.contextmanager
+def step_cache_answers(answer: bool = True) -> Iterator[None]:
+    """The step cache's decisions without values (``models/samplers/cached_blocks.py``): its one designed host read
+    (``StepCache.read``, the first-block method's boolean per DiT call) is answered ``answer`` instead of read, and so
+    is the schedule method's plan, at every step past the warm-up: the run computes its first step(s) and then
+    reuses at every step it may, the path that holds the cached residuals. Any other host read stays an error."""
+    from ..models.samplers.cached_blocks import StepCache
+
+    saved, StepCache.answer_without_reading = StepCache.answer_without_reading, answer
+    try:
+        yield
+    finally:
+        StepCache.answer_without_reading = saved
 
 
 def _frame_of(tb) -> str:

@@ -7,7 +7,7 @@ does not have. Under :class:`~.fake_device.FakeCuda` they are modelled instead:
   / ``synchronize`` and ``Tensor.record_stream``: streams and events that record the order of work, no driver;
 - ``torch.Generator("cuda")``: a generator that says it lives on the device (its draws are made by a CPU
   generator, which the fake device never reads);
-- pinned host memory (``pin_memory=True``, ``Tensor.pin_memory()``, ``is_pinned()``): ``fake_ops.py``.
+- pinned host memory (``pin_memory=True``, ``Tensor.pin_memory()``, ``is_pinned()``): ``ops.py``.
 
 **Stream order.** A copy issued while a side stream is current (block swapping's prefetch,
 ``memory/block_swap.py``) tags the tensor it makes with that stream, the copy's position on it and the line

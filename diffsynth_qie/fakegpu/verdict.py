@@ -1,7 +1,7 @@
 """The memory verdict of a fake-device run: does the peak fit the GPU, and does the plan agree with it?
 
 ``qie plan --verify`` and the preflights of ``qie train`` / ``qie edit`` measure a peak on the fake device
-(``memory/fake_device.py``). A number the user has to compare by eye is easy to miss, so the comparison is a
+(``fakegpu/device.py``). A number the user has to compare by eye is easy to miss, so the comparison is a
 verdict: :func:`check_memory` raises :class:`MemoryVerdictError` (a ``ValueError``: one line, exit code 2 from
 ``qie``) naming the phase, the largest holders by our frame, and the fix, when
 

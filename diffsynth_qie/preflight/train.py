@@ -1,14 +1,14 @@
 """``qie train``'s preflight: the run's configuration, one training step on the fake device, and a memory verdict.
 
 Before a real preset's weights load (tens of GB, minutes), :func:`preflight` runs one optimizer step of the
-user's whole resolved ``RunConfig`` (``verify.verify_train_step``: every flag the step reads, as ``qie train``
+user's whole resolved ``RunConfig`` (``train_step.verify_train_step``: every flag the step reads, as ``qie train``
 reads it) at full width on a DiT of a few blocks, twice: at two depths. A device or dtype mismatch, or a host
 read of a device tensor, raises ``ValueError`` naming the operator and our line. Every block runs the same code
 and holds the same, so the difference of the two peaks is one block's share (its weights, LoRA, optimizer state
 and saved activations); :func:`scaled_verdict` scales it to the whole DiT (the blocks ``--blocks_to_swap``
 keeps in host memory excepted; with ``--on_the_fly`` the encoders and one encode run in the deeper run only,
 and are added once) and judges the result against ``--gpu_memory_gb`` (default: the visible GPU),
-``memory/verdict.py``: one line, exit code 2, when it does not fit.
+``fakegpu/verdict.py``: one line, exit code 2, when it does not fit.
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import logging
 import math
 from typing import Optional
 
-from .verify import StepReport, verify_train_step
-from .verify_batch import batch_shapes
+from .timing import full_depth, predict_train
+from .train_step import StepReport, verify_train_step
+from .train_batch import batch_shapes
 
 log = logging.getLogger(__name__)
 
@@ -27,24 +28,11 @@ PREFLIGHT_BLOCKS = 2  # the deeper of the two runs (one block to hand over to th
 RESOLUTION = 1024  # a cache's samples are not read before the load; --on_the_fly: its --max_pixels
 
 
-def full_depth(preset) -> int:
-    """Blocks of the preset's whole DiT (its DiffSynth class's default ``num_layers``)."""
-    from ..memory.census import build_dit
-    from ..models.presets import family_of
-
-    if preset.is_tiny:
-        import torch
-
-        with torch.device("meta"):
-            return len(build_dit(preset).transformer_blocks)
-    return inspect.signature(family_of(preset).component_type("dit")).parameters["num_layers"].default
-
-
 def scaled_verdict(shallow: StepReport, deep: StepReport, depths: tuple[int, int], blocks: int,
                    blocks_to_swap: int, gpu_bytes: Optional[int]):
-    """The steady-state step's :class:`~..memory.verdict.MemoryVerdict` for the whole ``blocks``-block DiT, from
+    """The steady-state step's :class:`~..fakegpu.verdict.MemoryVerdict` for the whole ``blocks``-block DiT, from
     runs at ``depths`` (with block swapping each run keeps its last block in host memory)."""
-    from ..memory.verdict import MemoryVerdict
+    from ..fakegpu.verdict import MemoryVerdict
 
     encoders = deep.encoder_weights + deep.encode_transient - shallow.encoder_weights - shallow.encode_transient
     per_block = max(0, (deep.peak - shallow.peak - encoders) // (depths[1] - depths[0]))
@@ -72,8 +60,8 @@ def scaled_verdict(shallow: StepReport, deep: StepReport, depths: tuple[int, int
 def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
     """The check of the module docstring; returns the deeper run's report (``.verdict``: the memory verdict).
     ``gpu_memory_gb`` overrides ``cfg.train.gpu_memory_gb``."""
-    from ..memory.fake_device import FakeRunError
-    from ..memory.verdict import MemoryVerdictError, check_memory, gpu_bytes_of
+    from ..fakegpu.device import FakeRunError
+    from ..fakegpu.verdict import MemoryVerdictError, check_memory, gpu_bytes_of
     from ..models.presets import family_of
 
     t, family = cfg.train, family_of(preset)
@@ -91,7 +79,7 @@ def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
     where = f"one training step on a fake CUDA device, before loading {preset.name}"
     try:
         # --on_the_fly: the encoders and their encode run once, in the deeper run (the same in both)
-        shallow, deep = (verify_train_step(run_cfg, preset, shapes, num_layers=n, encode=n == depths[1])
+        shallow, deep = (verify_train_step(run_cfg, preset, shapes, num_layers=n, encode=n == depths[1], costs=True)
                          for n in depths)
     except FakeRunError as e:
         raise ValueError(f"preflight ({where}): {e}; pass --no_preflight to skip the check") from None
@@ -104,4 +92,6 @@ def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
         raise MemoryVerdictError(f"preflight ({where}): {e}") from None
     log.info("preflight: one training step of %s (full width) on a fake CUDA device passed in %.1f s; %s",
              preset.name, shallow.seconds + deep.seconds, line)
+    deep.prediction = predict_train(cfg, preset, shapes, reports=(shallow, deep), depths=depths)
+    log.info("preflight: %s", deep.prediction.line(cfg.train.max_steps, cfg.train.gradient_accumulation_steps))
     return deep

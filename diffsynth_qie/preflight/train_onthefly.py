@@ -1,4 +1,4 @@
-"""``--on_the_fly`` in the fake-device training step (``verify.py``): the encoders on the device beside the DiT,
+"""``--on_the_fly`` in the fake-device training step (``train_step.py``): the encoders on the device beside the DiT,
 and one sample encoded through the real on-the-fly path.
 
 The family's real text encoder and VAE (its decoder freed, as ``cache.settings.load_encoder_pipeline`` frees
@@ -6,7 +6,7 @@ it) are built on the fake device in the training dtype, and one row of the step'
 encoded by :meth:`~..cache.live.LiveStore.load`: ``prepare_row`` (the images decoded, resized, ``--augment``ed
 and masked on the host), ``encode_prepared`` (the VAE encode of target and references and the prompt, each
 inside ``placed``, where its weights are) and the white latents. The one stand-in is the Qwen-VL prompt
-encoder's host bookkeeping (``memory/standin_vl.py``: the language model runs over the same tokens). The row's
+encoder's host bookkeeping (``fakegpu/standin_vl.py``: the language model runs over the same tokens). The row's
 images are grey PNGs in a temporary folder (values do not matter; sizes do).
 
 What the encode holds above what was live before it is the encode transient; the background encode thread
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from .verify_batch import DEVICE, SampleShape
+from .train_batch import DEVICE, SampleShape
 
 
 def elsewhere(cfg) -> list[str]:
@@ -55,7 +55,7 @@ def _store(cfg, preset, pipe, row):
     dataset's reading and validation, host-only, are left out)."""
     from ..cache.config import CacheConfig
     from ..cache.live import LiveStore
-    from ..memory.standin_vl import StandinOps
+    from ..fakegpu.standin_vl import StandinOps
     from ..models.family_ops import ops_for
 
     class CheckStore(LiveStore):
@@ -73,7 +73,7 @@ def encode_once(fc, cfg, preset, family, shape: SampleShape, prompt_tokens: int,
     """Build the encoders on the fake device and encode one row of ``shape`` in the phase "on-the-fly encode";
     returns (the encoder pipeline, kept alive beside the step, its weights' bytes), or (None, 0) when an
     encoder is placed elsewhere."""
-    from ..memory.standin_vl import FakeTokenizer, build_encoders
+    from ..fakegpu.standin_vl import FakeTokenizer, build_encoders
 
     if elsewhere(cfg):
         return None, 0

@@ -9,8 +9,8 @@ whose prompt carries the references' slot mask, ``"pad"`` in ``Family.prompt_ten
 vision tower's own activations are left out (its weights are counted; its working set is a few MB beside the
 language model's). No vocabulary either: a prompt counts ``prompt_tokens`` tokens (:class:`FakeTokenizer`).
 
-Used by the edit check (``inference/verify_standins.py``) and by the training check's on-the-fly encode
-(``training/verify_onthefly.py``, through :class:`StandinOps`, which replaces only ``encode_prompt`` of the
+Used by the edit check (``preflight/edit_standins.py``) and by the training check's on-the-fly encode
+(``preflight/train_onthefly.py``, through :class:`StandinOps`, which replaces only ``encode_prompt`` of the
 family's ops: the VAE encode, the white latents and everything around them run as in a real run).
 """
 from __future__ import annotations

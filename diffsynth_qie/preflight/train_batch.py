@@ -1,4 +1,4 @@
-"""The batch of a fake-device training step (``verify.py``): shaped like a collated cache batch of any family.
+"""The batch of a fake-device training step (``train_step.py``): shaped like a collated cache batch of any family.
 
 Per sample: a target latent ``[C, H/f, W/f]`` (the family's latent channels and VAE factor), reference latents, a
 prompt embedding ``[L, D]``, the family's prompt tensors (Qwen-Image-2.1: the references' slot mask ``pad``
@@ -58,7 +58,7 @@ def text_dim(dit: torch.nn.Module) -> int:
 def fake_batch(shapes: Sequence[SampleShape], family, dim: int, *, lbm: bool, masks: bool,
                dtype: torch.dtype, pairs: bool = False) -> dict:
     """A collated batch on the fake device for ``family`` (a ``models.family.Family``)."""
-    from ..memory.standin21 import slot_mask21
+    from ..fakegpu.standin21 import slot_mask21
 
     def lat(h: int, w: int, channels: int = family.latent_channels) -> torch.Tensor:
         return torch.empty(channels, *family.latent_size(h, w), device=DEVICE, dtype=dtype)

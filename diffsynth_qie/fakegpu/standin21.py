@@ -50,7 +50,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .fake_ops import FAKE_DEVICE_FILES, CheckingMode, FakeRunError, our_frame
+from .ops import FAKE_DEVICE_FILES, CheckingMode, FakeRunError, our_frame
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHADOW_MAX_NUMEL = 1 << 16  # masks and index lists; never activations
@@ -136,7 +136,7 @@ def reattributed(message: str) -> str:
         return message
     where = f"{os.path.relpath(caller.filename, os.path.dirname(_PACKAGE))}:{caller.lineno} ({caller.name})"
     if standin is not None:
-        where += f" (in DiffSynth's 2.1 DiT forward, run by memory/standin21.py:{standin.lineno})"
+        where += f" (in DiffSynth's 2.1 DiT forward, run by fakegpu/standin21.py:{standin.lineno})"
     here = re.escape(os.path.relpath(__file__, os.path.dirname(_PACKAGE)))
     return re.sub(here + r":\d+ \(\w+\)", lambda _: where, message, count=1)
 

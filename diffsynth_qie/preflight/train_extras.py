@@ -1,4 +1,4 @@
-"""What a fake-device training step runs besides forward, backward and the optimizer step (``verify.py``).
+"""What a fake-device training step runs besides forward, backward and the optimizer step (``train_step.py``).
 
 - **ProdigyPlusScheduleFree's own host reads.** The library reads values on the host by design: its step-size
   estimate ``d`` once per step and, when it sets up a parameter's state, whether the parameter is all zero
@@ -15,7 +15,7 @@
   (the decoder loads on the main process only, after the DiT's work, and is not part of the step).
 - **``--compile``**: ``compile_blocks`` runs on the DiT as ``qie train`` runs it, with the eager backend, and
   dynamo really compiles the blocks: the fake device's dispatch modes ignore compile internals
-  (``memory.fake_ops.CheckingMode``), so dynamo traces each block with its own fake tensors (a device or dtype
+  (``fakegpu.ops.CheckingMode``), so dynamo traces each block with its own fake tensors (a device or dtype
   mismatch there is reported at our line) and the compiled graph runs on the fake device, checked and counted.
   The compiled blocks' numbers are checked on the tiny model on the CPU (``tests/test_compile.py``).
 """
@@ -31,8 +31,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten
 
-from ..memory.fake_ops import FAKE_DEVICE_FILES, CheckingMode, FakeRunError
-from .verify_batch import SampleShape
+from ..fakegpu.ops import FAKE_DEVICE_FILES, CheckingMode, FakeRunError
+from .train_batch import SampleShape
 
 VALIDATION_STEPS = 2  # sampler steps of the check's validation render (each step runs the same code)
 
@@ -86,7 +86,7 @@ def library_host_reads(optimizer_name: str):
 
 def build_ema(cfg, module):
     """``--ema_decay``'s average of the trainable weights, on their (fake) device; None without it."""
-    from .ema import LoraEMA
+    from ..training.ema import LoraEMA
 
     return LoraEMA(module, cfg.train.ema_decay) if cfg.train.ema_decay else None
 
@@ -94,7 +94,7 @@ def build_ema(cfg, module):
 def validation_entry(shape: SampleShape, family, dim: int, lbm: bool):
     """A held-out cache entry of ``shape``, on the host as the cache store loads it (values do not matter)."""
     from ..cache.entry import CacheEntry
-    from ..memory.standin21 import slot_mask21
+    from ..fakegpu.standin21 import slot_mask21
 
     def lat(h: int, w: int) -> torch.Tensor:
         return torch.zeros(family.latent_channels, *family.latent_size(h, w), dtype=torch.bfloat16)
@@ -117,11 +117,10 @@ def validation_entry(shape: SampleShape, family, dim: int, lbm: bool):
 
 def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
     """``validate_step``'s work on one held-out ``entry``: per ``--validate_with`` tag, the schedule-free average
-    (and the EMA) swapped in, the sampler run through the module under bf16 autocast (accelerate's mixed
-    precision), swapped back."""
-    from .losses.registry import loss_spec
-    from .optim import schedule_free_eval
-    from .validation import flow_match_jobs, lbm_jobs, output_name, sample_jobs
+    (and the EMA) swapped in, the sampler run through the module (in its ``--compute_precision``), swapped back."""
+    from ..training.losses.registry import loss_spec
+    from ..training.optim import schedule_free_eval
+    from ..training.validation import flow_match_jobs, lbm_jobs, output_name, sample_jobs
 
     t = cfg.train
     device, dtype = module.compute_device_dtype()
@@ -131,8 +130,7 @@ def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
     which = t.validate_with if ema is not None else "raw"
     module.eval()
     for tag in {"raw": ("",), "ema": ("-ema",), "both": ("", "-ema")}[which]:
-        with schedule_free_eval(optimizer), (ema.applied(module) if tag else contextlib.nullcontext()), \
-                torch.autocast("cuda", dtype=torch.bfloat16):
+        with schedule_free_eval(optimizer), (ema.applied(module) if tag else contextlib.nullcontext()):
             sample_jobs(lambda fn: module(predict=fn), [entry], jobs, lbm=lbm,
                         steps=min(t.validation_steps, VALIDATION_STEPS), cfg=t.validation_cfg_scale,
                         zero_cond_t=bool(t.zero_cond_t), bridge_noise=cfg.lbm.lbm_bridge_noise, device=device,
@@ -159,9 +157,9 @@ def rollout_state(fc, cfg, preset, family, module, dtype: torch.dtype):
     """``--loss nft`` on the fake device: its VAE built there and the old policy, with a reward that reads nothing.
     A real reward copies the decoded rollouts to the host once per step: the decodes are counted here, the score
     (host arithmetic) is not, and every rollout is rewarded alike."""
-    from ..memory.standin_vl import build_vae
-    from .losses.nft import NFTState, nft_config_of
-    from .verify_batch import DEVICE
+    from ..fakegpu.standin_vl import build_vae
+    from ..training.losses.nft import NFTState, nft_config_of
+    from .train_batch import DEVICE
 
     class FakeRewardState(NFTState):
         def score(self, samples, batch):

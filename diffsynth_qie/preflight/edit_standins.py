@@ -1,11 +1,11 @@
-"""The host-side stand-ins of an edit on the fake CUDA device (``inference/verify.py``), for every model family.
+"""The host-side stand-ins of an edit on the fake CUDA device (``preflight/edit_step.py``), for every model family.
 
-- **Prompt encoding and token counts** (Qwen-VL's host bookkeeping): ``memory/standin_vl.py``, shared with the
+- **Prompt encoding and token counts** (Qwen-VL's host bookkeeping): ``fakegpu/standin_vl.py``, shared with the
   training check's on-the-fly encode.
 - **The finished image's host copy.** Converting decoded pixels to a PIL image reads them on the host by design;
   the decode runs on the fake device and a blank image of the right size stands for the copy.
 - **The family's DiT bookkeeping.** A family whose DiT reads token masks on the host names a stand-in context
-  (``Family.fake_standin``, a dotted path; Qwen-Image-2.1's is ``memory.standin21.host_bookkeeping21``), entered
+  (``Family.fake_standin``, a dotted path; Qwen-Image-2.1's is ``fakegpu.standin21.host_bookkeeping21``), entered
   inside the fake device by :func:`family_standin`.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Sequence
 import torch
 from PIL import Image
 
-from ..memory.standin_vl import FakeTokenizer, encode_prompt_standin  # noqa: F401 (FakeTokenizer: public here)
-from .editor import Editor
+from ..fakegpu.standin_vl import FakeTokenizer, encode_prompt_standin  # noqa: F401 (FakeTokenizer: public here)
+from ..inference.editor import Editor
 
 DEVICE = "cuda:0"
 

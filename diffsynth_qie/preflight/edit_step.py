@@ -2,15 +2,16 @@
 for every model family.
 
 It runs :meth:`Editor.edit` with the preset's real DiT, the family's real text encoder (its language model) and
-real VAE, all built on the fake device (``memory/fake_device.py``) through the family seam (``Family`` and
+real VAE, all built on the fake device (``fakegpu/device.py``) through the family seam (``Family`` and
 ``family_ops``; no family is named here): the VAE encoding of the references at their real size, the denoising
 steps with true CFG (one batch, or two passes when the prompts' lengths differ, as on a GPU), the edit strength's
-part-way start, the Lightning schedule, the mask's latent and pixel blends, LBM, the unmerged branches of every
-LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (``compile_blocks`` with the
+part-way start, the Lightning schedule, the step cache (``--cache``: the fake device answers its decisions with
+"reuse" wherever allowed, ``fakegpu/device.py``), the mask's latent and pixel blends, LBM, the unmerged branches
+of every LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (``compile_blocks`` with the
 eager backend: dynamo compiles the blocks, and the compiled graphs run on the fake device, checked and
 counted), Qwen-Image-2.1's prefix KV cache, and the VAE decode. The host-side stand-ins
 (prompt token bookkeeping, the finished image's host copy, a family's DiT bookkeeping) are in
-``verify_standins.py``; ``qie edit``'s preflight and its memory verdict in ``verify_preflight.py``.
+``edit_standins.py``; ``qie edit``'s preflight and its memory verdict in ``edit.py``.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from typing import Optional, Sequence
 import torch
 from PIL import Image
 
-from ..memory.fake_device import FakeCuda
-from .editor import EditRequest
-from .verify_standins import DEVICE, FakeEditor, FakeTokenizer, attach_loras, family_standin
+from ..fakegpu.device import FakeCuda
+from ..inference.editor import EditRequest
+from .edit_standins import DEVICE, FakeEditor, FakeTokenizer, attach_loras, family_standin
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class EditVerifyReport:
     kv_cache: int = 0         # prefix KV caches held after the denoising steps (Qwen-Image-2.1)
     lora_branches: int = 0    # unmerged LoRA branches attached (all LoRAs together)
     compiled_blocks: int = 0  # blocks run through torch.compile
+    costs: object = None      # with costs=True: the counted kernels (fakegpu.costs.Profile), by phase
+    cache_calls: int = 0      # DiT calls made with a step cache (--cache)
+    cache_skipped: int = 0    # of them, calls that reused the cached residual (the fake device reuses wherever allowed)
 
     @property
     def peak(self) -> int:
@@ -70,26 +74,31 @@ class EditVerifyReport:
 def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_tokens: int = 300, steps: int = 2,
                 cfg: float = 4.0, lora_rank: int = 0, fp8_base: bool = False, blocks_to_swap: int = 0,
                 lbm_steps: Optional[int] = None, num_layers: Optional[int] = None, *, kv_cache: bool = True,
-                request: Optional[EditRequest] = None, load: Optional[EditLoad] = None) -> EditVerifyReport:
+                cache: str = "off", cache_method: Optional[str] = None, cache_threshold: Optional[float] = None,
+                request: Optional[EditRequest] = None, load: Optional[EditLoad] = None,
+                costs: bool = False) -> EditVerifyReport:
     """Run one edit on the fake device; the peak of live device bytes per phase. ``steps`` denoising steps
     (every step has the same peak; 2 shows it), ``num_layers`` a shallower DiT (the preflight, tests).
 
     ``request`` / ``load``: the user's whole edit and load options (``qie edit``'s preflight); without them, a
-    ``resolution``² edit of ``ref_images`` grey references with the other arguments (``qie plan --verify``)."""
+    ``resolution``² edit of ``ref_images`` grey references with the other arguments (``qie plan --verify``).
+    ``costs``: count each kernel's cost (``report.costs``, sections encode, denoise (the first step),
+    denoise_next (the steps after it) and decode)."""
     if request is None:
         image = Image.new("RGB", (resolution, resolution), (128, 128, 128))
         request = EditRequest(images=[image] * max(1, ref_images), prompt="edit", steps=steps, cfg=cfg,
                               height=resolution, width=resolution, lbm_steps=lbm_steps, max_pixels=resolution ** 2,
-                              ref_max_pixels=resolution ** 2, max_prompt_tokens=None, kv_cache=kv_cache)
+                              ref_max_pixels=resolution ** 2, max_prompt_tokens=None, kv_cache=kv_cache, cache=cache,
+                              cache_method=cache_method, cache_threshold=cache_threshold)
     if load is None:
         load = EditLoad(fp8_base=fp8_base, blocks_to_swap=blocks_to_swap, lora_ranks=(lora_rank,) if lora_rank else ())
-    return _run(preset, dataclasses.replace(request, progress=None), load, prompt_tokens, num_layers)
+    return _run(preset, dataclasses.replace(request, progress=None), load, prompt_tokens, num_layers, costs)
 
 
 def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
-         num_layers: Optional[int]) -> EditVerifyReport:
+         num_layers: Optional[int], costs: bool = False) -> EditVerifyReport:
     from ..memory.census import build_dit
-    from ..memory.standin_vl import build_encoders
+    from ..fakegpu.standin_vl import build_encoders
     from ..models.presets import family_of
     from ..utils.logging import library_warnings_once
 
@@ -97,7 +106,7 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
     report = EditVerifyReport()
     t0 = time.perf_counter()
     family, dtype = family_of(preset), load.dtype or torch.bfloat16
-    with FakeCuda() as fc, family_standin(family):
+    with FakeCuda(costs=costs) as fc, family_standin(family):
         te, vae = build_encoders(fc, family, dtype, DEVICE, preset)
         with fc.build(dtype, DEVICE):  # (a real load goes through the host; the steps after it are what counts)
             dit = build_dit(preset, num_layers).requires_grad_(False)
@@ -123,11 +132,15 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
         report.blocks = len(pipe.dit.transformer_blocks)
         report.block_bytes = _resident_bytes(pipe.dit.transformer_blocks[0])
         marks: dict = {}
+        if costs:  # the first denoising step (a prefix KV cache is filled there) apart from the ones after it
+            request = dataclasses.replace(request, progress=lambda step, total: _section(fc, "denoise_next"))
         with fc.phase("edit"):
             _run_phased(editor, request, fc, marks)
         report.encode_peak, report.denoise_peak, report.decode_peak = (marks.get(k, 0) for k in
                                                                        ("encode", "denoise", "decode"))
         report.kv_cache = marks.get("kv_cache", 0)
+        report.cache_calls, report.cache_skipped = marks.get("cache", (0, 0))
+        report.costs = fc.costs.profile if fc.costs is not None else None
         del editor, pipe, te, vae, dit, marks
         if load.compile:
             torch._dynamo.reset()  # the compiled graphs hold fake tensors
@@ -149,7 +162,7 @@ def _resident_bytes(module: torch.nn.Module) -> int:
 def _run_phased(editor: FakeEditor, request: EditRequest, fc: FakeCuda, marks: dict) -> None:
     """``editor.edit(request)`` with the device peak recorded per phase (encode, denoise, decode) and the prefix
     KV caches the conditioning holds after the denoising steps (families with a prefix cache)."""
-    from ..memory.standin21 import kv_cache_bytes
+    from ..fakegpu.standin21 import kv_cache_bytes
 
     memory = fc.memory
     originals = {name: getattr(editor, name) for name in ("_encode_prompt", "_encode_images", "_white", "_sample",
@@ -160,6 +173,7 @@ def _run_phased(editor: FakeEditor, request: EditRequest, fc: FakeCuda, marks: d
     def wrap(name):
         def run(*args, **kwargs):
             memory.reset_peak()
+            _section(fc, phase_of[name])
             try:
                 return originals[name](*args, **kwargs)
             finally:
@@ -171,5 +185,11 @@ def _run_phased(editor: FakeEditor, request: EditRequest, fc: FakeCuda, marks: d
 
     for name in originals:
         setattr(editor, name, wrap(name))
-    editor.edit(request)
+    stats = editor.edit(request).cache
+    if stats is not None:
+        marks["cache"] = (stats.calls, stats.skipped)
 
+
+def _section(fc: FakeCuda, name: str) -> None:
+    if fc.costs is not None:
+        fc.costs.section = name
