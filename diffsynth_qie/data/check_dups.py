@@ -10,7 +10,7 @@ apart, and the tables' lists then grow with the rows; such a look-up compares ev
 instead (popcounts, then the sums of the target thumbnails' 4x4 blocks, whose differences bound the thumbnails'
 from below: an exact first cut, then the thumbnails).
 Either way the answer is exactly the one of the pairwise scan (the earliest matching row;
-``benchmarks/check_dataset_scale.pairwise_pairs``). Identical hashes keep at most ``per_hash`` pairs, so a
+``pairwise_pairs`` in benchmarks/check_dataset_scale.py). Identical hashes keep at most ``per_hash`` pairs, so a
 dataset of many copies stays linear.
 """
 from __future__ import annotations
