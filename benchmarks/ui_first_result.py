@@ -11,49 +11,22 @@ at most ``max(page, model) + edit`` (the click itself comes after the page is up
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 LOADED = re.compile(r"loaded \S+ \(dit")
 
 
-def start_and_wait(tmp: Path, port: int, timeout: float = 120.0) -> tuple[float, float]:
+def start_and_wait(tmp: Path, timeout: float = 120.0) -> tuple[float, float]:
     """(seconds to the page answering, seconds to the model's load line) of one app start."""
-    log_path = tmp / "app.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(REPO / "app_gradio.py"), "--port", str(port),
-                                 "--outputs_dir", str(tmp / "outputs"), "--lora_dir", str(tmp / "loras")],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    page = model = None
-    try:
-        while time.perf_counter() - t0 < timeout and (page is None or model is None):
-            if proc.poll() is not None:
-                raise RuntimeError(f"app_gradio.py exited: {log_path.read_text()[-2000:]}")
-            if page is None:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).read(64)
-                    page = time.perf_counter() - t0
-                except OSError:
-                    pass
-            if model is None and LOADED.search(log_path.read_text()):
-                model = time.perf_counter() - t0
-            time.sleep(0.05)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    if page is None or model is None:
-        raise RuntimeError(f"not ready in {timeout} s: {log_path.read_text()[-2000:]}")
-    return page, model
+    from diffsynth_qie.ui.running import running_app
+
+    with running_app(["--outputs_dir", tmp / "outputs", "--lora_dir", tmp / "loras"], tmp / "app.log",
+                     wait=False) as app:
+        return app.wait(timeout, log_line=LOADED.pattern)
 
 
 def edit_seconds(repeats: int) -> float:
@@ -83,19 +56,14 @@ def edit_seconds(repeats: int) -> float:
 
 
 def main(argv=None) -> None:
-    import socket
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
 
     results = []
     for i in range(a.repeats):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         with tempfile.TemporaryDirectory() as tmp:
-            results.append(start_and_wait(Path(tmp), port))
+            results.append(start_and_wait(Path(tmp)))
         print(f"start {i + 1}: page {results[-1][0]:.1f} s, model loaded {results[-1][1]:.1f} s", flush=True)
     edit = edit_seconds(a.repeats)
     page = statistics.median(r[0] for r in results)

@@ -13,12 +13,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,26 +22,6 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 
 log = logging.getLogger("ui_screenshots")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 120.0) -> None:
-    """Until the app answers at ``url``; its log's end if it exits or never answers."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"app_gradio.py exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=1).read(64)
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"app_gradio.py did not answer at {url} in {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
 
 
 def shoot(page, path: Path) -> None:
@@ -88,6 +64,8 @@ def take(url: str, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from diffsynth_qie.ui.running import AppNotServing, running_app
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lora_dir", default=str(REPO / "outputs" / "qie-2511"),
                         help="a training run's folder holding lora.safetensors (default: the CPU demo's)")
@@ -102,25 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no Chromium at {CHROMIUM}: run scripts/install_chromium.sh")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="qie-ui-shots-") as tmp:
-        log_path = Path(tmp) / "app.log"
-        with open(log_path, "wb") as app_log:
-            proc = subprocess.Popen(
-                [sys.executable, str(REPO / "app_gradio.py"), "--port", str(port), "--lora_dir", str(lora_dir),
-                 "--outputs_dir", str(Path(tmp) / "kept"), "--temp_dir", str(Path(tmp) / "ui-tmp")],
-                cwd=REPO, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}, stdout=app_log,
-                stderr=subprocess.STDOUT)
+        flags = ["--lora_dir", lora_dir, "--outputs_dir", Path(tmp) / "kept", "--temp_dir", Path(tmp) / "ui-tmp"]
         try:
-            url = f"http://127.0.0.1:{port}/"
-            wait_for(url, proc, log_path)
-            take(url, out)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            with running_app(flags, Path(tmp) / "app.log") as app:
+                take(app.url, out)
+        except AppNotServing as e:
+            raise SystemExit(str(e)) from e
     return 0
 
 

@@ -14,10 +14,11 @@ os.environ.setdefault("MODELSCOPE_CACHE", "/nonexistent-modelscope-cache")
 
 import contextlib
 import importlib.util
-import socket
 from pathlib import Path
 
 import pytest
+
+from diffsynth_qie.ui.running import free_port  # noqa: F401 (launchers and servers the tests start take it from here)
 
 # tests/assets/make_train_loss_curve.py: the pinned training reference (also a script that
 # regenerates the pinned curve); its cache builder serves every training test file.
@@ -174,13 +175,6 @@ def chat_server(reply, models=None, lifetime: float = 120.0):
         timer.cancel()
         httpd.shutdown()
         httpd.server_close()
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (for launchers and servers the tests start)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import free_port
+from diffsynth_qie.ui.running import running_app
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -72,20 +72,6 @@ def _write_lora(path: Path, dit_file: Path, metadata: dict, seed: int = 0) -> No
     save_lora(path, sd, metadata=metadata)
 
 
-def _wait_for_server(url: str, proc: subprocess.Popen, log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"app_gradio.py exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"app_gradio.py did not serve {url} within {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
-
-
 def _fetch_image(src: str) -> Image.Image:
     with urllib.request.urlopen(src, timeout=10) as r:
         data = r.read()
@@ -110,26 +96,12 @@ def server(tmp_path, tiny_model_dir):
     from test_ui_select_object import save_tiny_sam
 
     sam_dir = save_tiny_sam(tmp_path / "tiny-sam")  # random weights: "Select object" shows, its masks mean nothing
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    env = dict(os.environ, DIFFSYNTH_SKIP_DOWNLOAD="True", GRADIO_ANALYTICS_ENABLED="False",
-               GRADIO_TEMP_DIR=str(tmp_path / "gradio-tmp"), PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(REPO / "app_gradio.py"), "--port", str(port), "--model", "tiny",
-             "--model_dir", str(tiny_model_dir), "--lora_dir", str(lora_dir), "--device", "cpu",
-             "--temp_dir", str(tmp_path / "ui-tmp"), "--outputs_dir", str(tmp_path / "kept"),
-             "--sam_model", str(sam_dir)],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield f"http://127.0.0.1:{port}", proc, log_path
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    flags = ["--model", "tiny", "--model_dir", tiny_model_dir, "--lora_dir", lora_dir, "--device", "cpu",
+             "--temp_dir", tmp_path / "ui-tmp", "--outputs_dir", tmp_path / "kept", "--sam_model", sam_dir]
+    env = {"DIFFSYNTH_SKIP_DOWNLOAD": "True", "GRADIO_TEMP_DIR": str(tmp_path / "gradio-tmp")}
+    # (waited for in _open, once Chromium is up: the two start side by side)
+    with running_app(flags, tmp_path / "server.log", env=env, wait=False) as app:
+        yield app
 
 
 def _history_count(page) -> int:
@@ -189,11 +161,10 @@ def _launch(playwright, chromium: str):
 
 def _open(browser, server):
     """A 1400x1000 page on the app of ``server``, once the app answers."""
-    url, proc, log_path = server
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(30_000)
-    _wait_for_server(url, proc, log_path, timeout=60)
-    page.goto(url)
+    server.wait(timeout=120)
+    page.goto(server.url)
     return page
 
 
@@ -202,7 +173,7 @@ def _open(browser, server):
 def test_mask_edit_in_headless_chromium(server, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
     chromium = _chromium_or_skip()
-    url, proc, log_path = server
+    url, log_path = server.url, server.log_path
     start = time.monotonic()
     source = Image.fromarray(np.random.default_rng(0).integers(0, 256, (H, W, 3), dtype=np.uint8), "RGB")
     source_path = tmp_path / "input.png"

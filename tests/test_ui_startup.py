@@ -47,6 +47,22 @@ def test_busy_port_exits_with_one_line_and_keeps_the_temp_folder(tmp_path):
     assert check_port_free("127.0.0.1", port)  # closed again: free
 
 
+def test_the_app_starter_names_an_app_that_exits_with_its_log(tmp_path):
+    """ui/running.py, the one start of the app for the browser test, the first-result benchmark and the screenshots:
+    an app that stops (here: its port is taken) is said at once, with the end of its log."""
+    from diffsynth_qie.ui.running import AppNotServing, running_app
+    from diffsynth_qie.ui.startup import port_in_use_message
+
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(AppNotServing, match="exited with 2") as caught:
+            with running_app(["--temp_dir", tmp_path / "tmp"], tmp_path / "app.log", port=port, timeout=60):
+                pass
+    assert port_in_use_message(port) in str(caught.value)
+
+
 def test_port_check_names_a_bad_host():
     with pytest.raises(ValueError, match="--host no-such-host.invalid"):
         from diffsynth_qie.ui.startup import check_port_free

@@ -121,7 +121,7 @@ def measure_row(task: tuple[int, dict, CheckConfig]) -> RowCheck:
 
 
 def _measure(out: RowCheck, row: dict, cfg: CheckConfig) -> None:
-    from .check_align import dhash, thumb
+    from .check_align import hash_and_thumb
     from .check_rules import flag, judge_pair
     from .images import MIN_SIDE, aspect_differs, load_mask, load_rgb
 
@@ -141,12 +141,12 @@ def _measure(out: RowCheck, row: dict, cfg: CheckConfig) -> None:
         return
     m = out.measures
     t_work = _work(target)  # (hashes and thumbnails from the working size: the full one is not needed again)
-    m["target_hash"], m["_target_thumb"] = dhash(t_work), thumb(t_work)
+    m["target_hash"], m["_target_thumb"] = hash_and_thumb(t_work)
     m["_instruction"] = " ".join((row.get("prompt") or "").lower().split())
     if source is None:
         return
     s_work = _work(source)
-    m["source_hash"], m["_source_thumb"] = dhash(s_work), thumb(s_work)
+    m["source_hash"], m["_source_thumb"] = hash_and_thumb(s_work)
     ar_t, ar_s = target.width / target.height, source.width / source.height
     m["aspect_ratio_difference"] = round(abs(ar_t / ar_s - 1.0), 4)
     if m["aspect_ratio_difference"] > cfg.aspect_tolerance:

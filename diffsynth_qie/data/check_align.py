@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,6 +22,8 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)
+THUMB_SIDE = 16                      # the duplicate pass's thumbnails: THUMB_SIDE² grey pixels
+THUMB_MAX_DIFF, THUMB_MEAN_DIFF = 10, 2.5  # two thumbnails of one picture differ at most this much per pixel, on average
 
 
 def gray(a: np.ndarray) -> np.ndarray:
@@ -32,6 +35,14 @@ def block_side(h: int, w: int) -> int:
     return 64 if side >= 192 else 32 if side >= 64 else 16
 
 
+@functools.lru_cache(maxsize=8)
+def _hann2(b: int) -> np.ndarray:
+    """The ``b`` x ``b`` Hann window of a block (read-only: shared between calls)."""
+    window = np.outer(np.hanning(b), np.hanning(b)).astype(np.float32)
+    window.flags.writeable = False
+    return window
+
+
 def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None) -> dict:
     """Per block of a half-overlapping grid: ``centre`` (y, x; from the image centre), ``shift`` (dy, dx: where
     the source block's content is in the target), ``peak`` (the phase correlation's height, 1 for equal
@@ -40,10 +51,26 @@ def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None) ->
     b = block or block_side(h, w)
     ys, xs = np.arange(0, h - b + 1, b // 2), np.arange(0, w - b + 1, b // 2)
     view = np.lib.stride_tricks.sliding_window_view
-    bs = view(gs, (b, b))[ys][:, xs].reshape(-1, b, b)
-    bt = view(gt, (b, b))[ys][:, xs].reshape(-1, b, b)
+    vs, vt = view(gs, (b, b))[::b // 2, ::b // 2], view(gt, (b, b))[::b // 2, ::b // 2]  # (no copy)
+    gy, gx = (g.ravel() for g in np.meshgrid(np.arange(len(ys)), np.arange(len(xs)), indexing="ij"))
+    # (a few blocks at a time: each block's numbers are the same, and the transforms' arrays stay small enough for
+    # the allocator to reuse; a 49-block rfft2 alone took 2.1 ms with its fresh pages faulted in, 0.75 ms in chunks)
+    step = max(1, BLOCK_CHUNK // (b * b))
+    parts = [_phase_peaks(vs[gy[i:i + step], gx[i:i + step]], vt[gy[i:i + step], gx[i:i + step]], b)
+             for i in range(0, len(gy), step)]
+    dy, dx, peak, texture = (np.concatenate(p) for p in zip(*parts))
+    cy, cx = np.meshgrid(ys + b / 2 - h / 2, xs + b / 2 - w / 2, indexing="ij")
+    return {"centre": np.stack([cy.ravel(), cx.ravel()], 1), "shift": np.stack([dy, dx], 1), "peak": peak,
+            "texture": texture, "block": b, "starts": (ys, xs)}
+
+
+BLOCK_CHUNK = 16 * 32 * 32  # pixels of the blocks :func:`block_motion` transforms at once
+
+
+def _phase_peaks(bs: np.ndarray, bt: np.ndarray, b: int) -> tuple[np.ndarray, ...]:
+    """``dy``, ``dx``, ``peak`` and ``texture`` of :func:`block_motion` for the ``[n, b, b]`` blocks ``bs``, ``bt``."""
     texture = np.minimum(bs.std(axis=(1, 2)), bt.std(axis=(1, 2)))
-    window = np.outer(np.hanning(b), np.hanning(b)).astype(np.float32)
+    window = _hann2(b)
     fa = np.fft.rfft2((bs - bs.mean(axis=(1, 2), keepdims=True)) * window)
     fb = np.fft.rfft2((bt - bt.mean(axis=(1, 2), keepdims=True)) * window)
     cross = fb * np.conj(fa)
@@ -60,9 +87,7 @@ def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None) ->
 
     dy = ((py + b // 2) % b - b // 2) + sub(corr[n, (py - 1) % b, px], corr[n, (py + 1) % b, px])
     dx = ((px + b // 2) % b - b // 2) + sub(corr[n, py, (px - 1) % b], corr[n, py, (px + 1) % b])
-    cy, cx = np.meshgrid(ys + b / 2 - h / 2, xs + b / 2 - w / 2, indexing="ij")
-    return {"centre": np.stack([cy.ravel(), cx.ravel()], 1), "shift": np.stack([dy, dx], 1), "peak": peak,
-            "texture": texture, "block": b, "starts": (ys, xs)}
+    return dy, dx, peak, texture
 
 
 @dataclass
@@ -151,10 +176,15 @@ def block_keep(m: dict, inside: np.ndarray, limit: float = 0.25) -> np.ndarray:
     return cover.ravel() <= limit * b * b
 
 
+def _channel_max(a: np.ndarray) -> np.ndarray:
+    """``a.max(-1)`` of an ``HxWx3`` array, channel by channel (a reduction over an axis of 3 costs far more)."""
+    return np.maximum(np.maximum(a[..., 0], a[..., 1]), a[..., 2])
+
+
 def change_region(s: np.ndarray, t: np.ndarray, threshold: float = 0.1, blur: float = 1.5) -> np.ndarray:
     """Where ``t`` differs from ``s`` (float HxWx3 in [0, 1]): the blurred largest channel difference over
     ``threshold``."""
-    diff = Image.fromarray((np.abs(t - s).max(-1) * 255).astype(np.uint8))
+    diff = Image.fromarray((_channel_max(np.abs(t - s)) * 255).astype(np.uint8))
     return np.asarray(diff.filter(ImageFilter.GaussianBlur(blur))) > threshold * 255
 
 
@@ -201,7 +231,13 @@ def dhash(im: Image.Image) -> int:
 
 def thumb(im: Image.Image) -> bytes:
     """A 16x16 grey thumbnail (box filter), the duplicate pass's check of a hash match."""
-    return im.convert("L").resize((16, 16), Image.Resampling.BOX).tobytes()
+    return im.convert("L").resize((THUMB_SIDE, THUMB_SIDE), Image.Resampling.BOX).tobytes()
+
+
+def hash_and_thumb(im: Image.Image) -> tuple[int, bytes]:
+    """:func:`dhash` and :func:`thumb` of ``im``, from one grey conversion."""
+    grey = im.convert("L")
+    return dhash(grey), thumb(grey)
 
 
 def coarse_change(s: np.ndarray, t: np.ndarray, threshold: float = 0.1) -> float:
@@ -214,6 +250,15 @@ def coarse_change(s: np.ndarray, t: np.ndarray, threshold: float = 0.1) -> float
     return float((d > threshold).mean())
 
 
-def thumbs_match(a: bytes, b: bytes, max_diff: int = 10, mean_diff: float = 2.5) -> bool:
+def thumbs_match(a: bytes, b: bytes, max_diff: int = THUMB_MAX_DIFF, mean_diff: float = THUMB_MEAN_DIFF) -> bool:
+    """Two thumbnails of one picture: no pixel differs by more than ``max_diff``, and on average by at most
+    ``mean_diff`` (:func:`thumbs_match_many` compares many at once)."""
     d = np.abs(np.frombuffer(a, np.uint8).astype(np.int16) - np.frombuffer(b, np.uint8))
     return bool(d.max() <= max_diff and d.mean() <= mean_diff)
+
+
+def thumbs_match_many(rows: np.ndarray, b: np.ndarray, max_diff: int = THUMB_MAX_DIFF,
+                      mean_diff: float = THUMB_MEAN_DIFF) -> np.ndarray:
+    """:func:`thumbs_match` of each thumbnail of ``rows`` (``[n, L]`` uint8) with ``b`` (``[L]``): bool ``[n]``."""
+    d = np.abs(rows.astype(np.int16) - b)
+    return (d.max(1) <= max_diff) & (d.sum(1) / d.shape[1] <= mean_diff)  # (the mean: exact integer sums)

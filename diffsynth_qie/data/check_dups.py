@@ -1,126 +1,162 @@
-"""``qie check-dataset``'s duplicate pass: 64-bit difference hashes within ``k`` bits of each other, found
-through a multi-index instead of comparing every pair.
+"""``qie check-dataset``'s duplicate pass: pairs whose source and target hashes (64-bit difference hashes) are
+within ``k`` bits of an earlier pair's, confirmed by their thumbnails, found through a multi-index instead of
+comparing every pair.
 
 The hash is cut into ``k + 1`` bands of contiguous bits. Two hashes that differ in at most ``k`` bits differ in
 at most ``k`` bands, so (pigeonhole) at least one of the ``k + 1`` bands is equal in both: looking a hash up in
-each band's table finds every hash within ``k`` bits, and only a few others, which the exact popcount drops.
-The answer is exactly the one of the pairwise scan (the earliest matching row), at about ``(k + 1)`` dict
-look-ups per row. Identical hashes share one entry, so a dataset of many copies stays linear. Only with a
-large ``k`` (narrow bands, > ~16 bits) do the candidate lists grow towards the pairwise cost again.
+each band's table finds every hash within ``k`` bits, and only a few others, which the exact popcount drops, at
+about ``(k + 1)`` dict look-ups per row. Flat images (plain backgrounds, drawings) make many hashes a few bits
+apart, and the tables' lists then grow with the rows; such a look-up compares every kept pair at once in numpy
+instead (popcounts, then the sums of the target thumbnails' 4x4 blocks, whose differences bound the thumbnails'
+from below: an exact first cut, then the thumbnails).
+Either way the answer is exactly the one of the pairwise scan (the earliest matching row;
+``pairwise_pairs`` in benchmarks/check_dataset_scale.py). Identical hashes keep at most ``per_hash`` pairs, so a
+dataset of many copies stays linear.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
+
+import numpy as np
+
+from .check_align import THUMB_MAX_DIFF, THUMB_MEAN_DIFF, THUMB_SIDE, thumbs_match_many
 
 BITS = 64
 
 
-def bands(k: int) -> list[tuple[int, int]]:
-    """``(shift, mask)`` of ``min(k + 1, 64)`` contiguous bands covering the 64 bits."""
-    n = max(1, min(k + 1, BITS))
-    edges = [round(i * BITS / n) for i in range(n + 1)]
+def bands(k: int, bits: int = BITS) -> list[tuple[int, int]]:
+    """``(shift, mask)`` of ``min(k + 1, bits)`` contiguous bands covering the ``bits`` bits."""
+    n = max(1, min(k + 1, bits))
+    edges = [round(i * bits / n) for i in range(n + 1)]
     return [(lo, (1 << (hi - lo)) - 1) for lo, hi in zip(edges, edges[1:])]
 
 
-class HashIndex:
-    """Hashes added in order; :meth:`first_within` answers the earliest added one within ``k`` bits."""
-
-    def __init__(self, k: int):
-        self.k = k
-        self.bands = bands(k)
-        self.tables: list[dict[int, list[int]]] = [{} for _ in self.bands]
-        self.order: dict[int, int] = {}      # distinct hash -> its position among the distinct hashes
-        self.keys: list = []                 # by position: the first key added with that hash
-
-    def add(self, h: int, key: object) -> None:
-        if h in self.order:
-            return
-        self.order[h] = len(self.keys)
-        self.keys.append(key)
-        for table, (shift, mask) in zip(self.tables, self.bands):
-            table.setdefault((h >> shift) & mask, []).append(h)
-
-    def first_within(self, h: int) -> Optional[object]:
-        """The key of the earliest added hash within ``k`` bits of ``h`` (None: none)."""
-        best = self.order.get(h)  # (an exact copy; an earlier near one may still come first)
-        if self.k >= BITS:  # every hash is within 64 bits
-            return self.keys[0] if self.keys else None
-        for table, (shift, mask) in zip(self.tables, self.bands):
-            for other in table.get((h >> shift) & mask, ()):
-                pos = self.order[other]
-                if (best is None or pos < best) and (h ^ other).bit_count() <= self.k:
-                    best = pos
-        return None if best is None else self.keys[best]
+def _popcount(x: np.ndarray) -> np.ndarray:
+    """Set bits of each element of a uint64 array (uint8)."""
+    if hasattr(np, "bitwise_count"):  # numpy >= 2
+        return np.bitwise_count(x)
+    return _BYTE_BITS[x.view(np.uint8).reshape(*x.shape, 8)].sum(-1, dtype=np.uint8)
 
 
-def flag_duplicates(items: Iterable[tuple[int, str]], held: Iterable[tuple[int, str]], k: int,
-                    progress=None) -> dict[int, dict[str, str]]:
-    """``items``: ``(hash, row_id)`` in row order; ``held``: the held-out rows' ones. Returns, by position in
-    ``items``, the flags ``duplicate`` (the earliest earlier row within ``k`` bits) and ``holdout_duplicate``
-    (the earliest held-out row within ``k`` bits). ``progress(n)`` is called as rows are done."""
-    held_index = HashIndex(k)
-    for h, rid in held:
-        held_index.add(h, rid)
-    seen = HashIndex(k)
-    out: dict[int, dict[str, str]] = {}
-    for i, (h, rid) in enumerate(items):
-        flags = {}
-        near = seen.first_within(h)
-        if near is not None:
-            flags["duplicate"] = near
-        near = held_index.first_within(h) if held_index.keys else None
-        if near is not None:
-            flags["holdout_duplicate"] = near
-        if flags:
-            out[i] = flags
-        seen.add(h, rid)
-        if progress is not None:
-            progress(1)
-    return out
+_BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], np.uint8)
 
 
 class PairIndex:
-    """Pairs added in order, found again by their hashes within ``k`` bits and then confirmed by ``same``
-    (e.g. thumbnails that match): :meth:`first_match` answers the earliest confirmed one. Each distinct hash
-    keeps at most ``per_hash`` entries (the earliest ones), so many pairs with one hash (flat images) stay
-    linear."""
+    """Pairs added in order, each a hash of ``parts`` 64-bit words (source and target, or the target alone), its
+    target's thumbnail, its source's (or None) and an instruction; :meth:`matches` answers, earliest first, the
+    added pairs that are the same as a new one: the hashes within ``k`` bits in all (and the first word within
+    ``first_k``, when given) and the thumbnails matching (``check_align.thumbs_match``; the sources' only when
+    both have one). Each distinct hash keeps at most ``per_hash`` pairs (the earliest ones).
 
-    def __init__(self, k: int, bits: int = BITS, per_hash: int = 32):
-        self.k, self.per_hash = k, per_hash
-        n = max(1, min(k + 1, bits))
-        edges = [round(i * bits / n) for i in range(n + 1)]
-        self.bands = [(lo, (1 << (hi - lo)) - 1) for lo, hi in zip(edges, edges[1:])]
+    Candidates come from the banded tables while their lists stay short; when they do not, every pair is compared
+    at once (the module's doc). Both find exactly the hashes within ``k`` bits."""
+
+    def __init__(self, k: int, parts: int = 1, first_k: Optional[int] = None, per_hash: int = 32):
+        self.k, self.parts, self.first_k, self.per_hash = k, parts, first_k, per_hash
+        self.bands = bands(k, parts * BITS)
         self.tables: list[dict[int, list[int]]] = [{} for _ in self.bands]
-        self.entries: dict[int, list[tuple[int, object, object]]] = {}
-        self.count = 0
+        self.rows_of: dict[int, list[int]] = {}  # distinct hash -> its pairs' rows
+        self.count = 0                            # pairs added (kept or not)
+        self.keys: list = []                      # by row: the key added, its hash, thumbnails, instruction
+        self.hashes: list[int] = []
+        self.pictures: list[tuple[bytes, Optional[bytes]]] = []
+        self.instructions: dict[str, int] = {}
+        self.instruction: list[int] = []
+        # the rows as arrays, for comparing many at once (filled up to ``synced`` when needed)
+        self.synced = 0
+        self.words = np.zeros((parts, 0), np.uint64)  # each row's hash, by 64-bit word
+        self.thumbs = np.zeros((0, 2, THUMB_SIDE ** 2), np.uint8)
+        self.blocks = np.zeros((0, 16), np.int32)  # each target thumbnail's sums over its 4x4 blocks
+        self.has_source = np.zeros(0, bool)
 
-    def add(self, h: int, key: object, payload: object) -> None:
-        entries = self.entries.get(h)
-        if entries is None:
-            entries = self.entries[h] = []
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+    def _sync(self) -> None:
+        """The arrays hold every row (capacity doubled as they grow)."""
+        new = range(self.synced, self.size)
+        if not new:
+            return
+        if self.size > len(self.blocks):
+            cap = max(64, 2 * self.size)
+            self.words = np.concatenate([self.words, np.zeros((self.parts, cap - len(self.blocks)), np.uint64)], 1)
+            for name in ("thumbs", "blocks", "has_source"):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.zeros((cap - len(old), *old.shape[1:]), old.dtype)]))
+        rows = slice(self.synced, self.size)
+        self.words[:, rows] = np.array([_words(self.hashes[i], self.parts) for i in new], np.uint64).T
+        side = self.thumbs.shape[-1]
+        blank = bytes(side)
+        self.thumbs[rows] = np.frombuffer(b"".join(t + (s or blank) for t, s in (self.pictures[i] for i in new)),
+                                          np.uint8).reshape(len(new), 2, side)
+        self.blocks[rows] = _block_sums(self.thumbs[rows, 0])
+        self.has_source[rows] = [self.pictures[i][1] is not None for i in new]
+        self.synced = self.size
+
+    def add(self, h: int, key: object, target_thumb: bytes, source_thumb: Optional[bytes], instruction: str = ""
+            ) -> None:
+        rows = self.rows_of.get(h)
+        if rows is None:
+            rows = self.rows_of[h] = []
             for table, (shift, mask) in zip(self.tables, self.bands):
                 table.setdefault((h >> shift) & mask, []).append(h)
-        if len(entries) < self.per_hash:
-            entries.append((self.count, key, payload))
+        if len(rows) < self.per_hash:
+            rows.append(self.size)
+            self.keys.append(key)
+            self.hashes.append(h)
+            self.pictures.append((target_thumb, source_thumb))
+            self.instruction.append(self.instructions.setdefault(instruction, len(self.instructions)))
         self.count += 1
 
-    def first_match(self, h: int, payload: object, same) -> Optional[object]:
-        """The key of the earliest added pair within ``k`` bits of ``h`` that ``same(payload, its payload)``
-        confirms (None: none)."""
-        seen: set[int] = set()
-        best: Optional[tuple[int, object]] = None
-        for table, (shift, mask) in zip(self.tables, self.bands):
-            for other in table.get((h >> shift) & mask, ()):
-                if other in seen or (h ^ other).bit_count() > self.k:
-                    continue
-                seen.add(other)
-                for pos, key, theirs in self.entries[other]:
-                    if best is not None and pos >= best[0]:
-                        break
-                    if same(payload, theirs):
-                        best = (pos, key)
-                        break
-        return None if best is None else best[1]
+    def _candidates(self, h: int):
+        """The rows of pairs whose hash may be within ``k`` bits of ``h``: those of the bands' lists, or a slice
+        of every row when the lists are long (or ``k`` leaves no band to be sure of)."""
+        buckets = [table.get((h >> shift) & mask, ()) for table, (shift, mask) in zip(self.tables, self.bands)]
+        if self.k >= len(self.bands) or sum(map(len, buckets)) > max(64, self.size // 32):
+            return slice(0, self.size)
+        return sorted({i for bucket in buckets for other in bucket for i in self.rows_of[other]})
+
+    def _near(self, h: int, rows) -> np.ndarray:
+        """Of ``rows``, those whose hash is within ``k`` bits of ``h`` (and its first word within ``first_k``)."""
+        top = BITS * (self.parts - 1)
+        if not isinstance(rows, slice):  # a few: one popcount each
+            return np.array([i for i in rows if (h ^ self.hashes[i]).bit_count() <= self.k and
+                             (self.first_k is None or ((h ^ self.hashes[i]) >> top).bit_count() <= self.first_k)],
+                            np.int64)
+        self._sync()
+        diff = _popcount(self.words[:, rows] ^ np.array(_words(h, self.parts), np.uint64)[:, None])
+        near = diff.sum(0, dtype=np.int32) <= self.k
+        if self.first_k is not None:
+            near &= diff[0] <= self.first_k
+        return np.flatnonzero(near)
+
+    def matches(self, h: int, target_thumb: bytes, source_thumb: Optional[bytes]) -> np.ndarray:
+        """Rows (ascending: earliest added first) of the added pairs that are the same as this one."""
+        rows = self._near(h, self._candidates(h))
+        if not len(rows):
+            return rows
+        self._sync()
+        mine = [None if t is None else np.frombuffer(t, np.uint8) for t in (target_thumb, source_thumb)]
+        # (a block's sum differs by at most the block's summed difference: an exact first cut)
+        gap = np.abs(self.blocks[rows] - _block_sums(mine[0][None])[0])
+        block_pixels = len(mine[0]) // gap.shape[1]
+        rows = rows[(gap.max(1) <= THUMB_MAX_DIFF * block_pixels) & (gap.sum(1) <= THUMB_MEAN_DIFF * len(mine[0]))]
+        ok = thumbs_match_many(self.thumbs[rows, 0], mine[0])
+        if mine[1] is not None:
+            ok &= ~self.has_source[rows] | thumbs_match_many(self.thumbs[rows, 1], mine[1])
+        return rows[ok]
+
+
+def _block_sums(thumbs: np.ndarray) -> np.ndarray:
+    """``[n, 16]`` int32 sums of each ``[n, side²]`` thumbnail's 4x4 grid of blocks."""
+    q = THUMB_SIDE // 4
+    return thumbs.reshape(len(thumbs), 4, q, 4, q).sum((2, 4), dtype=np.int32).reshape(len(thumbs), 16)
+
+
+def _words(h: int, parts: int) -> list[int]:
+    """``h``'s 64-bit words, most significant first (the source's hash, then the target's)."""
+    return [(h >> (BITS * (parts - 1 - j))) & ((1 << BITS) - 1) for j in range(parts)]
 
 
 def flag_pair_duplicates(checks, held, k: int, progress=None) -> None:
@@ -129,33 +165,30 @@ def flag_pair_duplicates(checks, held, k: int, progress=None) -> None:
     the target's thumbnail matching: a re-encoded copy counts): ``duplicate`` with the same instruction,
     ``duplicate_pair`` with another; and ``holdout_duplicate`` when its target is a held-out row's. Two edits of
     one source differ in their targets and are not duplicates."""
-    from .check_align import thumbs_match
     from .check_rules import flag
-
-    def same(a, b):
-        return ((a[0] ^ b[0]).bit_count() <= k and thumbs_match(a[1], b[1])
-                and (a[3] is None or b[3] is None or thumbs_match(a[3], b[3])))
 
     held_index = PairIndex(k)
     for c in held:
         if "target_hash" in c.measures:
-            held_index.add(c.measures["target_hash"], c.row_id, (0, c.measures["_target_thumb"], "", None))
-    rows = PairIndex(2 * k, bits=2 * BITS)
+            held_index.add(c.measures["target_hash"], c.row_id, c.measures["_target_thumb"], None)
+    rows = PairIndex(2 * k, parts=2, first_k=k)
     for c in checks:
         m = c.measures
         if "target_hash" in m:
             key = (m.get("source_hash", 0) << BITS) | m["target_hash"]
-            mine = (m.get("source_hash", 0), m["_target_thumb"], m["_instruction"], m.get("_source_thumb"))
-            near = rows.first_match(key, mine, lambda a, b: same(a, b) and b[2] == a[2])
-            if near is not None:
+            same = rows.matches(key, m["_target_thumb"], m.get("_source_thumb"))
+            mine = rows.instructions.get(m["_instruction"])
+            told = [i for i in same if rows.instruction[i] == mine]
+            if told:
+                near = rows.keys[told[0]]
                 flag(c, "duplicate", near, f"the same source, target and instruction as row {near}")
-            else:
-                near = rows.first_match(key, mine, same)
-                if near is not None:
-                    flag(c, "duplicate_pair", near, f"the same source and target as row {near}, another instruction")
-            rows.add(key, c.row_id, mine)
-            near = held_index.first_match(m["target_hash"], (0, m["_target_thumb"], "", None), same) if held_index.count else None
-            if near is not None:
+            elif len(same):
+                near = rows.keys[same[0]]
+                flag(c, "duplicate_pair", near, f"the same source and target as row {near}, another instruction")
+            rows.add(key, c.row_id, m["_target_thumb"], m.get("_source_thumb"), m["_instruction"])
+            held_same = held_index.matches(m["target_hash"], m["_target_thumb"], None) if held_index.count else ()
+            if len(held_same):
+                near = held_index.keys[held_same[0]]
                 flag(c, "holdout_duplicate", near, f"its target is the held-out row {near}'s")
         if progress is not None:
             progress(1)

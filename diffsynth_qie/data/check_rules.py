@@ -80,15 +80,16 @@ def judge_pair(out, s: np.ndarray, t: np.ndarray, mask: Optional[np.ndarray], cf
     m["changed"] = round(float(region.mean()), 4)
     full_mask = mask is not None and mask.mean() > cfg.mask_full
     blocks = block_motion(gs, gt)
-    changed = None  # what changed; the motion is judged on the rest
+    changed = motion = None  # what changed; the motion is judged on the rest
     if mask is not None and not full_mask and mask.any():
         changed = dilate(mask, 2)
     elif m["changed"] < 0.5:  # a local edit: outside the estimated changed region, when enough is left there
         changed = dilate(region, 2)
-        if fit_motion(blocks, block_keep(blocks, changed)).blocks < 4 and fit_motion(blocks).blocks >= cfg.min_blocks:
-            changed = None
-    keep = None if changed is None else block_keep(blocks, changed)
-    motion = fit_motion(blocks, keep)
+        motion = fit_motion(blocks, block_keep(blocks, changed))
+        if motion.blocks < 4 and (everywhere := fit_motion(blocks)).blocks >= cfg.min_blocks:
+            changed, motion = None, everywhere
+    if motion is None:
+        motion = fit_motion(blocks, None if changed is None else block_keep(blocks, changed))
     zoom = motion.scale
     if not motion.aligned and motion.inliers < 0.8:  # (a zoom beyond a few per cent: search it)
         keep_fn = (lambda b: block_keep(b, changed)) if changed is not None else None

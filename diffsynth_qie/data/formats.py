@@ -153,8 +153,8 @@ def _path_list(v: Any, fieldname: str, from_csv: bool) -> list[str]:
 def _resolve(p: str, base: Path, fieldname: str) -> Path:
     if "://" in p:
         raise _RowError(fieldname, p, "URLs are not supported; download the images and use local paths")
-    q = Path(p).expanduser()
-    return q if q.is_absolute() else base / q
+    q = os.path.expanduser(p) if p.startswith("~") else p  # (os.path: a Path per step costs more than the row)
+    return Path(q) if os.path.isabs(q) else base / q
 
 
 def _one_path(v: Any, fieldname: str, base: Path, required: bool) -> Path | None:
