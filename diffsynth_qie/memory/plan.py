@@ -67,6 +67,8 @@ class PlanOptions:
     lora_rank: int = 32
     optimizer: Literal["adamw", "prodigy_sf"] = "adamw"
     gradient_checkpointing: bool = False
+    checkpoint_policy: Literal["full", "selective"] = "full"  # train: qie train --checkpoint_policy
+    compile: bool = False  # train: qie train --compile (kernels fused; memory as eager)
     fp8_base: bool = False
     blocks_to_swap: int = 0
     zero_stage: int = 0
@@ -276,6 +278,9 @@ def describe(o: PlanOptions) -> str:
     if o.task == "train":
         parts.append(f"--lora_rank {o.lora_rank}")
         parts += ["--gradient_checkpointing"] if o.gradient_checkpointing else []
+        parts += [f"--checkpoint_policy {o.checkpoint_policy}"] if o.gradient_checkpointing and \
+            o.checkpoint_policy != "full" else []
+        parts += ["--compile"] if o.compile else []
     parts += [f"--compute_precision {o.compute_precision}"] if o.task == "train" and o.compute_precision != "auto" \
         else []
     parts += ["--ema_decay D"] if o.ema else []
