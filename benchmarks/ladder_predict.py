@@ -73,8 +73,8 @@ def rung_estimates(model: str, flags: dict, tables: list) -> list:
 
 
 def row(label: str, estimate, stock_seconds: float) -> str:
-    return (f"| {label} | {estimate.seconds:.3f} | {1 / estimate.seconds:.2f} | {stock_seconds / estimate.seconds:.2f}x "
-            f"| {100 * estimate.mfu:.0f} % |")
+    s = estimate.seconds
+    return f"| {label} | {s:.3f} | {1 / s:.2f} | {stock_seconds / s:.2f}x | {100 * estimate.mfu:.0f} % |"
 
 
 def main(argv=None) -> int:
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
                 lines[t.key].append(row(rung, e, s.seconds))
         for t in tables:
             out.append(f"\n{model}, b1, 1024² + 1 reference, rank 32, predicted on {t.name} [{t.source}]\n\n"
-                       "| rung | s/step | samples/s | × stock | MFU |\n|---|---|---|---|---|\n" + "\n".join(lines[t.key]))
+                       "| rung | s/step | samples/s | × stock | MFU |\n|---|---|---|---|---|\n"
+                       + "\n".join(lines[t.key]))
     sys.stdout.write("\n".join(out) + "\n")
     return 0
 

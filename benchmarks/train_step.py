@@ -289,8 +289,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if cfg.checkpoint_policy:  # qie train's own block set-up (training/block_setup.py)
             from diffsynth_qie.training.block_setup import prepare_blocks
 
-            prepare_blocks(dit, argparse.Namespace(blocks_to_swap=0, gradient_checkpointing=True, compile=cfg.compile_blocks,
-                                                   checkpoint_policy=cfg.checkpoint_policy), backend=cfg.compile_backend)
+            prepare_blocks(dit, argparse.Namespace(blocks_to_swap=0, gradient_checkpointing=True,
+                                                   compile=cfg.compile_blocks, checkpoint_policy=cfg.checkpoint_policy),
+                           backend=cfg.compile_backend)
         elif cfg.compile_blocks:
             build.compile_blocks(dit, cfg.compile_backend)
         if cfg.tiny and parity is None:

@@ -357,6 +357,7 @@ def test_ladder_prints_stock_and_baseline_and_skips_a_rung_whose_flag_is_absent(
                        for name in ("stock", "baseline"))
     assert stock.split("|")[4].strip() == "1.00x" and float(baseline.split("|")[4].strip()[:-1]) < 1.0
     assert "| later | skipped: no --no_such_flag |" in out
-    rc = subprocess.run(["bash", str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_all.sh"), "--no_such_option"], capture_output=True,
-                        text=True, env={"RUN_DIR": "/nonexistent-unused", "PATH": "/usr/bin:/bin"}).returncode
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_all.sh"
+    rc = subprocess.run(["bash", str(script), "--no_such_option"], capture_output=True, text=True,
+                        env={"RUN_DIR": "/nonexistent-unused", "PATH": "/usr/bin:/bin"}).returncode
     assert rc == 2

@@ -21,8 +21,9 @@ a compile of about a minute on a GPU until dynamo's ``recompile_limit`` (8) send
 - **Hooks** (block swapping, LoRA branches on a block's own call) run outside the compiled region: only
   ``forward`` is compiled, not the module call.
 
-So a run compiles a few graphs (training, no-grad validation, masked batches), whatever its prompts and sizes; :data:`RECOMPILE_LIMIT` leaves room for many resolution buckets. The speed-up is measured on a GPU
-(benchmarks/); on a CPU compiling takes longer than it saves for short runs.
+So a run compiles a few graphs (training, no-grad validation, masked batches), whatever its prompts and sizes;
+:data:`RECOMPILE_LIMIT` leaves room for more. The speed-up is measured on a GPU (benchmarks/); on a CPU
+compiling takes longer than it saves for short runs.
 
 In training (``checkpointed`` given) the blocks checkpoint themselves and the checkpoint is compiled with the
 block (``block_checkpoint.py``): the recompute is traced and fused with the backward, and ``--checkpoint_policy
