@@ -100,6 +100,9 @@ class TrainBenchConfig:
     compile_blocks: bool = field(default=False, metadata={
         "help": "regional torch.compile of every transformer block"})
     compile_backend: str = field(default="inductor", metadata={"help": "torch.compile backend for --compile_blocks"})
+    checkpoint_policy: Literal["", "full", "selective"] = field(default="", metadata={
+        "help": "ours: prepare the blocks as `qie train --checkpoint_policy P` (with --compile_blocks: the "
+                "checkpoint inside the compiled blocks, as `qie train --compile`); run with --cases ours"})
     fp8_base: bool = field(default=False, metadata={
         "help": "store the frozen block weights in FP8 (e4m3, per-channel scale; bf16 compute), as `qie train --fp8_base`"})
     selective_checkpointing: int = field(default=0, metadata={
@@ -217,7 +220,8 @@ def run_case(spec: CaseSpec, ckpt: str, rank: int, module, pipe, dims: flops.DiT
 
 def options_of(cfg: TrainBenchConfig, impl: str = "ours") -> dict:
     """A row's options (in its id); stock's step has no --compute_precision (its ids stay as they were)."""
-    return {"sdpa_backend": cfg.sdpa_backend, "compile_blocks": cfg.compile_blocks, "fp8_base": cfg.fp8_base,
+    return {**({"checkpoint_policy": cfg.checkpoint_policy} if cfg.checkpoint_policy else {}),
+            "sdpa_backend": cfg.sdpa_backend, "compile_blocks": cfg.compile_blocks, "fp8_base": cfg.fp8_base,
             "lora_fp32": cfg.lora_fp32, **({"compute_precision": cfg.compute_precision} if impl == "ours" else {})}
 
 
@@ -282,7 +286,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             log.info("FP8 base weights: %d linear layers", len(fp8_layers(dit)))
         # Start from DiffSynth's choice of adapter dtype (the pipeline dtype); each case then sets its own.
         set_lora_dtype(list(module.trainable_modules()), dtype)
-        if cfg.compile_blocks:
+        if cfg.checkpoint_policy:  # qie train's own block set-up (training/block_setup.py)
+            from diffsynth_qie.training.block_setup import prepare_blocks
+
+            prepare_blocks(dit, argparse.Namespace(blocks_to_swap=0, gradient_checkpointing=True,
+                                                   compile=cfg.compile_blocks, checkpoint_policy=cfg.checkpoint_policy),
+                           backend=cfg.compile_backend)
+        elif cfg.compile_blocks:
             build.compile_blocks(dit, cfg.compile_backend)
         if cfg.tiny and parity is None:
             entry = make_samples(specs[0].samples[:1], dims.text_dim, cfg.seed, device, dtype)[0]

@@ -339,3 +339,25 @@ def test_the_plan_predicts_the_gpu_peaks_within_6_percent():
         else:  # out of memory on the GPU: the plan must say it does not fit
             assert planned > r["peak_mem_gib"], (label, planned)
     assert checked >= 15
+
+
+def test_ladder_prints_stock_and_baseline_and_skips_a_rung_whose_flag_is_absent(capsys, monkeypatch):
+    """``benchmarks.ladder_predict`` (``gpu_all.sh --ladder``'s prediction stage): the stored stock and baseline
+    profiles costed on a table (the baseline slower than stock, as measured), and a rung of a flag ``qie train``
+    does not have printed as skipped instead of failing; ``gpu_all.sh`` refuses an unknown argument."""
+    import subprocess
+
+    from benchmarks import ladder_predict
+
+    assert ladder_predict.missing_flags({"compile": True, "no_such_flag": 1}) == ["no_such_flag"]
+    monkeypatch.setitem(ladder_predict.RUNGS, "later", {"compile": True, "no_such_flag": True})
+    assert ladder_predict.main(["--model", "2511", "--rungs", "later", "--gpus", "h200"]) == 0
+    out = capsys.readouterr().out
+    stock, baseline = (next(line for line in out.splitlines() if line.startswith(f"| {name}"))
+                       for name in ("stock", "baseline"))
+    assert stock.split("|")[4].strip() == "1.00x" and float(baseline.split("|")[4].strip()[:-1]) < 1.0
+    assert "| later | skipped: no --no_such_flag |" in out
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_all.sh"
+    rc = subprocess.run(["bash", str(script), "--no_such_option"], capture_output=True, text=True,
+                        env={"RUN_DIR": "/nonexistent-unused", "PATH": "/usr/bin:/bin"}).returncode
+    assert rc == 2

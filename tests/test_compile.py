@@ -98,3 +98,80 @@ def test_compiled_blocks_keep_the_eager_numbers_over_prompt_lengths():
         for a, b in zip(got[0][0], got[1][0]):
             assert float((a - b).abs().max() / a.abs().max()) < 1e-5
         assert float((got[0][1] - got[1][1]).abs().max() / got[0][1].abs().max()) < 1e-5
+
+
+def _lora_like(dit):
+    """Frozen blocks with one trainable weight inside each (as a LoRA's), and the trainable copy of it."""
+    for p in dit.parameters():
+        p.requires_grad_(False)
+    for block in dit.transformer_blocks:
+        block.img_mlp.net[2].weight.requires_grad_(True)
+    return dit
+
+
+def test_checkpoint_inside_the_compiled_blocks_keeps_the_numbers_and_one_graph():
+    """Training with the checkpoint inside the compiled region (selective policy) gives the eager numbers of
+    DiffSynth's full checkpoint around each block, over two resolutions, two prompt lengths and one or two
+    references, in one graph for the checkpointed forward; the blocks own the checkpoint (the loop around them
+    does not checkpoint again: its recompute would run each block a third time)."""
+    from diffsynth_qie.models.load import block_checkpoint
+    from diffsynth_qie.models.load.compile import compile_counts
+    from diffsynth_qie.models.qwen_image_edit.edit_ops import EditOps
+
+    torch.manual_seed(0)
+    eager = _lora_like(TinyQwenImageDiT(**{**DIT_SIZES, "num_layers": 2}))
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="aot_eager", checkpointed=[True, True], policy="selective")
+
+    g = torch.Generator().manual_seed(1)
+    ops = EditOps()
+    for h, w, n, refs in ((8, 8, 5, 1), (8, 12, 9, 2)):
+        x = torch.randn(16, h, w, generator=g)
+        emb, ref = torch.randn(n, DIT_SIZES["text_dim"], generator=g), [torch.randn(16, h, w, generator=g)] * refs
+        grads = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            out = ops.forward(model, [x], torch.tensor([400.0]), [emb], [ref], zero_cond_t=True,
+                              use_gradient_checkpointing=True)
+            out[0].square().sum().backward()
+            grads.append((out[0], model.transformer_blocks[1].img_mlp.net[2].weight.grad.clone()))
+        (a, ga), (b, gb) = grads
+        assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+        assert float((ga - gb).abs().max() / ga.abs().max()) < 1e-5
+    assert block_checkpoint.outer_checkpointing(compiled, True) is False
+    assert block_checkpoint.outer_checkpointing(eager, True) is True
+    counts = compile_counts(compiled)
+    assert counts == {"graphs": 1, "recompiles": 0}, counts
+
+
+def test_selective_policy_keeps_the_gemms_and_gives_the_full_checkpoints_gradients():
+    """Eager, without compiling: the selective policy's backward recomputes no large GEMM and no attention (the full
+    policy recomputes every one), and its gradients equal the full checkpoint's bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from diffsynth_qie.models.load.block_checkpoint import kept, own_checkpointing
+    from diffsynth_qie.models.qwen_image_edit.edit_ops import EditOps
+
+    class Kept(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += kept(func, args)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    base = _lora_like(TinyQwenImageDiT(**{**DIT_SIZES, "num_layers": 2}))
+    g = torch.Generator().manual_seed(3)
+    x, emb = torch.randn(16, 8, 8, generator=g), torch.randn(6, DIT_SIZES["text_dim"], generator=g)
+    results = {}
+    for policy in ("full", "selective"):
+        model = copy.deepcopy(base)
+        own_checkpointing(model, [True, True], policy)
+        out = EditOps().forward(model, [x], torch.tensor([400.0]), [emb], [[x]], zero_cond_t=True,
+                                use_gradient_checkpointing=True)
+        with Kept() as mode:
+            out[0].square().sum().backward()
+        results[policy] = (mode.count, model.transformer_blocks[0].img_mlp.net[2].weight.grad)
+    assert results["full"][0] > 0 and results["selective"][0] == 0
+    assert torch.equal(results["full"][1], results["selective"][1])

@@ -277,6 +277,10 @@ def run(args: argparse.Namespace) -> int:
              f"LBM {args.lbm_steps} step(s)" if args.lbm_steps else f"{args.steps} steps, cfg {args.cfg:g}",
              result.seconds, "" if result.cache is None else
              f"; the step cache ({args.cache}) reused {result.cache.skipped} of {result.cache.calls} DiT calls")
+    if args.compile:  # one graph per block code across prompt lengths, sizes and CFG; more means recompiles
+        from ..models.load.compile import log_compile_counts
+
+        log_compile_counts(editor.pipe.dit, "after the edit")
     outputs = [(Path(args.out), result.image)]
     if result.sub_image is not None:
         outputs.append((sub_path(args.out), result.sub_image))

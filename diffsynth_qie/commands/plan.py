@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train: the training loss (it picks the default --optimizer; --verify runs its step)")
     parser.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="recompute DiT blocks in backward (on by default, as in qie train)")
+    parser.add_argument("--checkpoint_policy", default="full", choices=("full", "selective"),
+                        help="train: qie train --checkpoint_policy (selective keeps the GEMM and attention outputs: "
+                             "more memory, less recompute)")
+    parser.add_argument("--compile", action="store_true",
+                        help="train: qie train --compile (the time model fuses the blocks' elementwise kernels; "
+                             "--verify compiles them with the eager backend)")
     parser.add_argument("--fp8_base", action="store_true", help="frozen DiT linears in FP8 (e4m3 + scales)")
     parser.add_argument("--fp8_compute", action="store_true",
                         help="those linears multiplied in FP8 (qie train / qie edit --fp8_compute; implies --fp8_base); "
@@ -159,6 +165,7 @@ def options_of(args):
     return PlanOptions(task=args.task, resolution=args.resolution, ref_images=args.ref_images,
                        prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
                        optimizer=args.optimizer or loss_spec(args.loss).default_optimizer, gradient_checkpointing=args.gradient_checkpointing,
+                       checkpoint_policy=args.checkpoint_policy, compile=args.compile,
                        fp8_base=args.fp8_base or args.fp8_compute, fp8_compute=args.fp8_compute,
                        blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
                        num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,

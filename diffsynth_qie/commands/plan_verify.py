@@ -49,7 +49,8 @@ def train_config(args, options):
                                   batch_size=options.batch_size, gradient_checkpointing=options.gradient_checkpointing,
                                   fp8_base=options.fp8_base, fp8_compute=options.fp8_compute,
                                   blocks_to_swap=options.blocks_to_swap, ema_decay=ema_decay,
-                                  validate_with=options.validate_with, compute_precision=options.compute_precision),
+                                  validate_with=options.validate_with, compute_precision=options.compute_precision,
+                                  checkpoint_policy=options.checkpoint_policy, compile=options.compile),
         lora=dataclasses.replace(cfg.lora, lora_rank=options.lora_rank),
         optim=dataclasses.replace(cfg.optim, optimizer=options.optimizer),
         loss=dataclasses.replace(cfg.loss, loss=args.loss))

@@ -18,6 +18,9 @@ elements (a broadcast input counts its stored elements once) times its element s
 ``section`` (forward, backward, optimizer step; an edit's encode, denoise, decode). :mod:`.timemodel` turns a
 :class:`Profile` into seconds on a GPU's table.
 
+Under ``--compile`` (:meth:`CostCounter.fuse`) the forward's and backward's elementwise kernels are costed as
+inductor fuses them: ``fusion.py``.
+
 With ``frames=True`` each elementwise kernel's bytes are also attributed to the line of our code that asked for
 it (slow: a stack walk per kernel; the speed guard in the tests uses it to name what grew).
 """
@@ -119,6 +122,14 @@ class CostCounter:
         self.profile = Profile()
         self.section = "setup"
         self.frames = frames
+        self.fused_sections: frozenset = frozenset()  # sections costed as compiled (:meth:`fuse`)
+        self.fuser = None
+
+    def fuse(self, sections) -> None:
+        """Cost the elementwise kernels of ``sections`` as inductor fuses them (``fusion.py``: ``--compile``)."""
+        from .fusion import ChainFuser
+
+        self.fused_sections, self.fuser = frozenset(sections), ChainFuser(touched_bytes)
 
     def record(self, func, args, kwargs, out) -> None:
         packet = func.overloadpacket
@@ -132,8 +143,14 @@ class CostCounter:
             if id(t) not in seen:
                 seen.add(id(t))
                 moved += touched_bytes(t)
-        group = self.profile.groups.setdefault((self.section, kind, key), Group())
-        group.count += 1
+        count = 1.0
+        if self.section in self.fused_sections:
+            key = "fused" if kind == "elementwise" else key  # (a chain runs across dtypes)
+            group = self.profile.groups.setdefault((self.section, kind, key), Group())
+            moved, count = self.fuser.record(kind, group, flat_in, flat_out, moved)
+        else:
+            group = self.profile.groups.setdefault((self.section, kind, key), Group())
+        group.count += count
         group.flops += flops
         group.bytes += moved
         if self.frames and kind == "elementwise":

@@ -51,6 +51,10 @@ class CheckingMode(TorchDispatchMode):
         return True
 
 
+# the wrappers around a compiled block's forward (the checkpoint inside the compiled region): not the line at fault
+COMPILE_WRAPPERS = tuple(os.path.join("models", "load", name) for name in ("block_checkpoint.py", "compile.py"))
+
+
 def compiled_frame_error(exc: BaseException) -> Optional[FakeRunError]:
     """What dynamo's trace of a compiled frame refused (a device or dtype mismatch: its fake tensors run the
     same checks a GPU kernel does), as a :class:`FakeRunError` naming our line in the traced code; None for
@@ -66,14 +70,20 @@ def compiled_frame_error(exc: BaseException) -> Optional[FakeRunError]:
     what = (found.group(1) if found else text.splitlines()[0]).strip()
     torch_dir = os.path.dirname(torch.__file__)
     frames = [(f, int(n), fn) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
-              if not f.endswith(FAKE_DEVICE_FILES) and not f.startswith(torch_dir)]
+              if not f.endswith(FAKE_DEVICE_FILES + COMPILE_WRAPPERS) and not f.startswith(torch_dir)]
     ours = [fr for fr in frames if fr[0].startswith(PACKAGE_DIR)] or frames
     where = "(unknown)"
     if ours:
         f, n, fn = ours[-1]
         f = os.path.relpath(f, os.path.dirname(PACKAGE_DIR)) if f.startswith(PACKAGE_DIR) else f
         where = f"{f}:{n} ({fn})"
-    return FakeRunError(f"{text.splitlines()[0].strip().lower()} at {where} (found by torch.compile tracing the "
+    heading = text.splitlines()[0].strip().lower()
+    if "mismatch" not in heading:  # (a checkpoint inside the compiled block wraps fake tensors' own error)
+        if re.search(r"device mismatch|different devices|is not on the expected device", text, re.I):
+            heading = "device mismatch"
+        elif re.search(r"dtype mismatch", text, re.I):
+            heading = "dtype mismatch"
+    return FakeRunError(f"{heading} at {where} (found by torch.compile tracing the "
                         f"compiled block): {what}")
 
 

@@ -67,6 +67,8 @@ class PlanOptions:
     lora_rank: int = 32
     optimizer: Literal["adamw", "prodigy_sf"] = "adamw"
     gradient_checkpointing: bool = False
+    checkpoint_policy: Literal["full", "selective"] = "full"  # train: qie train --checkpoint_policy
+    compile: bool = False  # train: qie train --compile (kernels fused; memory as eager)
     fp8_base: bool = False
     fp8_compute: bool = False  # the FP8 base multiplied in FP8: the same memory as fp8_base (which it implies)
     blocks_to_swap: int = 0
@@ -281,6 +283,9 @@ def describe(o: PlanOptions) -> str:
     if o.task == "train":
         parts.append(f"--lora_rank {o.lora_rank}")
         parts += ["--gradient_checkpointing"] if o.gradient_checkpointing else []
+        parts += [f"--checkpoint_policy {o.checkpoint_policy}"] if o.gradient_checkpointing and \
+            o.checkpoint_policy != "full" else []
+        parts += ["--compile"] if o.compile else []
     parts += [f"--compute_precision {o.compute_precision}"] if o.task == "train" and o.compute_precision != "auto" \
         else []
     parts += ["--ema_decay D"] if o.ema else []

@@ -17,6 +17,10 @@ CALIBRATION = {
     "K_OUTSIDE_CKPT": 8.26,  # checkpointing: everything outside the recomputed block
     "K_INFER": 21.07,  # an edit: one block's working set without a graph, per sample of a pass
 }
+# ``--checkpoint_policy selective``: what each checkpointed block keeps beyond its inputs (the large GEMMs' and
+# attention's outputs), the same fit at 2 and 4 blocks (0.47 GiB per block at 1024² + 1 reference). The block
+# being recomputed holds them already (K_BLOCK), so every block but one adds them.
+K_KEPT_SELECTIVE = 9.67
 # The same under bf16 autocast (``--compute_precision autocast``, ``fit_plan --compute_precision autocast``): the
 # LayerNorm outputs and the modulation in fp32, and their bf16 copies for the linears, are kept for backward too.
 AUTOCAST_CALIBRATION = {"K_BLOCK": 40.05, "K_OUTSIDE": 19.75, "K_BOUNDARY": 1.0, "K_OUTSIDE_CKPT": 10.8}
@@ -41,7 +45,9 @@ def activation_bytes(c, o) -> int:
     k = calibration(o)
     lora = c.lora_token_targets * o.lora_rank / c.dim
     if o.gradient_checkpointing:
-        per = (c.num_layers * k["K_BOUNDARY"] + k["K_BLOCK"] + lora + k["K_OUTSIDE_CKPT"]) * GPU_CHECKPOINTED_ACTIVATION_SCALE
+        kept = (c.num_layers - 1) * K_KEPT_SELECTIVE if o.checkpoint_policy == "selective" else 0.0
+        per = (c.num_layers * k["K_BOUNDARY"] + kept + k["K_BLOCK"] + lora + k["K_OUTSIDE_CKPT"]) \
+            * GPU_CHECKPOINTED_ACTIVATION_SCALE
     else:
         per = c.num_layers * (k["K_BLOCK"] + lora) + k["K_OUTSIDE"]
     return round(o.batch_size * (2 if o.pairs else 1) * max(1, o.rollouts) * o.tokens * c.dim * per * o.dtype_bytes)

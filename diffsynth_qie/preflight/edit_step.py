@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -60,6 +60,7 @@ class EditVerifyReport:
     kv_cache: int = 0         # prefix KV caches held after the denoising steps (Qwen-Image-2.1)
     lora_branches: int = 0    # unmerged LoRA branches attached (all LoRAs together)
     compiled_blocks: int = 0  # blocks run through torch.compile
+    compile_counts: dict = field(default_factory=dict)  # graphs and recompiles of the compiled blocks
     costs: object = None      # with costs=True: the counted kernels (fakegpu.costs.Profile), by phase
     cache_calls: int = 0      # DiT calls made with a step cache (--cache)
     cache_skipped: int = 0    # of them, calls that reused the cached residual (the fake device reuses wherever allowed)
@@ -137,6 +138,8 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
         report.blocks = len(pipe.dit.transformer_blocks)
         report.block_bytes = _resident_bytes(pipe.dit.transformer_blocks[0])
         marks: dict = {}
+        if costs and load.compile:  # inductor fuses the blocks' elementwise work (fakegpu/fusion.py)
+            fc.costs.fuse(("denoise", "denoise_next"))
         if costs:  # the first denoising step (a prefix KV cache is filled there) apart from the ones after it
             request = dataclasses.replace(request, progress=lambda step, total: _section(fc, "denoise_next"))
         with fc.phase("edit"):
@@ -146,6 +149,10 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
         report.kv_cache = marks.get("kv_cache", 0)
         report.cache_calls, report.cache_skipped = marks.get("cache", (0, 0))
         report.costs = fc.costs.profile if fc.costs is not None else None
+        if load.compile:
+            from ..models.load.compile import log_compile_counts
+
+            report.compile_counts = log_compile_counts(pipe.dit, "in the edit on the fake device")
         del editor, pipe, te, vae, dit, marks
         if load.compile:
             torch._dynamo.reset()  # the compiled graphs hold fake tensors

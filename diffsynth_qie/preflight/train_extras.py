@@ -140,15 +140,19 @@ def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
 
 @contextlib.contextmanager
 def compiled(cfg, module) -> Iterator[None]:
-    """``--compile``: the DiT's blocks compiled as ``qie train`` compiles them, with the eager backend."""
+    """``--compile`` / ``--checkpoint_policy``: the DiT's blocks prepared as ``qie train`` prepares them
+    (``training/block_setup.py``), compiled with the eager backend; the graph counts are logged after the step."""
+    from ..training.block_setup import prepare_blocks
+
+    prepare_blocks(module.dit, cfg.train, backend="eager")
     if not cfg.train.compile:
         yield
         return
-    from ..models.load.compile import compile_blocks
+    from ..models.load.compile import log_compile_counts
 
-    compile_blocks(module.dit, backend="eager")
     try:
         yield
+        log_compile_counts(module.dit, "on the fake device")
     finally:
         torch._dynamo.reset()  # (the compiled graphs hold fake tensors)
 

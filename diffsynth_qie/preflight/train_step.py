@@ -132,6 +132,8 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
         batch = fake_batch(shapes, family, dim, lbm=lbm, masks=masks, dtype=dtype, pairs=spec.preference)
         generator = torch.Generator().manual_seed(t.seed)
         with compiled(cfg, module):
+            if t.compile and fc.costs is not None:  # inductor fuses the blocks' elementwise work
+                fc.costs.fuse(("forward", "backward"))
             with fc.phase("forward + backward"):
                 _section(fc, "forward")
                 loss, _ = module(batch, generator)  # under autocast with --compute_precision autocast

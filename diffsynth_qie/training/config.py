@@ -157,6 +157,11 @@ class TrainConfig:
         "LoRA weights cast per call (faster); autocast = torch autocast (norms and modulation in fp32, as before); "
         "auto = pure with bf16, autocast with fp16. No effect in fp32 or under DeepSpeed (docs/DIFFSYNTH_NOTES.md)"))
     gradient_checkpointing: bool = field(default=True, metadata=_help("recompute DiT blocks in backward (saves memory)"))
+    checkpoint_policy: Literal["full", "selective"] = field(default="full", metadata=_help(
+        "with --gradient_checkpointing, what a block recomputes in backward: full = everything (least memory); "
+        "selective = keep the large GEMMs' and attention's outputs, recompute the cheap elementwise work and the "
+        "LoRA's thin GEMMs (faster, more memory: qie plan counts it). The blocks checkpoint themselves, inside "
+        "the compiled region with --compile (docs/SPEED.md). Not with --blocks_to_swap"))
     fp8_base: bool = field(default=False, metadata=_help(
         "store the frozen DiT block linears as float8 e4m3 with a scale per output channel (half the "
         "memory of a bf16 base; compute stays bf16/fp32; LoRA and --full_finetune_modules stay full "

@@ -102,6 +102,7 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
     """Optimizer steps until ``total_steps``, then a last checkpoint and ``<output_dir>/lora.safetensors``."""
     from tqdm import tqdm
 
+    from ..models.load.compile import log_compile_counts
     from . import checkpoint as ckpt
     from .data import iterate_batches
     from .ema import remove_stale_ema
@@ -131,6 +132,8 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
             t_step = time.perf_counter()
             out = train_step(run, [next(stream) for _ in range(t.gradient_accumulation_steps)])
             step_seconds.append(time.perf_counter() - t_step)
+            if state.step in (first_step + 1, run.total_steps):  # the first step compiles; any later graph recompiled
+                log_compile_counts(run.module.dit, f"after step {state.step}")
             record: dict = {}
             if state.step % t.log_every == 0 or state.step == run.total_steps:
                 record = _step_record(acc, out.micro, out.lr, run.optimizer, out.grad_norm, run.engine, state)

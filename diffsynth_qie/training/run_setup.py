@@ -144,11 +144,11 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     """Cache, DiT + LoRA, optimizer, schedule, resume, logging — in that order."""
     from accelerate.utils import set_seed
 
-    from ..models.load.compile import compile_blocks
     from ..models.load.devices import check_device_for
     from ..models.presets import family_of
     from ..utils.shared_dir import check_shared_dir
     from . import checkpoint as ckpt
+    from .block_setup import check_checkpoint_policy, prepare_blocks
     from .data import build_training_data
     from .module import check_fp8_base
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
@@ -187,7 +187,8 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
         from ..memory.fp8_compute import check_fp8_gpu
 
         check_fp8_gpu(accelerator.device)
-    check_block_swap(cfg, ds_config)  # both before the (long) load
+    check_block_swap(cfg, ds_config)  # all before the (long) load
+    check_checkpoint_policy(t)
     if preflight is not None and not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
         set_seed(t.seed)
@@ -201,8 +202,7 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
         for state in module.loss_extras.values():  # a loss's own state (--loss nft's old policy) is checkpointed
             if hasattr(state, "state_dict"):
                 accelerator.register_for_checkpointing(state)
-    if t.compile:
-        compile_blocks(module.dit)
+    prepare_blocks(module.dit, t)  # --compile, --checkpoint_policy (block_setup.py)
     optimizer = build_optimizer(module.trainable_modules(), cfg.optim, deepspeed=ds_config is not None)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
     if ds_config is not None:

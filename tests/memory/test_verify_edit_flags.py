@@ -95,6 +95,8 @@ def test_every_edit_option_runs_and_each_lora_is_counted():
     fp8_block = stacked.block_bytes - lora_per_block
     assert 0.95 * census.block_params < fp8_block < 1.1 * census.block_params  # about one byte a weight, not two
     assert stacked.compiled_blocks == 2 and stacked.encode_peak > stacked.weights
+    # one graph for both blocks, CFG's two prompts and every step (the count qie edit --compile logs)
+    assert stacked.compile_counts == {"graphs": 1, "recompiles": 0}
     assert stacked.decode_peak > stacked.weights and stacked.denoise_peak > stacked.weights
     lbm = run(request(lbm_steps=2, strength=0.5, mask=mask()), lora_ranks=(32,))
     assert lbm.denoise_peak > lbm.weights and lbm.lora_branches == targets

@@ -102,8 +102,9 @@ def test_compile_runs_compile_blocks_on_the_checked_dit(monkeypatch):
     calls = []
     real = compile_mod.compile_blocks
     monkeypatch.setattr(compile_mod, "compile_blocks", lambda dit, **kw: calls.append(kw) or real(dit, **kw))
-    step(run_config(compile=True))
-    assert calls == [{"backend": "eager"}]
+    step(run_config(compile=True, checkpoint_policy="selective"))
+    # every block checkpoints itself, inside the compiled region, with the selective policy
+    assert calls == [{"backend": "eager", "checkpointed": [True], "policy": "selective"}]
 
 
 def test_fp8_compute_multiplies_the_fp8_base_through_scaled_mm_on_the_checked_dit():

@@ -17,6 +17,7 @@ from . import qwen21
 from ..prompts import check_prompt_length
 from ..family import QWEN21, Family
 from ..family_ops import FamilyOps
+from ..load.block_checkpoint import outer_checkpointing
 from ..samplers.schedules import ScheduleSpec, flow_match_scheduler
 
 
@@ -82,7 +83,7 @@ class Qwen21Ops(FamilyOps):
     def forward(self, dit, latents, timesteps, prompts, ref_latents, zero_cond_t=False,
                 use_gradient_checkpointing=False):
         return qwen21.forward21(dit, latents, timesteps, prompts, ref_latents,
-                                use_gradient_checkpointing=use_gradient_checkpointing)
+                                use_gradient_checkpointing=outer_checkpointing(dit, use_gradient_checkpointing))
 
     def conditioning(self, prompts, negatives, ref_latents, zero_cond_t, to_dit):
         def move(p: qwen21.Prompt21) -> qwen21.Prompt21:

@@ -8,6 +8,7 @@ from ...utils.sizes import fit_image
 from .encoding import decode_latents, encode_image, encode_prompt, white_latents
 from ..family import EDIT, Family
 from ..family_ops import FamilyOps
+from ..load.block_checkpoint import outer_checkpointing
 from .forward import dit_forward
 from ..samplers.sampling import Conditioning, dit_velocity
 from ..samplers.schedules import ScheduleSpec, edit_schedule
@@ -56,7 +57,7 @@ class EditOps(FamilyOps):
     def forward(self, dit, latents, timesteps, prompts, ref_latents, zero_cond_t=False,
                 use_gradient_checkpointing=False):
         return dit_forward(dit, latents, timesteps, prompts, ref_latents, zero_cond_t=zero_cond_t,
-                           use_gradient_checkpointing=use_gradient_checkpointing)
+                           use_gradient_checkpointing=outer_checkpointing(dit, use_gradient_checkpointing))
 
     def conditioning(self, prompts, negatives, ref_latents, zero_cond_t, to_dit) -> Conditioning:
         return Conditioning(prompt_embs=[to_dit(p) for p in prompts],
