@@ -61,14 +61,14 @@ def rung_estimates(model: str, flags: dict, tables: list) -> list:
     from diffsynth_qie.commands.plan_verify import train_config
     from diffsynth_qie.memory.plan import PlanOptions
     from diffsynth_qie.models.presets import get_preset
-    from diffsynth_qie.preflight.timing import DEPTHS, predict_train
-    from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
+    from diffsynth_qie.preflight.timing import predict_train, timing_runs
+    from diffsynth_qie.preflight.train_step import batch_shapes
 
     args = argparse.Namespace(model=model, loss="sft", ema_decay=0.0)
     cfg, preset = train_config(args, PlanOptions(gradient_checkpointing=True))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **flags))
     shapes = batch_shapes(1024, 1, 300, 1, multiple=32 if model.startswith("2.1") else 16)
-    reports = [verify_train_step(cfg, preset, shapes, num_layers=n, encode=False, costs=True) for n in DEPTHS]
+    reports = timing_runs(cfg, preset, shapes)
     return [predict_train(cfg, preset, shapes, table.key, reports=reports).estimate for table in tables]
 
 

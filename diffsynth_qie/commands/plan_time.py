@@ -69,7 +69,7 @@ def log_time(args, options, verified=None) -> None:
         cfg, preset = train_config(args, options)
         shapes = batch_shapes(options.resolution, options.ref_images, options.prompt_tokens, options.batch_size,
                               mixed=getattr(args, "mixed", False))
-        profile = verified.profile if verified is not None else None
+        profile = train_profile(args, options, shapes, verified.profile if verified is not None else None)
         prediction = predict_train(cfg, preset, shapes, table.key, profile=profile)
         log.info("%s", prediction.line(max_steps=args.max_steps))
         return
@@ -94,37 +94,100 @@ def log_time(args, options, verified=None) -> None:
     log.info("%s", prediction.line())
 
 
-def fastest_fit(args, census, base) -> Optional[object]:
-    """Every option set that fits ``--gpu`` (each kernel-distinct one with its fewest swapped blocks), with its
-    predicted step time on ``--gpu``'s table, fastest first, logged as a table; returns the fastest's plan (None:
-    nothing fits). The kernels differ only with checkpointing and the FP8 base: one counted pass each."""
-    from ..memory.plan import GiB, candidates, describe, predict
-    from ..preflight.timing import predict_train
-    from ..preflight.train_step import batch_shapes
+def train_profile(args, options, shapes, counted=None):
+    """The whole DiT's counted kernels of ``options``' training step (``counted``: a ``--verify`` run's), made once
+    per ``qie plan`` for each kernel-distinct option set (``args`` keeps them)."""
+    from ..preflight.timing import full_depth, step_profile, timing_runs
     from .plan_verify import train_config
 
-    budget, table = args.gpu_memory_gb * GiB, table_for(args.gpu)
+    known = vars(args).setdefault("counted_profiles", {})
+    key = (dataclasses.replace(options, blocks_to_swap=0), tuple(map(repr, shapes)))
+    if counted is not None:
+        known[key] = counted
+    if key not in known:
+        cfg, preset = train_config(args, key[0])
+        known[key] = step_profile(timing_runs(cfg, preset, shapes), full_depth(preset))
+    return known[key]
+
+
+def speed_variants(opts) -> list:
+    """``opts`` and, unless it already compiles, the same with ``--compile`` and (with checkpointing and no swapped
+    blocks, which ``--checkpoint_policy selective`` refuses) ``--compile --checkpoint_policy selective``."""
+    if opts.compile:
+        return [opts]
+    out = [opts, dataclasses.replace(opts, compile=True)]
+    if opts.gradient_checkpointing and opts.checkpoint_policy == "full" and not opts.blocks_to_swap:
+        out.append(dataclasses.replace(opts, compile=True, checkpoint_policy="selective"))
+    return out
+
+
+def _kernels_key(o) -> tuple:
+    """What changes the counted kernels (swapped blocks are counted without their copies)."""
+    return o.gradient_checkpointing, o.checkpoint_policy, o.compile, o.fp8_base, o.fp8_compute, o.zero_stage
+
+
+def fitting_options(census, base, budget: float) -> list:
+    """Each kernel-distinct option set that fits ``budget`` bytes, with its fewest swapped blocks. A compiled one
+    on the FP8 base is left out where the same without FP8 fits with no more swapped blocks (it is slower and
+    saves memory that is not needed)."""
+    from ..memory.plan import candidates, predict
+
     fits = {}
-    for opts in candidates(census, base):
-        plan = predict(census, opts)
-        key = (opts.gradient_checkpointing, opts.fp8_base, opts.zero_stage)
-        if plan.gpu_peak <= budget and key not in fits:  # candidates come with the fewest swapped blocks first
+    for opts in candidates(census, base):  # candidates come with the fewest swapped blocks first
+        for o in speed_variants(opts):
+            key = _kernels_key(o)
+            if key in fits:
+                continue
+            plan = predict(census, o)
+            if plan.gpu_peak > budget:
+                continue
+            bf16 = fits.get(_kernels_key(dataclasses.replace(o, fp8_base=False)))
+            if o.compile and not base.compile and o.fp8_base and not base.fp8_base and bf16 is not None \
+                    and bf16.options.blocks_to_swap <= o.blocks_to_swap:
+                continue
             fits[key] = plan
+    return list(fits.values())
+
+
+def step_seconds(args, census, table, shapes, options) -> float:
+    """The predicted step time of ``options`` on ``table``: its counted kernels (as ``qie plan``'s time and the
+    ladder count them: compiled steps fused) or, with swapped blocks, their host copies where those take longer."""
+    from ..preflight.timing import predict_train
+    from .plan_verify import train_config
+
+    # swapped blocks' copies run beside the compute on a GPU (docs/SPEED.md): counted without them
+    cfg, preset = train_config(args, dataclasses.replace(options, blocks_to_swap=0))
+    compute = predict_train(cfg, preset, shapes, table.key, profile=train_profile(args, options, shapes)).seconds
+    o = options  # each swapped block crosses the host link once per forward (and recompute) and backward
+    copies = o.blocks_to_swap * census.block_params * (1 if o.fp8_base else 2) * (3 if o.gradient_checkpointing
+                                                                                     else 2)
+    return max(compute, copies / (table.h2d_gbps * 1e9))
+
+
+def fastest_fit(args, census, base) -> Optional[object]:
+    """Every option set that fits ``--gpu`` (``fitting_options``: with ``--compile`` and ``--compile
+    --checkpoint_policy selective`` beside the eager ones), with its predicted step time on ``--gpu``'s table,
+    fastest first, logged as a table, and ``--fp8_compute`` named where it fits on top of the fastest (not
+    chosen: it changes the numerics); returns the fastest's plan (None: nothing fits). One counted pass per
+    kernel-distinct option set."""
+    from ..memory.plan import GiB, describe, predict
+    from ..preflight.train_step import batch_shapes
+
+    budget, table = args.gpu_memory_gb * GiB, table_for(args.gpu)
     shapes = batch_shapes(base.resolution, base.ref_images, base.prompt_tokens, base.batch_size)
-    rows = []
-    for plan in fits.values():
-        # swapped blocks' copies run beside the compute on a GPU (docs/SPEED.md): counted without them
-        cfg, preset = train_config(args, dataclasses.replace(plan.options, blocks_to_swap=0))
-        compute = predict_train(cfg, preset, shapes, table.key).seconds
-        o = plan.options  # each swapped block crosses the host link once per forward (and recompute) and backward
-        copies = o.blocks_to_swap * census.block_params * (1 if o.fp8_base else 2) * (3 if o.gradient_checkpointing
-                                                                                         else 2)
-        rows.append((max(compute, copies / (table.h2d_gbps * 1e9)), plan))
-    rows.sort(key=lambda r: r[0])
+    rows = sorted(((step_seconds(args, census, table, shapes, p.options), p)
+                   for p in fitting_options(census, base, budget)), key=lambda r: r[0])
     if not rows:
         return None
     lines = [f"  {s:6.3f} s/step  {base.batch_size / s:5.2f} samples/s  {p.gpu_peak / GiB:6.1f} GiB  "
              f"{describe(p.options)}" for s, p in rows]
+    best = rows[0][1]
     log.info("options that fit %.1f GiB, fastest first on %s (the time model, docs/SPEED.md):\n%s\nfastest: %s",
-             args.gpu_memory_gb, table.name, "\n".join(lines), describe(rows[0][1].options))
-    return rows[0][1]
+             args.gpu_memory_gb, table.name, "\n".join(lines), describe(best.options))
+    if table.has_fp8 and not best.options.fp8_compute and not best.options.zero_stage:
+        plan = predict(census, dataclasses.replace(best.options, fp8_base=True, fp8_compute=True))
+        if plan.gpu_peak <= budget:  # (its time is one more counted pass: `qie plan` with the flags predicts it)
+            log.info("you may add --fp8_compute (FP8 GEMMs on the frozen base, %.1f GiB: it changes the numerics, "
+                     "so it is not chosen for you; `qie plan --gpu %s` with the flags predicts its time)",
+                     plan.gpu_peak / GiB, args.gpu)
+    return best

@@ -72,15 +72,24 @@ def predict_train(cfg, preset, shapes, gpu: Optional[str] = None, reports: Optio
     """The predicted time of one optimizer step of ``cfg`` on ``gpu``; ``reports``: counted runs at ``depths``
     already made (the preflight's), else they are run here; ``profile``: the whole DiT's counted kernels."""
     from ..fakegpu.timemodel import gpu_table, predict
-    from .train_step import STEP_SECTIONS, verify_train_step
+    from .train_step import STEP_SECTIONS
 
     table = gpu_table(gpu)
     if profile is None:
         if reports is None:
-            reports = [verify_train_step(cfg, preset, shapes, num_layers=n, encode=False, costs=True) for n in depths]
+            reports = timing_runs(cfg, preset, shapes, depths)
         profile = step_profile(reports, full_depth(preset), depths)
     estimate = predict(profile, table, backend=backend, sections=STEP_SECTIONS, model_sections=("forward",))
     return TimePrediction(estimate, table, samples=len(shapes) * cfg.train.gradient_accumulation_steps)
+
+
+def timing_runs(cfg, preset, shapes, depths: tuple = DEPTHS) -> list:
+    """The counted training steps at ``depths`` a prediction is made of (``--compile``'s blocks not traced:
+    ``preflight/train_extras.compiled``)."""
+    from .train_step import verify_train_step
+
+    return [verify_train_step(cfg, preset, shapes, num_layers=n, encode=False, costs=True, trace=False)
+            for n in depths]
 
 
 def predict_edit(preset, steps: int, cfg_scale: float, gpu: Optional[str] = None, **edit_args) -> TimePrediction:

@@ -139,13 +139,15 @@ def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
 
 
 @contextlib.contextmanager
-def compiled(cfg, module) -> Iterator[None]:
+def compiled(cfg, module, trace: bool = True) -> Iterator[None]:
     """``--compile`` / ``--checkpoint_policy``: the DiT's blocks prepared as ``qie train`` prepares them
-    (``training/block_setup.py``), compiled with the eager backend; the graph counts are logged after the step."""
+    (``training/block_setup.py``), compiled with the eager backend; the graph counts are logged after the step.
+    ``trace=False``: not compiled, the blocks checkpointing themselves as compiled ones do (a timing run: the eager
+    backend runs the same operators, and tracing costs about half a minute of CPU per depth)."""
     from ..training.block_setup import prepare_blocks
 
-    prepare_blocks(module.dit, cfg.train, backend="eager")
-    if not cfg.train.compile:
+    prepare_blocks(module.dit, cfg.train, backend="eager" if trace else None)
+    if not cfg.train.compile or not trace:
         yield
         return
     from ..models.load.compile import log_compile_counts

@@ -79,13 +79,15 @@ STEP_SECTIONS = ("forward", "backward", "optimizer step")  # the counted kernels
 
 
 def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Optional[int] = None,
-                      dtype: torch.dtype = torch.bfloat16, encode: bool = True, costs: bool = False) -> StepReport:
+                      dtype: torch.dtype = torch.bfloat16, encode: bool = True, costs: bool = False,
+                      trace: bool = True) -> StepReport:
     """Run one optimizer step of ``cfg`` (a resolved ``RunConfig``) on ``preset``'s DiT on the fake device.
 
     Raises :class:`~..fakegpu.device.FakeRunError` where a GPU run would fail (a device or dtype
     mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests);
     ``encode=False`` leaves ``--on_the_fly``'s encoders out (the preflight builds them in one of its two runs).
     ``costs``: count each kernel's cost (``report.costs``: sections :data:`STEP_SECTIONS` and validation).
+    ``trace=False``: with ``--compile``, the blocks run as compiled ones without being traced (a timing run).
     """
     from ..lora.frozen import first_blocks_copy
 
@@ -94,10 +96,11 @@ def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Op
         if cfg.lora.frozen_lora and num_layers is not None:  # the shallower DiT attaches its first blocks' part
             cfg = dataclasses.replace(cfg, lora=dataclasses.replace(
                 cfg.lora, frozen_lora=str(first_blocks_copy(cfg.lora.frozen_lora, num_layers, tmp))))
-        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs)
+        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs, trace)
 
 
-def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs=False) -> StepReport:
+def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs=False,
+                       trace: bool = True) -> StepReport:
     from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
     from ..models.presets import family_of
@@ -131,7 +134,7 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
         masks = cfg.loss.mask_loss_weights is not None  # the masked samples' path (every sample has a mask)
         batch = fake_batch(shapes, family, dim, lbm=lbm, masks=masks, dtype=dtype, pairs=spec.preference)
         generator = torch.Generator().manual_seed(t.seed)
-        with compiled(cfg, module):
+        with compiled(cfg, module, trace):
             if t.compile and fc.costs is not None:  # inductor fuses the blocks' elementwise work
                 fc.costs.fuse(("forward", "backward"))
             with fc.phase("forward + backward"):

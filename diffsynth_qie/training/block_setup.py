@@ -37,14 +37,16 @@ def checkpointed_blocks(t, blocks: int) -> Optional[list]:
     return spread(blocks, blocks)
 
 
-def prepare_blocks(dit, t, backend: str = "inductor") -> None:
-    """Compile and / or make ``dit``'s blocks checkpoint themselves as ``t`` (a ``TrainConfig``) asks."""
+def prepare_blocks(dit, t, backend: Optional[str] = "inductor") -> None:
+    """Compile and / or make ``dit``'s blocks checkpoint themselves as ``t`` (a ``TrainConfig``) asks;
+    ``backend=None``: the blocks checkpoint themselves as compiled ones would, but run without ``torch.compile``
+    (the same operators, for the fake device's counted timing runs, which need no tracing)."""
     from ..models.load.block_checkpoint import own_checkpointing
     from ..models.load.compile import compile_blocks
 
     check_checkpoint_policy(t)
     checkpointed = checkpointed_blocks(t, len(list(getattr(dit, "transformer_blocks", []))))
-    if t.compile:
+    if t.compile and backend is not None:
         compile_blocks(dit, backend=backend, checkpointed=checkpointed, policy=t.checkpoint_policy)
     elif checkpointed is not None:
         own_checkpointing(dit, checkpointed, t.checkpoint_policy)
