@@ -104,7 +104,7 @@ for s in ${STAGES:-calibrate train infer train21 infer21 preflight predict}; do
       rung 2511-1+2+3 train_step checkpoint_blocks 150 "$PY" -m benchmarks.train_step $R1 --cases ours --compile_blocks \
         --checkpoint_policy selective --checkpoint_blocks auto --tag ladder
       rung 2511-+4 train_step fp8_compute 150 "$PY" -m benchmarks.train_step $R1 --cases ours --compile_blocks \
-        --checkpoint_policy selective --checkpoint_blocks auto --fp8_compute --tag ladder
+        --checkpoint_policy selective --fp8_compute --tag ladder
       rung 2.1-baseline train21 "" 60 "$PY" -m benchmarks.train21 $TINY $S1 --refs 1 --batch 0 --compute_precision autocast \
         --out_dir "$RESULTS"
       rung 2.1-1 train21 "" 45 "$PY" -m benchmarks.train21 $TINY $S1 --refs 1 --batch 0 --out_dir "$RESULTS"

@@ -11,7 +11,7 @@ skipped):
 - ``1``: ``qie train``'s default (pure bf16 over fp32 LoRA weights, fused AdamW);
 - ``1+2``: ``--compile --checkpoint_policy selective`` (the checkpoint inside the compiled blocks);
 - ``1+2+3``: and ``--checkpoint_blocks auto`` (only as many blocks recompute as memory requires);
-- ``+4``: and ``--fp8_compute``.
+- ``+4``: ``--fp8_compute`` on top of ``1+2`` (FP8 GEMMs on the frozen base: it changes the numerics).
 
 Each rung prints s/step, samples/s, × stock (samples/s over stock's) and MFU. A prediction, not a measurement:
 ``gpu_all.sh --ladder`` prints the same beside what it measures. The counted steps run on the fake device at
@@ -30,7 +30,7 @@ log = logging.getLogger("benchmarks.ladder_predict")
 PROFILES = Path(__file__).parent / "results" / "timemodel-profiles.json"
 RUNGS = {"1": {}, "1+2": {"compile": True, "checkpoint_policy": "selective"},
          "1+2+3": {"compile": True, "checkpoint_policy": "selective", "checkpoint_blocks": "auto"},
-         "+4": {"compile": True, "checkpoint_policy": "selective", "checkpoint_blocks": "auto", "fp8_compute": True}}
+         "+4": {"compile": True, "checkpoint_policy": "selective", "fp8_compute": True}}
 STORED = {"2511": {"stock": "train_step/stock/stock/b1/r32/ckpt=on/compile_blocks=False,fp8_base=False,lora_fp32=True,"
                             "sdpa_backend=auto",
                    "baseline": "train_step/ours/ours/b1/r32/ckpt=on/compile_blocks=False,fp8_base=False,"

@@ -105,6 +105,8 @@ class TrainBenchConfig:
                 "checkpoint inside the compiled blocks, as `qie train --compile`); run with --cases ours"})
     fp8_base: bool = field(default=False, metadata={
         "help": "store the frozen block weights in FP8 (e4m3, per-channel scale; bf16 compute), as `qie train --fp8_base`"})
+    fp8_compute: bool = field(default=False, metadata={
+        "help": "and multiply them in FP8 (row-wise scaled_mm), as `qie train --fp8_compute` (implies --fp8_base)"})
     selective_checkpointing: int = field(default=0, metadata={
         "help": "also run with every k-th block checkpointed (0 = off)", "metavar": "K"})
     blocks_to_swap: list[int] = field(default_factory=list, metadata={
@@ -222,7 +224,8 @@ def options_of(cfg: TrainBenchConfig, impl: str = "ours") -> dict:
     """A row's options (in its id); stock's step has no --compute_precision (its ids stay as they were)."""
     return {**({"checkpoint_policy": cfg.checkpoint_policy} if cfg.checkpoint_policy else {}),
             "sdpa_backend": cfg.sdpa_backend, "compile_blocks": cfg.compile_blocks, "fp8_base": cfg.fp8_base,
-            "lora_fp32": cfg.lora_fp32, **({"compute_precision": cfg.compute_precision} if impl == "ours" else {})}
+            "lora_fp32": cfg.lora_fp32, **({"compute_precision": cfg.compute_precision} if impl == "ours" else {}),
+            **({"fp8_compute": True} if cfg.fp8_compute else {})}  # (only when set: the other rows' ids stay)
 
 
 def base_row(spec: CaseSpec, ckpt: str, rank: int, cfg: TrainBenchConfig, env: dict, swap: int = 0) -> dict:
@@ -279,11 +282,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rows, parity, numerics_result = [], None, None
     for rank in cfg.lora_ranks:
         # qie train's builder (after the injection, --fp8_base quantises the frozen base layers only)
-        module = our_module(dit, rank, True, 1, device, dtype, cfg.compute_precision, cfg.fp8_base)
-        if cfg.fp8_base:
+        module = our_module(dit, rank, True, 1, device, dtype, cfg.compute_precision, cfg.fp8_base or cfg.fp8_compute)
+        if cfg.fp8_base or cfg.fp8_compute:
             from diffsynth_qie.memory.fp8 import fp8_layers
+            from diffsynth_qie.memory.fp8_compute import enable_fp8_compute
 
             log.info("FP8 base weights: %d linear layers", len(fp8_layers(dit)))
+            if cfg.fp8_compute:  # as qie train's module does it (training/module.py)
+                enable_fp8_compute(dit)
         # Start from DiffSynth's choice of adapter dtype (the pipeline dtype); each case then sets its own.
         set_lora_dtype(list(module.trainable_modules()), dtype)
         if cfg.checkpoint_policy:  # qie train's own block set-up (training/block_setup.py)

@@ -350,6 +350,14 @@ def test_ladder_prints_stock_and_baseline_and_skips_a_rung_whose_flag_is_absent(
     from benchmarks import ladder_predict
 
     assert ladder_predict.missing_flags({"compile": True, "no_such_flag": 1}) == ["no_such_flag"]
+    # the +4 rung: --fp8_compute on top of 1+2, a flag qie train has (so it is predicted, not skipped), and the
+    # benchmark's row takes it with the other rows' ids unchanged
+    assert ladder_predict.RUNGS["+4"] == {**ladder_predict.RUNGS["1+2"], "fp8_compute": True}
+    assert ladder_predict.missing_flags(ladder_predict.RUNGS["+4"]) == []
+    from benchmarks.train_step import TrainBenchConfig, options_of
+
+    plain = options_of(TrainBenchConfig())
+    assert "fp8_compute" not in plain and options_of(TrainBenchConfig(fp8_compute=True)) == {**plain, "fp8_compute": True}
     monkeypatch.setitem(ladder_predict.RUNGS, "later", {"compile": True, "no_such_flag": True})
     assert ladder_predict.main(["--model", "2511", "--rungs", "later", "--gpus", "h200"]) == 0
     out = capsys.readouterr().out

@@ -175,3 +175,34 @@ def test_selective_policy_keeps_the_gemms_and_gives_the_full_checkpoints_gradien
         results[policy] = (mode.count, model.transformer_blocks[0].img_mlp.net[2].weight.grad)
     assert results["full"][0] > 0 and results["selective"][0] == 0
     assert torch.equal(results["full"][1], results["selective"][1])
+
+
+def test_fp8_compute_runs_inside_the_compiled_selectively_checkpointed_blocks():
+    """`--compile --checkpoint_policy selective --fp8_compute` together: the FP8 layers' autograd function traces
+    into the compiled, checkpointed block (aot_eager) in one graph and gives the eager FP8 numbers (output and the
+    trainable weight's gradient) of DiffSynth's full checkpoint around each block."""
+    from diffsynth_qie.memory.fp8 import quantize_linears
+    from diffsynth_qie.memory.fp8_compute import enable_fp8_compute
+    from diffsynth_qie.models.load.compile import compile_counts
+    from diffsynth_qie.models.qwen_image_edit.edit_ops import EditOps
+
+    torch.manual_seed(0)
+    eager = _lora_like(TinyQwenImageDiT(**{**DIT_SIZES, "num_layers": 2}))
+    quantize_linears(eager)
+    assert enable_fp8_compute(eager) > 0
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="aot_eager", checkpointed=[True, True], policy="selective")
+    g = torch.Generator().manual_seed(1)
+    x, emb = torch.randn(16, 8, 8, generator=g), torch.randn(5, DIT_SIZES["text_dim"], generator=g)
+    ref = [torch.randn(16, 8, 8, generator=g)]
+    got = []
+    for model in (eager, compiled):
+        out = EditOps().forward(model, [x], torch.tensor([400.0]), [emb], [ref], zero_cond_t=True,
+                                use_gradient_checkpointing=True)
+        out[0].square().sum().backward()
+        got.append((out[0], model.transformer_blocks[1].img_mlp.net[2].weight.grad))
+    (a, ga), (b, gb) = got
+    assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+    assert float((ga - gb).abs().max() / ga.abs().max()) < 1e-5
+    assert compile_counts(compiled) == {"graphs": 1, "recompiles": 0}

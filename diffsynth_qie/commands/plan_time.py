@@ -185,9 +185,11 @@ def fastest_fit(args, census, base) -> Optional[object]:
     log.info("options that fit %.1f GiB, fastest first on %s (the time model, docs/SPEED.md):\n%s\nfastest: %s",
              args.gpu_memory_gb, table.name, "\n".join(lines), describe(best.options))
     if table.has_fp8 and not best.options.fp8_compute and not best.options.zero_stage:
-        plan = predict(census, dataclasses.replace(best.options, fp8_base=True, fp8_compute=True))
-        if plan.gpu_peak <= budget:  # (its time is one more counted pass: `qie plan` with the flags predicts it)
-            log.info("you may add --fp8_compute (FP8 GEMMs on the frozen base, %.1f GiB: it changes the numerics, "
-                     "so it is not chosen for you; `qie plan --gpu %s` with the flags predicts its time)",
-                     plan.gpu_peak / GiB, args.gpu)
+        fp8 = (predict(census, dataclasses.replace(best.options, fp8_base=True, fp8_compute=True, blocks_to_swap=n))
+               for n in range(best.options.blocks_to_swap + 1))  # (FP8 halves the base: maybe fewer swapped)
+        plan = next((p for p in fp8 if p.gpu_peak <= budget), None)
+        if plan is not None:  # (its time is one more counted pass: `qie plan` with its flags predicts it)
+            log.info("you may add --fp8_compute (FP8 GEMMs on the frozen base: it changes the numerics, so it is "
+                     "not chosen for you): %s, %.1f GiB; `qie plan --gpu %s` with these flags predicts its time",
+                     describe(plan.options), plan.gpu_peak / GiB, args.gpu)
     return best

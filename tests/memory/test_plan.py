@@ -119,3 +119,28 @@ def test_candidates_are_only_what_qie_train_accepts(real):
     assert {o.zero_stage for o in options} == {0, 2, 3}
     plan = recommend(real, PlanOptions(num_gpus=8), 24)
     assert plan is not None and plan.gpu_peak <= 24 * GiB
+
+
+def test_the_fastest_fit_search_offers_compiled_and_selective_sets_that_fit(real):
+    """`qie plan --gpu`'s candidates: beside each eager option set, --compile and --compile --checkpoint_policy
+    selective, each with the plan's memory (selective keeps activations: more than full), only where it fits;
+    a compiled set on the FP8 base only where the same without FP8 does not fit with as few swapped blocks."""
+    from diffsynth_qie.commands.plan_time import fitting_options
+
+    base = PlanOptions(gradient_checkpointing=True)  # qie plan's default: checkpointing, full policy, eager
+    full, selective = (predict(real, PlanOptions(gradient_checkpointing=True, compile=True, checkpoint_policy=p)).gpu_peak
+                       for p in ("full", "selective"))
+    assert selective > full + 10 * GiB
+
+    def offered(budget):
+        return {(p.options.compile, p.options.checkpoint_policy, p.options.fp8_base): p
+                for p in fitting_options(real, base, budget)}
+
+    roomy = offered(selective + GiB)
+    assert {(True, "full", False), (True, "selective", False), (False, "full", False)} <= set(roomy)
+    assert roomy[(True, "selective", False)].gpu_peak == selective
+    assert not any(c and fp8 for c, _, fp8 in roomy)  # the bf16 base fits: no compiled set on the FP8 base
+    assert all(p.gpu_peak <= selective + GiB and not p.options.blocks_to_swap for p in roomy.values())
+    tight = offered((full + selective) / 2)
+    assert (True, "full", False) in tight and not any(policy == "selective" and not fp8 for _, policy, fp8 in tight)
+    assert all(p.gpu_peak <= (full + selective) / 2 for p in tight.values())
