@@ -56,17 +56,23 @@ def stored_estimate(row_id: str, table):
                    sections=("forward", "backward", "optimizer step"), model_sections=("forward",))
 
 
-def rung_estimates(model: str, flags: dict, tables: list) -> list:
-    """The rung's counted step (one pass at each depth), costed on every table."""
+def rung_config(model: str, flags: dict):
+    """The resolved ``RunConfig`` of the rung's ``qie train`` (b1, checkpointing, the rung's flags) and the preset."""
     from diffsynth_qie.commands.plan_verify import train_config
     from diffsynth_qie.memory.plan import PlanOptions
-    from diffsynth_qie.models.presets import get_preset
-    from diffsynth_qie.preflight.timing import predict_train, timing_runs
-    from diffsynth_qie.preflight.train_step import batch_shapes
 
     args = argparse.Namespace(model=model, loss="sft", ema_decay=0.0)
     cfg, preset = train_config(args, PlanOptions(gradient_checkpointing=True))
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **flags))
+    flags = {**flags, "fp8_base": True} if flags.get("fp8_compute") else flags  # (as qie train resolves it)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **flags)), preset
+
+
+def rung_estimates(model: str, flags: dict, tables: list) -> list:
+    """The rung's counted step (one pass at each depth), costed on every table."""
+    from diffsynth_qie.preflight.timing import predict_train, timing_runs
+    from diffsynth_qie.preflight.train_step import batch_shapes
+
+    cfg, preset = rung_config(model, flags)
     shapes = batch_shapes(1024, 1, 300, 1, multiple=32 if model.startswith("2.1") else 16)
     reports = timing_runs(cfg, preset, shapes)
     return [predict_train(cfg, preset, shapes, table.key, reports=reports).estimate for table in tables]

@@ -354,6 +354,8 @@ def test_ladder_prints_stock_and_baseline_and_skips_a_rung_whose_flag_is_absent(
     # benchmark's row takes it with the other rows' ids unchanged
     assert ladder_predict.RUNGS["+4"] == {**ladder_predict.RUNGS["1+2"], "fp8_compute": True}
     assert ladder_predict.missing_flags(ladder_predict.RUNGS["+4"]) == []
+    four = ladder_predict.rung_config("2511", ladder_predict.RUNGS["+4"])[0].train  # FP8 compute needs the FP8 base
+    assert four.fp8_compute and four.fp8_base and four.compile and four.checkpoint_policy == "selective"
     from benchmarks.train_step import TrainBenchConfig, options_of
 
     plain = options_of(TrainBenchConfig())
