@@ -201,11 +201,16 @@ class QIETrainingModule(DiffusionTrainingModule):
         return {**meta, **(schedule.to_metadata() if schedule is not None else {})}
 
     def declared_schedule(self):
-        """The schedule this run's LoRA declares (``models/samplers/declared.py``): the frozen LoRA's, or a
-        fixed-grid preset's (2.1-turbo) at CFG 1; None for the model's own schedule (nothing to declare)."""
-        from ..models.presets import PRESETS
+        """The schedule this run's LoRA declares (``models/samplers/declared.py``): the loss's own (``--loss dmd``:
+        the student's), the frozen LoRA's, or a fixed-grid preset's (2.1-turbo) at CFG 1; None for the model's own
+        schedule (nothing to declare)."""
+        from ..models.presets import PRESETS, family_of
         from ..models.samplers.declared import DeclaredSchedule
+        from .losses.registry import loss_spec
 
+        spec = loss_spec(self.config.loss.loss)
+        if spec.schedule is not None and self.preset_name in PRESETS:
+            return spec.schedule(self.config, family_of(self.preset_name).name)
         if self.frozen_schedule is not None:
             return self.frozen_schedule
         preset = PRESETS.get(self.preset_name)

@@ -184,6 +184,8 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     check_device_for(preset, accelerator.device, explicit_cpu=t.device == "cpu")
     check_fp8_base(cfg, ds_config)
     check_block_swap(cfg, ds_config)  # both before the (long) load
+    if loss_spec(cfg.loss.loss).check_launch is not None:  # the loss's own refusals of the launch (dmd: ZeRO-3)
+        loss_spec(cfg.loss.loss).check_launch(cfg, ds_config)
     if preflight is not None and not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
         set_seed(t.seed)
