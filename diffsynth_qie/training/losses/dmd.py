@@ -113,6 +113,29 @@ def student_schedule(cfg, family):
     return DeclaredSchedule(steps, 1.0, student_sigmas(steps), family=family, line="dmd student")
 
 
+def teacher_stand_in(cfg, preset, blocks, folder: str):
+    """``qie plan --verify``'s teacher: a LoRA of zeros at the run's rank on its targets in the first ``blocks``
+    blocks of ``preset``'s DiT (None: all; the step attaches those), written to ``folder``."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ...memory.census import build_dit
+
+    with torch.device("meta"):
+        dit = build_dit(preset, blocks)
+    targets, rank = list(cfg.lora.lora_target_modules or preset.lora_target_modules), max(1, cfg.lora.lora_rank)
+    tensors = {}
+    for name, m in dit.named_modules():
+        if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            tensors[f"{name}.lora_A.weight"] = torch.zeros(rank, m.in_features, dtype=torch.bfloat16)
+            tensors[f"{name}.lora_B.weight"] = torch.zeros(m.out_features, rank, dtype=torch.bfloat16)
+    path = str(Path(folder) / "teacher-stand-in.safetensors")
+    save_file(tensors, path, metadata={"preset": preset.name})
+    return dataclasses.replace(cfg, dmd=dataclasses.replace(dmd_config_of(cfg), teacher_lora=path))
+
+
 def write_merged(cfg, lora_path) -> None:
     """``--merge_teacher``: ``lora_merged.safetensors`` beside the student, the teacher's and its deltas in one."""
     import logging
@@ -175,5 +198,5 @@ def dmd_loss_fn(dit, batch: dict, config, generator=None, dmd=None):
 SPEC = LossSpec(
     name="dmd", summary="DMD2 few-step distillation of --teacher_lora into a student LoRA (--student_steps, CFG 1)",
     fn=dmd_loss_fn, config=DMDConfig, sigma_note="draws the student's steps on its own grid and DMD's σ uniformly",
-    cfg_pass=True, check=check_dmd, setup=attach_fake_score, setup_loads_nothing=True, resolve=resolve_dmd,
+    cfg_pass=True, distills=True, stand_in=teacher_stand_in, check=check_dmd, setup=attach_fake_score, setup_loads_nothing=True, resolve=resolve_dmd,
     check_launch=check_launch, schedule=student_schedule, finish=write_merged)

@@ -82,16 +82,20 @@ class Roles:
         target = self.targets[b]
         noise = sample_noise(target, self.generator)
         i = int(torch.randint(len(self.grid), (1,), generator=self.generator))
-        x = self.student(b, noise, i)
-        sample = x.detach().to(target.dtype)
+        # the student's sample without a graph first: the fake score's steps (their own graphs) and the two
+        # scores run before the student's graph exists, so the step's peak is one graph's, not two
+        with torch.no_grad():
+            free = self.student(b, noise, i)
+        sample = free.to(target.dtype)
         fake_loss = self.state.update_fake(lambda: self.fake_score_loss(b, sample))
         lo, hi = self.sigma_range
         sigma = lo + (hi - lo) * float(torch.rand((), generator=self.generator))
         eps = sample_noise(target, self.generator)
-        x_t = add_noise(x.detach(), eps.float(), sigma).to(target.dtype)
+        x_t = add_noise(free, eps.float(), sigma).to(target.dtype)
         v_real = self.teacher_velocity(b, x_t, sigma)
         v_fake = self.fake_velocity(b, x_t, sigma)
-        grad = dmd_gradient(x.detach()[None], x_t[None], v_real[None], v_fake[None], sigma)
+        grad = dmd_gradient(free[None], x_t[None], v_real[None], v_fake[None], sigma)
+        x = self.student(b, noise, i)  # the same sample, now with the graph the gradient flows through
         return x, dmd_loss(x[None], grad, weight)[0], fake_loss
 
     def regression(self, b: int) -> Tensor:
