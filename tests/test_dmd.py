@@ -251,3 +251,26 @@ def test_the_dmd_step_runs_on_the_fake_device(tmp_path):
     trainable = 4 * sum(p.numel() for p in QIETrainingModule(dit, cfg, "2511").trainable_modules())  # fp32 bytes
     assert report.notes == [] and report.weights >= 2 * trainable  # the fake score's adapter beside the student's
     assert report.optimizer_state > 3 * trainable  # beyond the run's AdamW state (2x): the fake score's
+
+
+def test_qie_plan_counts_the_teacher_the_fake_score_and_its_step():
+    import argparse
+
+    from diffsynth_qie.cli import build_parser
+    from diffsynth_qie.commands.plan import options_of
+    from diffsynth_qie.memory.census import preset_census
+    from diffsynth_qie.memory.plan import predict
+
+    def plan(loss):
+        args = build_parser().parse_args(["plan", "--model", "2511", "--loss", loss, "--resolution", "1024"])
+        assert isinstance(args, argparse.Namespace)
+        return predict(preset_census("2511"), options_of(args))
+
+    census = preset_census("2511")
+    n = census.lora_params(32)
+    sft, dmd = plan("sft"), plan("dmd")
+    extra = {k: v for k, v in dmd.gpu.items() if k not in sft.gpu}
+    assert extra["teacher LoRA (frozen branches, bf16)"] == 2 * n
+    assert extra["fake score LoRA + its AdamW state (fp32)"] == 12 * n
+    assert extra["fake score gradients (its own step)"] == 4 * n
+    assert sum(dmd.gpu.values()) - sum(sft.gpu.values()) == sum(extra.values())
