@@ -34,9 +34,8 @@ STUDENT_STEPS="${STUDENT_STEPS:-1}"
 TRAIN_FLAGS=(--loss dmd --teacher_lora "$TEACHER_LORA" --zero_cond_t --gradient_checkpointing --cfg_dropout 0
              --merge_teacher --dmd_fake_updates 5 --learning_rate 1e-5)
 # CPU demo: the cache sizes of Qwen-Image-Edit-2511.sh (its cache is reused), the task LoRA's rank
-DEMO_TRAIN=(--max_steps 120 --batch_size 4 --gradient_accumulation_steps 1 --no-gradient_checkpointing
-            --dmd_fake_updates 2 --dmd_regression_weight 0.25 --save_every 60 --validate_every 0 --lora_rank 16
-            --learning_rate 1e-3)
+DEMO_TRAIN=(--max_steps 60 --batch_size 4 --gradient_accumulation_steps 1 --no-gradient_checkpointing
+            --dmd_fake_updates 2 --save_every 30 --validate_every 0 --lora_rank 16 --learning_rate 1e-3)
 demo_cache=(); demo_train=()
 if is_tiny "$MODEL"; then demo_cache=(--max_pixels 16384); demo_train=("${DEMO_TRAIN[@]}"); fi
 qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" "${demo_cache[@]}" ${CACHE_ARGS:-}
