@@ -2,7 +2,8 @@
 
 - ``base``: the base model at the family's steps and CFG (40, CFG 4 for Qwen-Image-Edit);
 - ``teacher``: the base with the task LoRA, the same;
-- ``naive@N``: the teacher at the student's N steps and grid, CFG 1 (what users get by asking for fewer steps);
+- ``naive@N``: the teacher at the student's N steps and grid, CFG 1 (the same sampler, without the student);
+- ``naive@N/own``: the teacher at N steps of the model's own schedule, CFG 1 (what ``--steps N --cfg 1`` gives);
 - ``student@N``: the student stacked on the teacher, at its declared schedule (N steps, CFG 1);
 
 with PSNR to each row's target (and the scorecard's other metrics), the DiT calls per edit of each column, and a
@@ -37,6 +38,7 @@ def columns(teacher: str, students: Sequence[str], steps: int, cfg: float) -> li
             raise ValueError(f"student {path} declares no schedule (qie_schedule): pass the LoRA --loss dmd wrote")
         grid = dict(steps=schedule.steps, cfg=schedule.cfg, sigmas=schedule.grid())
         out.append((f"naive@{schedule.steps}", [(teacher, 1.0)], grid))
+        out.append((f"naive@{schedule.steps}/own", [(teacher, 1.0)], dict(steps=schedule.steps, cfg=1.0)))
         out.append((f"student@{schedule.steps}", [(teacher, 1.0), (path, 1.0)], grid))
     return out
 
