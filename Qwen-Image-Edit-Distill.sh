@@ -15,6 +15,7 @@
 # bash Qwen-Image-Edit-Distill.sh [qie train flags]
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/launch_lib.sh"
 TASK_RUN="$ROOT/outputs/qie-2511"
+if [ -n "${TEACHER_LORA:-}" ]; then TEACHER_LORA="$(abs_from_caller "$TEACHER_LORA")"; fi
 if [ -z "${TEACHER_LORA:-}" ]; then
   if [ -n "${DATASET_METADATA:-}" ]; then
     echo "distillation: set TEACHER_LORA to the task LoRA to distil (trained with qie train)" >&2
