@@ -232,23 +232,27 @@ def test_zero3_is_refused_before_the_load():
         loss_spec("dmd").check_launch(None, {"zero_optimization": {"stage": 3}})
 
 
-def test_the_dmd_step_runs_on_the_fake_device(tmp_path):
+@pytest.mark.parametrize("model,teacher_cfg", [("2511", None), ("2.1", 4.0)])
+def test_the_dmd_step_runs_on_the_fake_device(tmp_path, model, teacher_cfg):
     """Both adapters, the teacher's CFG pass and the fake score's own step (its backward, its AdamW state), on the
-    2511 DiT (1 block, 256²)."""
+    2511 DiT and on 2.1's (its references in the prefix, the negative's slot mask), 1 block, 256²."""
     from diffsynth_qie.memory.census import build_dit
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
     from diffsynth_qie.training import config as tc
     from diffsynth_qie.training.module import QIETrainingModule
 
+    preset = get_preset(model)
     with torch.device("meta"):
-        dit = build_dit(get_preset("2511"), 1)
-    teacher = _teacher(tmp_path / "t2511.safetensors", preset="2511", dit=dit)
-    cfg = tc.RunConfig(train=tc.TrainConfig(cache_dir="-", output_dir="-", model="2511"), loss=tc.LossConfig(loss="dmd"),
-                       dmd=tc.DMDConfig(teacher_lora=str(teacher), student_steps=1, dmd_fake_updates=1))
-    cfg = cfg.resolved(get_preset("2511"))
-    report = verify_train_step(cfg, get_preset("2511"), batch_shapes(256, 1, 40, 1), num_layers=1)
-    trainable = 4 * sum(p.numel() for p in QIETrainingModule(dit, cfg, "2511").trainable_modules())  # fp32 bytes
+        dit = build_dit(preset, 1)
+    teacher = _teacher(tmp_path / "teacher.safetensors", preset=model, dit=dit)
+    cfg = tc.RunConfig(train=tc.TrainConfig(cache_dir="-", output_dir="-", model=model), loss=tc.LossConfig(loss="dmd"),
+                       dmd=tc.DMDConfig(teacher_lora=str(teacher), student_steps=1, dmd_fake_updates=1,
+                                        teacher_cfg=teacher_cfg))
+    cfg = cfg.resolved(preset)
+    shapes = batch_shapes(256, 1, 40, 1, multiple=32 if model == "2.1" else 16)
+    report = verify_train_step(cfg, preset, shapes, num_layers=1)
+    trainable = 4 * sum(p.numel() for p in QIETrainingModule(dit, cfg, model).trainable_modules())  # fp32 bytes
     assert report.notes == [] and report.weights >= 2 * trainable  # the fake score's adapter beside the student's
     assert report.optimizer_state > 3 * trainable  # beyond the run's AdamW state (2x): the fake score's
 
