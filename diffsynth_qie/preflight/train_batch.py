@@ -56,8 +56,9 @@ def text_dim(dit: torch.nn.Module) -> int:
 
 
 def fake_batch(shapes: Sequence[SampleShape], family, dim: int, *, lbm: bool, masks: bool,
-               dtype: torch.dtype, pairs: bool = False) -> dict:
-    """A collated batch on the fake device for ``family`` (a ``models.family.Family``)."""
+               dtype: torch.dtype, pairs: bool = False, negatives: bool = False) -> dict:
+    """A collated batch on the fake device for ``family`` (a ``models.family.Family``); ``negatives``: with the
+    empty prompt's embedding (and its extras) a CFG pass reads (``LossSpec.cfg_pass``)."""
     from ..fakegpu.standin21 import slot_mask21
 
     def lat(h: int, w: int, channels: int = family.latent_channels) -> torch.Tensor:
@@ -83,4 +84,11 @@ def fake_batch(shapes: Sequence[SampleShape], family, dim: int, *, lbm: bool, ma
         batch["sub_noise"] = [lat(s.height, s.width) for s in shapes]
     if pairs:  # a preference row's rejected output, at its target's size
         batch["rejected_latents"] = [lat(s.height, s.width) for s in shapes]
+    if negatives:  # the cached empty prompt: the template's tokens around no instruction
+        empty = [max(1, s.prompt_tokens // 2) for s in shapes]
+        if extras is not None:
+            batch["empty_prompt_extras"] = [{"pad": slot_mask21([family.latent_size(h, w) for h, w in s.refs], n)}
+                                            for s, n in zip(shapes, empty)]
+            empty = [len(e["pad"]) for e in batch["empty_prompt_extras"]]
+        batch["empty_prompt_emb"] = [torch.empty(n, dim, device=DEVICE, dtype=dtype) for n in empty]
     return batch

@@ -124,12 +124,18 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
         optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
         if spec.needs_rollouts:  # --loss nft: the VAE and the old policy, as its set-up gives them
             module.loss_extras["nft"] = rollout_state(fc, cfg, preset, family, module, dtype)
+        elif spec.setup is not None and spec.setup_loads_nothing:  # --loss dmd: the fake score's adapter
+            spec.setup(module, cfg, preset, DEVICE, dtype, None)
+            for state in module.loss_extras.values():  # a backward pass of the loss's own (the fake score's step)
+                if hasattr(state, "backward"):
+                    state.backward = backward
         ema = build_ema(cfg, module)  # (built after the optimizer, as qie train builds it)
         encoders = on_the_fly(fc, cfg, preset, family, shapes[0], report, encode, dtype)  # (kept to the end)
         report.weights = fc.current_bytes
         dim = text_dim(module.dit)
         masks = cfg.loss.mask_loss_weights is not None  # the masked samples' path (every sample has a mask)
-        batch = fake_batch(shapes, family, dim, lbm=lbm, masks=masks, dtype=dtype, pairs=spec.preference)
+        batch = fake_batch(shapes, family, dim, lbm=lbm, masks=masks, dtype=dtype, pairs=spec.preference,
+                           negatives=spec.cfg_pass)
         generator = torch.Generator().manual_seed(t.seed)
         with compiled(cfg, module):
             if t.compile and fc.costs is not None:  # inductor fuses the blocks' elementwise work
