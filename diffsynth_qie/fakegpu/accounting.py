@@ -109,6 +109,10 @@ class DeviceMemory:
     def reset_peak(self) -> None:
         self.peak = self.current
 
+    def snapshot(self) -> "Held":
+        """What is live now: the bytes per allocating frame and the storages (two compared: :func:`grown`)."""
+        return Held(dict(self.by_where), frozenset(self.live))
+
     def top_holders(self, n: int = 5) -> list[tuple[str, int]]:
         """The ``n`` frames holding the most live bytes at the session's highest moment, largest first."""
         return sorted(self._top_where.items(), key=lambda kv: -kv[1])[:n]
@@ -116,6 +120,25 @@ class DeviceMemory:
     def bytes_from(self, path_part: str) -> int:
         """Live bytes at the highest moment allocated in files whose path contains ``path_part``."""
         return sum(b for where, b in self._top_where.items() if path_part in where.split(":")[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A :meth:`DeviceMemory.snapshot`: live bytes per allocating frame, and the ids of the live storages."""
+
+    by_where: dict
+    storages: frozenset
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_where.values())
+
+
+def grown(before: Held, after: Held) -> list[tuple[str, int]]:
+    """The frames holding more live bytes in the snapshot ``after`` than in ``before``, most first."""
+    was = before.by_where
+    more = [(where, b - was.get(where, 0)) for where, b in after.by_where.items() if b > was.get(where, 0)]
+    return sorted(more, key=lambda kv: -kv[1])
 
 
 @contextlib.contextmanager

@@ -129,6 +129,15 @@ class FakeCuda:
             self._ops.phase, self._ops.sync = saved
             self.phases.append(PhasePeak(name, start, self.memory.peak, self.memory.current))
 
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Kernels run inside are not counted in :attr:`costs` (work repeated to check memory, not to time it)."""
+        saved, self._ops.counter = self._ops.counter, None
+        try:
+            yield
+        finally:
+            self._ops.counter = saved
+
     @property
     def current_bytes(self) -> int:
         return self.memory.current
