@@ -239,7 +239,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 # Option values that are the defaults (not shown in the tables).
-DEFAULT_OPTIONS = {"sdpa_backend": "auto", "compile_blocks": False, "fp8_base": False, "lora_fp32": True}
+DEFAULT_OPTIONS = dict(sdpa_backend="auto", compile_blocks=False, fp8_base=False, lora_fp32=True,
+                       compute_precision="auto")
 
 
 def _options(row: dict) -> str:
@@ -304,6 +305,7 @@ def _numerics_lines(meta: dict) -> list[str]:
         out.append(f"- unmerged LoRA ({lora['dtype']}) vs merged fp32, {lora['layers']} layers of block "
                    f"{lora['block']}: relative error median {lora['median_rel_err']:.1e}, worst "
                    f"{lora['max_rel_err']:.1e} ({lora['worst_layer']})")
+    out += [f"- {check['line']}" for check in num.values() if isinstance(check, dict) and "line" in check]
     for name, check in num.items():
         if isinstance(check, dict) and "error" in check:
             out.append(f"- {name.replace('_', ' ')}: not measured ({check['error']})")

@@ -2,7 +2,8 @@
 
     python -m benchmarks.fit_plan            # prints the measurements, the fitted constants and the check
 
-Each case is one real training step (``preflight/train_step.py``: the 2511 DiT at full width, bf16 under autocast,
+Each case is one real training step (``preflight/train_step.py``: the 2511 DiT at full width, bf16 as
+``--compute_precision`` says (pure by default: ``CALIBRATION``; autocast: ``AUTOCAST_CALIBRATION``),
 rank-32 LoRA on the 2511 targets, 1024² target + one 1024² reference + 300 prompt tokens) at 2 and 4 blocks,
 with and without activation checkpointing. The activation term is what the steady-state peak holds beyond
 the DiT, the LoRA weights and the LoRA's gradients + AdamW moments (the plan's other rows); a line through
@@ -19,7 +20,7 @@ log = logging.getLogger("fit_plan")
 GiB = 1024 ** 3
 
 
-def step_case(depth: int, checkpointing: bool, rank: int = 32):
+def step_case(depth: int, checkpointing: bool, rank: int = 32, precision: str = "auto"):
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.training.config import RunConfig
     from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
@@ -27,7 +28,8 @@ def step_case(depth: int, checkpointing: bool, rank: int = 32):
     preset = get_preset("2511")
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, model="2511", cache_dir="-", output_dir="-",
-                                                             gradient_checkpointing=checkpointing),
+                                                             gradient_checkpointing=checkpointing,
+                                                             compute_precision=precision),
                               lora=dataclasses.replace(cfg.lora, lora_rank=rank))
     return verify_train_step(cfg.resolved(preset), preset, batch_shapes(1024, 1, 300, 1), num_layers=depth)
 
@@ -38,17 +40,19 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip_full", action="store_true", help="skip the 60-block check (about a minute)")
+    parser.add_argument("--compute_precision", default="auto", choices=("auto", "pure", "autocast"),
+                        help="the training step's --compute_precision (auto: pure bf16, the default)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     census = preset_census("2511", with_encoders=False)
-    options = PlanOptions(lora_rank=32)
+    options = PlanOptions(lora_rank=32, compute_precision=args.compute_precision)
     tokens_width = options.tokens * census.dim * options.dtype_bytes
     lora_per_token = census.lora_token_targets * options.lora_rank / census.dim
     fitted = {}
     for ckpt in (False, True):
         per_depth = {}
         for depth in (2, 4):
-            r = step_case(depth, ckpt)
+            r = step_case(depth, ckpt, precision=args.compute_precision)
             # r.weights: the DiT at this depth + the fp32 LoRA; the plan's LoRA row adds 12 bytes per parameter
             # (gradient + AdamW's two moments), 1.5 x the 8-byte moments the step left alive
             act = r.peak - r.weights - 1.5 * r.optimizer_state
@@ -75,7 +79,7 @@ def main() -> None:
              {k: round(v, 2) for k, v in fitted.items()})
     if args.skip_full:
         return
-    r = step_case(60, True)
+    r = step_case(60, True, precision=args.compute_precision)
     plan = predict(census, dataclasses.replace(options, gradient_checkpointing=True))
     predicted = plan.gpu_peak - options.overhead_bytes
     log.info("60 blocks, checkpointing: fake-device steady peak %.2f GiB, plan %.2f GiB (without the CUDA "

@@ -9,6 +9,8 @@ Run by ``python -m benchmarks.train_step --numerics`` on the model the step benc
   same numbers on any device.
 - :func:`block_swap_parity` — one forward + backward with and without ``--blocks_to_swap``: the loss and every
   LoRA gradient compared bit for bit (``torch.equal``), and the largest difference if not equal.
+- :func:`precision_parity` — one step in pure bf16 against the same step under bf16 autocast
+  (``--compute_precision``): loss and gradient differences.
 - :func:`lora_branch_error` — every LoRA-wrapped linear of one block, run as serving runs it (the base layer
   plus the unmerged adapter, bf16), against the same layer merged in fp32 (``W + s·B·A``, fp32 input): the
   relative error ‖out − ref‖ / ‖ref‖, median and worst over the layers.
@@ -108,12 +110,43 @@ def lora_branch_error(dit, block_index: int = 0, tokens: int = 4096, seed: int =
             "dtype": str(next(block.parameters()).dtype).replace("torch.", "")}
 
 
+def precision_parity(module, entry: dict, seed: int) -> dict:
+    """One step's loss and trainable gradients in pure bf16 and under bf16 autocast (``--compute_precision``),
+    fp32 LoRA weights in both, same σ and noise: their relative differences (CUDA's autocast computes the norms
+    and the modulation in fp32, the CPU's does not; docs/DIFFSYNTH_NOTES.md)."""
+    from benchmarks.ours_step import ours_batch, set_lora_dtype
+
+    params = list(module.trainable_modules())
+    dtypes, saved = [p.dtype for p in params], module.autocast_dtype
+    set_lora_dtype(params, torch.float32)
+    batch = ours_batch([entry])
+    try:
+        module.autocast_dtype = None
+        pure_loss, pure_grads = _loss_and_grads(module, batch, seed, params)
+        module.autocast_dtype = torch.bfloat16
+        auto_loss, auto_grads = _loss_and_grads(module, batch, seed, params)
+    finally:
+        module.autocast_dtype = saved
+        for p, dtype in zip(params, dtypes):
+            p.data = p.data.to(dtype)
+    a, b = torch.cat([g.flatten() for g in pure_grads]), torch.cat([g.flatten() for g in auto_grads])
+    out = {"loss_pure": float(pure_loss), "loss_autocast": float(auto_loss),
+           "rel_diff": abs(float(pure_loss) - float(auto_loss)) / max(abs(float(auto_loss)), 1e-12),
+           "grad_cosine": float(torch.nn.functional.cosine_similarity(a, b, 0)),
+           "grad_rel_diff": float((a - b).norm() / b.norm().clamp_min(1e-12))}
+    out["line"] = (f"pure bf16 vs bf16 autocast (`--compute_precision`), one step: loss {out['loss_pure']:.6g} vs "
+                   f"{out['loss_autocast']:.6g} (relative difference {out['rel_diff']:.1e}), gradients cosine "
+                   f"{out['grad_cosine']:.5f}, relative difference {out['grad_rel_diff']:.1e}")
+    return out
+
+
 def run_all(module, pipe, entry: dict, seed: int, device, blocks_to_swap: int) -> dict:
     """Every check on one sample; a check that fails records its error and the others still run."""
     checks = {
         "loss_parity": lambda: loss_parity(module, pipe, entry, seed),
         "block_swap_parity": lambda: block_swap_parity(module, entry, seed, blocks_to_swap, device),
         "lora_branch": lambda: lora_branch_error(module.dit),
+        "precision": lambda: precision_parity(module, entry, seed),
     }
     out = {}
     for name, check in checks.items():

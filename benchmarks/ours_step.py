@@ -1,6 +1,6 @@
-"""Our LoRA training step, as ``train_step`` times it: ``QIETrainingModule`` with what ``training/loop.py`` does
-around it (autocast, backward, gradient clipping, AdamW, ``zero_grad``) without accelerate, on synthetic cache
-entries; and the parity check of our loss against DiffSynth's stock one (``stock_step.py``)."""
+"""Our LoRA training step, as ``train_step`` times it: the training module built as ``qie train`` builds it, with
+what ``training/loop.py`` does around it (backward, gradient clipping, AdamW, ``zero_grad``) without accelerate, on
+synthetic cache entries; and the parity check of our loss against DiffSynth's stock one (``stock_step.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,16 +31,21 @@ def ours_batch(entries: Sequence[dict]) -> dict:
             "prompt_emb": [e["prompt"] for e in entries], "back_mask": [None] * len(entries)}
 
 
-def our_module(dit, rank: int, gradient_checkpointing: bool, batch_size: int):
-    """Our ``QIETrainingModule`` for the 2511 preset (injects the LoRA into ``dit`` in place)."""
+def our_module(dit, rank: int, gradient_checkpointing: bool, batch_size: int, device="cpu",
+               dtype: torch.dtype = torch.float32, compute_precision: str = "auto", fp8_base: bool = False,
+               model: str = "2511"):
+    """Our training module for ``model`` (injects the LoRA into ``dit``, on ``device`` in ``dtype``, in place),
+    built by ``qie train``'s own builder (``training.placement.training_module``): fp32 LoRA weights, PEFT's
+    input casts off and ``--compute_precision`` (the module's forward owns its autocast), the FP8 base."""
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.training.config import LoRAConfig, RunConfig, TrainConfig
-    from diffsynth_qie.training.module import QIETrainingModule
+    from diffsynth_qie.training.placement import training_module
 
-    cfg = RunConfig(train=TrainConfig(cache_dir="(benchmark)", output_dir="(benchmark)", model="2511",
-                                      gradient_checkpointing=gradient_checkpointing, batch_size=batch_size),
-                    lora=LoRAConfig(lora_rank=rank)).resolved(get_preset("2511"))
-    return QIETrainingModule(dit, cfg, "2511")
+    cfg = RunConfig(train=TrainConfig(cache_dir="(benchmark)", output_dir="(benchmark)", model=model,
+                                      gradient_checkpointing=gradient_checkpointing, batch_size=batch_size,
+                                      compute_precision=compute_precision, fp8_base=fp8_base),
+                    lora=LoRAConfig(lora_rank=rank)).resolved(get_preset(model))
+    return training_module(dit, cfg, model, torch.device(device), dtype)
 
 
 def set_checkpointing(module, on: bool) -> None:
@@ -54,9 +59,9 @@ def set_lora_dtype(params: Sequence[torch.nn.Parameter], dtype: torch.dtype) -> 
             p.data = p.data.to(dtype)
 
 
-def make_ours_step(module, entries, seed: int, autocast_dtype: torch.dtype | None,
-                   device: torch.device) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
-    """Our training step (``training/loop.py`` without accelerate): loss, backward, clip, AdamW."""
+def make_ours_step(module, entries, seed: int) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
+    """Our training step (``training/loop.py`` without accelerate): loss (under the module's own precision),
+    backward, clip, AdamW (fused on a GPU, as ``qie train`` builds it)."""
     from diffsynth_qie.training.optim import build_optimizer
 
     params = list(module.trainable_modules())
@@ -66,11 +71,7 @@ def make_ours_step(module, entries, seed: int, autocast_dtype: torch.dtype | Non
     gen = torch.Generator().manual_seed(seed)
 
     def step() -> torch.Tensor:
-        if autocast_dtype is not None:
-            with torch.autocast(device_type=device.type, dtype=autocast_dtype):
-                loss, _ = module(batch, gen)
-        else:
-            loss, _ = module(batch, gen)
+        loss, _ = module(batch, gen)
         loss.backward()
         if max_norm:
             torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -22,25 +22,28 @@ log = logging.getLogger("plan_vs_gpu")
 GiB = 1024 ** 3
 OURS = "compile_blocks=False,fp8_base=False,lora_fp32=True,sdpa_backend=auto"
 ENCODER_TERMS = ("text encoder", "VAE")  # edit terms the DiT-only 2.1 sampling benchmark does not build
+MEASURED = "--compute_precision autocast"  # the training rows of 2026-11-26 ran under bf16 autocast
 
 # (row id, label, qie plan flags, the plan's terms the benchmark does not hold)
 ROWS = [
-    (f"train_step/ours/ours/b1/r32/ckpt=on/{OURS}", "2511 train b1", "--model 2511", ()),
-    (f"train_step/batch/ours/b2/r32/ckpt=on/{OURS}", "2511 train b2", "--model 2511 --batch_size 2", ()),
-    (f"train_step/batch/ours/b4/r32/ckpt=on/{OURS}", "2511 train b4", "--model 2511 --batch_size 4", ()),
-    (f"train_step/mixed/ours/b4/r32/ckpt=on/{OURS}", "2511 train b4 mixed", "--model 2511 --batch_size 4 --mixed", ()),
+    (f"train_step/ours/ours/b1/r32/ckpt=on/{OURS}", "2511 train b1", f"--model 2511 {MEASURED}", ()),
+    (f"train_step/batch/ours/b2/r32/ckpt=on/{OURS}", "2511 train b2", f"--model 2511 --batch_size 2 {MEASURED}", ()),
+    (f"train_step/batch/ours/b4/r32/ckpt=on/{OURS}", "2511 train b4", f"--model 2511 --batch_size 4 {MEASURED}", ()),
+    (f"train_step/mixed/ours/b4/r32/ckpt=on/{OURS}", "2511 train b4 mixed",
+     f"--model 2511 --batch_size 4 --mixed {MEASURED}", ()),
     (f"train_step/ours/ours/b1/r32/ckpt=off/{OURS}", "2511 train b1, no checkpointing",
-     "--model 2511 --no-gradient_checkpointing", ()),
+     f"--model 2511 --no-gradient_checkpointing {MEASURED}", ()),
     (f"train_step/ours/ours/b1/r32/ckpt=on/blocks_to_swap=16,{OURS}", "2511 train b1, 16 blocks swapped",
-     "--model 2511 --blocks_to_swap 16", ()),
+     f"--model 2511 --blocks_to_swap 16 {MEASURED}", ()),
     (f"train_step/ours/ours/b1/r32/ckpt=on/blocks_to_swap=30,{OURS}", "2511 train b1, 30 blocks swapped",
-     "--model 2511 --blocks_to_swap 30", ()),
+     f"--model 2511 --blocks_to_swap 30 {MEASURED}", ()),
     (f"train_step/ours/ours/b1/r32/ckpt=on/{OURS.replace('fp8_base=False', 'fp8_base=True')}",
-     "2511 train b1, FP8 base", "--model 2511 --fp8_base", ()),
-    ("train21/ours/b1/refs=1/r32/ckpt=on", "2.1 train b1, 1 ref", "--model 2.1", ()),
-    ("train21/ours/b4/refs=1/r32/ckpt=on", "2.1 train b4, 1 ref", "--model 2.1 --batch_size 4", ()),
-    ("train21/ours/b1/refs=3/r32/ckpt=on", "2.1 train b1, 3 refs", "--model 2.1 --ref_images 3", ()),
-    ("train21/ours/b4/refs=3/r32/ckpt=on", "2.1 train b4, 3 refs", "--model 2.1 --ref_images 3 --batch_size 4", ()),
+     "2511 train b1, FP8 base", f"--model 2511 --fp8_base {MEASURED}", ()),
+    ("train21/ours/b1/refs=1/r32/ckpt=on", "2.1 train b1, 1 ref", f"--model 2.1 {MEASURED}", ()),
+    ("train21/ours/b4/refs=1/r32/ckpt=on", "2.1 train b4, 1 ref", f"--model 2.1 --batch_size 4 {MEASURED}", ()),
+    ("train21/ours/b1/refs=3/r32/ckpt=on", "2.1 train b1, 3 refs", f"--model 2.1 --ref_images 3 {MEASURED}", ()),
+    ("train21/ours/b4/refs=3/r32/ckpt=on", "2.1 train b4, 3 refs",
+     f"--model 2.1 --ref_images 3 --batch_size 4 {MEASURED}", ()),
     ("inference/edit/ours/steps=40/1024px/compile_blocks=False,fp8_base=False,sdpa_backend=auto",
      "2511 edit, CFG 4", "--model 2511 --task edit --lora_rank 0", ()),
     ("inference21/cfg/refs=1/steps=40/kv_cache=True", "2.1 edit DiT, 1 ref, CFG 4",

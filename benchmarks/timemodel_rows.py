@@ -26,6 +26,7 @@ DEVICE = "cuda:0"
 log = logging.getLogger("timemodel_rows")
 TRAIN = "train_step/{case}/{impl}/b{b}/r32/ckpt={ckpt}/{swap}compile_blocks=False,fp8_base={fp8},lora_fp32=True," \
         "sdpa_backend={backend}"
+PURE = "compute_precision=auto"  # in the ids of rows measured as qie train now runs (pure bf16, fused AdamW)
 INFER = "inference/{case}/{impl}/steps={steps}/1024px/compile_blocks=False,fp8_base=False,sdpa_backend=auto"
 
 
@@ -45,10 +46,14 @@ def rows() -> list[dict]:
            dict(id=t("ours", "ours", 1, swap=16), kind="train", impl="ours", batch=1, swap=16),
            dict(id=t("ours", "ours", 1, swap=30), kind="train", impl="ours", batch=1, swap=30),
            dict(id=t("ours", "ours", 1, fp8=True), kind="train", impl="ours", batch=1, fp8=True)]
+    out += [dict(r, id=r["id"].replace("compile_blocks=False,", f"compile_blocks=False,{PURE},"), pure=True)
+            for r in out if r["impl"] == "ours"]
     for impl, b, refs in (("ours", 1, 1), ("stock", 1, 1), ("ours", 1, 3), ("stock", 1, 3), ("ours", 4, 3),
                           ("ours", 4, 1)):
         out.append(dict(id=f"train21/{impl}/b{b}/refs={refs}/r32/ckpt=on", kind="train21", impl=impl, batch=b,
                         refs=refs))
+        if impl == "ours":
+            out.append(dict(out[-1], id=f"{out[-1]['id']}/{PURE}", pure=True))
     out += [dict(id=INFER.format(case="edit", impl="ours", steps=40), kind="edit", model="2511", steps=40, cfg=4.0),
             dict(id=INFER.format(case="lightning", impl="ours", steps=4), kind="edit", model="2511", steps=4,
                  cfg=1.0)]
@@ -99,6 +104,25 @@ def host_sigma(pipe):
             setattr(sched, name, real)
 
 
+def precision(row: dict) -> str:
+    """The row's ``--compute_precision``: the rows of 2026-11-26 ran under bf16 autocast."""
+    return "auto" if row.get("pure") else "autocast"
+
+
+def as_measured(module, row: dict) -> None:
+    """A row of 2026-11-26 (not ``pure``): PEFT's fp32 copy of every adapted input left on, as the benchmarks ran
+    before they built the module with ``qie train``'s builder."""
+    for m in module.dit.modules():
+        if hasattr(m, "cast_input_dtype_enabled") and not row.get("pure"):
+            m.cast_input_dtype_enabled = True
+
+
+def foreach_adamw(row: dict):
+    """Inside: AdamW as the row ran it: PyTorch's ``foreach`` for the rows of 2026-11-26, else fused."""
+    return contextlib.nullcontext() if row.get("pure") else \
+        mock.patch("diffsynth_qie.training.optim.fused_adamw", return_value=False)
+
+
 def train_profile(row: dict, layers: int):
     """One step of a 2511 training row at ``layers`` blocks on the fake device; its counted kernels."""
     from benchmarks import ours_step, stock_step
@@ -119,7 +143,8 @@ def train_profile(row: dict, layers: int):
     with FakeCuda(costs=True) as fc:
         with fc.build(torch.bfloat16, DEVICE):
             dit = build_dit(get_preset("2511"), layers)
-            module = ours_step.our_module(dit, 32, ckpt, row["batch"])
+            module = ours_step.our_module(dit, 32, ckpt, row["batch"], DEVICE, torch.bfloat16, precision(row))
+        as_measured(module, row)
         params = list(module.trainable_modules())
         if row.get("fp8"):
             module.quantize_frozen_base(DEVICE)
@@ -131,7 +156,8 @@ def train_profile(row: dict, layers: int):
         if row["impl"] == "ours":
             ours_step.set_lora_dtype(params, torch.float32)
             ours_step.set_checkpointing(module, ckpt)
-            step, _ = ours_step.make_ours_step(module, entries, 0, torch.bfloat16, torch.device(DEVICE))
+            with foreach_adamw(row):
+                step, _ = ours_step.make_ours_step(module, entries, 0)
         else:
             ours_step.set_lora_dtype(params, torch.bfloat16)
             pipe = stock_step.stock_pipeline(module.dit, DEVICE, torch.bfloat16)
@@ -147,7 +173,7 @@ def train_profile(row: dict, layers: int):
 
 
 def train21_profile(row: dict, layers: int):
-    from benchmarks import stock_step, train21
+    from benchmarks import ours_step, stock_step, train21
     from diffsynth_qie.fakegpu.device import FakeCuda
     from diffsynth_qie.models.presets import family_of, get_preset
 
@@ -157,14 +183,16 @@ def train21_profile(row: dict, layers: int):
 
         with fc.build(torch.bfloat16, DEVICE):
             dit = QwenImage21DiT(num_layers=layers)
-            module = train21.our_module21(dit, 32, tiny=False)
+            module = ours_step.our_module(dit, 32, True, 1, DEVICE, torch.bfloat16, precision(row), model="2.1")
+        as_measured(module, row)
         params = list(module.trainable_modules())
         entry = train21.make_entry(train21.FULL_LATENT, row["refs"], train21.FULL_TEXT, dit.txt_in.in_layer.in_features,
                                    0, DEVICE, torch.bfloat16)
         if row["impl"] == "ours":
             for p in params:
                 p.data = p.data.to(torch.float32)
-            step = train21.make_ours_step(module, [entry] * row["batch"], 0, torch.bfloat16)
+            with foreach_adamw(row):
+                step = train21.make_ours_step(module, [entry] * row["batch"], 0)
         else:
             pipe = train21.stock_pipeline21(module.dit, DEVICE, torch.bfloat16)
             step, _ = stock_step.make_stock_step(pipe, params, entry, True, inputs=train21.stock_inputs21(entry))

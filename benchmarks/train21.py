@@ -8,9 +8,10 @@ SwiGLU MLP 3×; ≈7.6 B parameters) with random weights on the GPU (``build.py`
 2.1 targets, and times, per reference count, one step on a 1024² target with that many 1024² references and a
 ≈300-token prompt (the references' 2×2-merged slots inside the prompt, as the 2.1 encoder lays them out):
 
-- ``ours``  — ``QIETrainingModule`` for the ``2.1`` preset (our SFT loss over ``forward21``), fp32 adapters under
-  bf16 autocast, checkpointing, clip 1.0, AdamW — what ``qie train --model 2.1`` runs per step; at batch 1 and
-  at ``--batch`` (equal shapes: one DiT call for the group);
+- ``ours``  — the training module for the ``2.1`` preset built by ``qie train``'s own builder (our SFT loss over
+  ``forward21``), fp32 adapters computed as ``--compute_precision`` says (default: pure bf16), checkpointing,
+  clip 1.0, AdamW (fused) — what ``qie train --model 2.1`` runs per step; at batch 1 and at ``--batch`` (equal
+  shapes: one DiT call for the group);
 - ``stock`` — DiffSynth's path: ``FlowMatchSFTLoss`` over a ``QwenImage21Pipeline`` holding the DiT
   (``model_fn_qwen_image_21``, batch 1), bf16 adapters, its gradient checkpointing, AdamW + ``ConstantLR``.
 
@@ -32,6 +33,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 import torch
 
 from benchmarks import build, common
+from benchmarks.ours_step import our_module
 from benchmarks.stock_step import make_stock_step
 from benchmarks.step21 import forward_flops21
 
@@ -69,19 +71,7 @@ def ours_batch(entries: Sequence[dict]) -> dict:
             "back_mask": [None] * len(entries)}
 
 
-def our_module21(dit, rank: int, tiny: bool):
-    from diffsynth_qie.models.presets import get_preset
-    from diffsynth_qie.training.config import LoRAConfig, RunConfig, TrainConfig
-    from diffsynth_qie.training.module import QIETrainingModule
-
-    model = "tiny-2.1" if tiny else "2.1"
-    cfg = RunConfig(train=TrainConfig(cache_dir="(benchmark)", output_dir="(benchmark)", model=model,
-                                      gradient_checkpointing=True), lora=LoRAConfig(lora_rank=rank)
-                    ).resolved(get_preset(model))
-    return QIETrainingModule(dit, cfg, model)
-
-
-def make_ours_step(module, entries, seed: int, autocast) -> Callable[[], torch.Tensor]:
+def make_ours_step(module, entries, seed: int) -> Callable[[], torch.Tensor]:
     from diffsynth_qie.training.optim import build_optimizer
 
     params = list(module.trainable_modules())
@@ -89,8 +79,7 @@ def make_ours_step(module, entries, seed: int, autocast) -> Callable[[], torch.T
     batch, gen = ours_batch(entries), torch.Generator().manual_seed(seed)
 
     def step() -> torch.Tensor:
-        with torch.autocast("cuda", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False):
-            loss, _ = module(batch, gen)
+        loss, _ = module(batch, gen)  # under the module's own --compute_precision
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -122,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--refs", type=int, nargs="+", default=[1, 3], help="reference counts to run")
     p.add_argument("--batch", type=int, default=4, help="ours also at this batch (equal shapes; 0 = skip)")
     p.add_argument("--lora_rank", type=int, default=32)
+    p.add_argument("--compute_precision", choices=["auto", "pure", "autocast"], default="auto",
+                   help="ours: qie train --compute_precision (auto = pure bf16 over fp32 adapters)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per case (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -138,12 +129,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     dim, text_dim = dit.img_in.out_features, dit.txt_in.in_layer.in_features
     ffn, layers = dit.transformer_blocks[0].img_mlp.proj.out_features, len(dit.transformer_blocks)
     pipe = stock_pipeline21(dit, device, dtype)
-    module = our_module21(dit, cfg.lora_rank, cfg.tiny)
+    module = our_module(dit, cfg.lora_rank, True, 1, device, dtype, cfg.compute_precision,
+                        model="tiny-2.1" if cfg.tiny else "2.1")  # qie train's builder
     params = list(module.trainable_modules())
     log.info("built %s 2.1 DiT (%d blocks, dim %d, %.2f B params) in %.1f s", "tiny" if cfg.tiny else "full", layers,
              dim, sum(q.numel() for q in dit.parameters()) / 1e9, time.perf_counter() - t0)
     side, text = (TINY_LATENT, TINY_TEXT) if cfg.tiny else (FULL_LATENT, FULL_TEXT)
-    autocast = dtype if device.type == "cuda" else None
     rows = []
     for refs in cfg.refs:
         entry = make_entry(side, refs, text, text_dim, cfg.seed, device, dtype)
@@ -151,15 +142,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for impl, batch in cases:
             flops = 2 * batch * forward_flops21(dim, ffn, layers, (1 + refs) * side * side,
                                                 entry["prompt"].shape[0])
-            row = {"id": f"train21/{impl}/b{batch}/refs={refs}/r{cfg.lora_rank}/ckpt=on", "script": "train_step",
+            prec = f"/compute_precision={cfg.compute_precision}" if impl == "ours" else ""
+            row = {"id": f"train21/{impl}/b{batch}/refs={refs}/r{cfg.lora_rank}/ckpt=on{prec}",
+                   "script": "train_step",
                    "model": "2.1", "case": f"2.1 {refs} ref", "impl": impl, "batch": batch, "refs": refs,
                    "shapes_label": f"{side * 16}² + {refs}×{side * 16}² ref", "lora_rank": cfg.lora_rank,
-                   "checkpointing": "on", "options": {}, "tag": "", "tiny": cfg.tiny, "steps": cfg.steps,
+                   "checkpointing": "on", "tag": "", "tiny": cfg.tiny, "steps": cfg.steps,
+                   "options": {"compute_precision": cfg.compute_precision} if impl == "ours" else {},
                    "status": "not run", "text_len": int(entry["prompt"].shape[0]), **env}
             for q in params:
-                q.data = q.data.to(torch.float32 if impl == "ours" and autocast else dtype)
+                q.data = q.data.to(torch.float32 if impl == "ours" else dtype)  # stock: DiffSynth's bf16 adapters
             try:
-                step = make_ours_step(module, [entry] * batch, cfg.seed, autocast) if impl == "ours" else \
+                step = make_ours_step(module, [entry] * batch, cfg.seed) if impl == "ours" else \
                     make_stock_step(pipe, params, entry, True, inputs=stock_inputs21(entry))[0]
                 common.free_memory(device)
                 common.reset_peak_memory(device)

@@ -6,10 +6,11 @@ meaningless). One process builds DiffSynth's real ``QwenImageDiT`` (60 blocks,
 dim 3072) with random weights directly on the GPU in bf16 (``build.py``), adds LoRA
 (rank 32 and 128) on the 2511 targets, makes synthetic cached inputs and times:
 
-- ``ours``   — our step at batch 1 (``ours_step.py``): ``QIETrainingModule`` (our SFT loss over
-  ``models.forward.dit_forward``) with what ``training/loop.py`` does around it:
-  fp32 LoRA weights under bf16 autocast (accelerate's ``mixed_precision=bf16``),
-  backward, gradient clipping at 1.0, AdamW step, ``zero_grad``;
+- ``ours``   — our step at batch 1 (``ours_step.py``): the training module built by ``qie train``'s
+  own builder (our SFT loss over ``models.forward.dit_forward``) with what ``training/loop.py`` does
+  around it: fp32 LoRA weights, computed as ``--compute_precision`` says (default: pure bf16, the
+  adapters cast per call; ``autocast``: bf16 autocast), backward, gradient clipping at 1.0, AdamW
+  step (fused), ``zero_grad``;
 - ``stock``  — what a DiffSynth user's split-training step does at batch 1. The
   wheel ships no ``examples/`` (its ``QwenImageTrainingModule`` lives in
   DiffSynth-Studio's ``examples/qwen_image/model_training/train.py``), so the step is
@@ -91,7 +92,9 @@ class TrainBenchConfig:
     seed: int = field(default=0, metadata={"help": "seed of weights, inputs, σ and noise"})
     text_len: Optional[int] = field(default=None, metadata={"help": "prompt tokens (default 300; tiny 12)"})
     lora_fp32: bool = field(default=True, metadata={
-        "help": "ours: fp32 LoRA weights under bf16 autocast, as `qie train` does (--no-lora_fp32: bf16 adapters)"})
+        "help": "ours: fp32 LoRA weights, as `qie train` keeps them (--no-lora_fp32: bf16 adapters)"})
+    compute_precision: Literal["auto", "pure", "autocast"] = field(default="auto", metadata={
+        "help": "ours: qie train --compute_precision (auto = pure bf16 over fp32 adapters; autocast = bf16 autocast)"})
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = field(default="auto", metadata={
         "help": "restrict scaled_dot_product_attention to one backend (torch.nn.attention.sdpa_kernel)"})
     compile_blocks: bool = field(default=False, metadata={
@@ -174,8 +177,7 @@ def run_case(spec: CaseSpec, ckpt: str, rank: int, module, pipe, dims: flops.DiT
 
                 swapper = BlockSwapper(module.dit, swap, device, "cpu").install()
             set_checkpointing(module, forward_ckpt)
-            autocast = dtype if (device.type == "cuda" and cfg.lora_fp32 and dtype != torch.float32) else None
-            step, optimizer = make_ours_step(module, entries, cfg.seed, autocast, device)
+            step, optimizer = make_ours_step(module, entries, cfg.seed)
         else:
             set_lora_dtype(lora_params, dtype)  # DiffSynth: add_lora_to_model(upcast_dtype=pipe.torch_dtype)
             step, optimizer = make_stock_step(pipe, lora_params, entries[0], forward_ckpt)
@@ -213,13 +215,14 @@ def run_case(spec: CaseSpec, ckpt: str, rank: int, module, pipe, dims: flops.DiT
     return row
 
 
-def options_of(cfg: TrainBenchConfig) -> dict:
+def options_of(cfg: TrainBenchConfig, impl: str = "ours") -> dict:
+    """A row's options (in its id); stock's step has no --compute_precision (its ids stay as they were)."""
     return {"sdpa_backend": cfg.sdpa_backend, "compile_blocks": cfg.compile_blocks, "fp8_base": cfg.fp8_base,
-            "lora_fp32": cfg.lora_fp32}
+            "lora_fp32": cfg.lora_fp32, **({"compute_precision": cfg.compute_precision} if impl == "ours" else {})}
 
 
 def base_row(spec: CaseSpec, ckpt: str, rank: int, cfg: TrainBenchConfig, env: dict, swap: int = 0) -> dict:
-    opts = {**options_of(cfg), **({"blocks_to_swap": swap} if swap else {})}
+    opts = {**options_of(cfg, spec.impl), **({"blocks_to_swap": swap} if swap else {})}
     opt_key = ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
     tag = f"/{cfg.tag}" if cfg.tag else ""
     return {
@@ -271,11 +274,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     rows, parity, numerics_result = [], None, None
     for rank in cfg.lora_ranks:
-        module = our_module(dit, rank, gradient_checkpointing=True, batch_size=1)
+        # qie train's builder (after the injection, --fp8_base quantises the frozen base layers only)
+        module = our_module(dit, rank, True, 1, device, dtype, cfg.compute_precision, cfg.fp8_base)
+        if cfg.fp8_base:
+            from diffsynth_qie.memory.fp8 import fp8_layers
+
+            log.info("FP8 base weights: %d linear layers", len(fp8_layers(dit)))
         # Start from DiffSynth's choice of adapter dtype (the pipeline dtype); each case then sets its own.
         set_lora_dtype(list(module.trainable_modules()), dtype)
-        if cfg.fp8_base:  # after the injection: only the frozen base layers are quantised
-            log.info("FP8 base weights: %d linear layers", build.apply_fp8_base(dit))
         if cfg.compile_blocks:
             build.compile_blocks(dit, cfg.compile_backend)
         if cfg.tiny and parity is None:

@@ -175,17 +175,17 @@ def test_training_loss_parity_with_diffsynth_and_it_can_fail():
     assert abs(other_stock - stock) > 1e-3 * abs(stock)  # a different σ/noise gives a different loss
 
 
-def test_ours_step_under_autocast_updates_fp32_lora():
-    """The GPU path of our step (fp32 adapters, bf16 autocast), exercised with CPU autocast on the tiny DiT."""
+@pytest.mark.parametrize("precision", ["pure", "autocast"])
+def test_ours_step_in_bf16_updates_fp32_lora(precision):
+    """The GPU path of our step (a bf16 DiT, fp32 adapters, pure or under autocast) on the tiny DiT on the CPU."""
     from benchmarks import train_step as ts
 
-    dit = build.build_dit(True, "cpu", torch.float32, seed=0)
-    module = ts.our_module(dit, 4, gradient_checkpointing=True, batch_size=2)
+    dit = build.build_dit(True, "cpu", torch.bfloat16, seed=0)
+    module = ts.our_module(dit, 4, True, 2, "cpu", torch.bfloat16, precision)
     params = list(module.trainable_modules())
-    ts.set_lora_dtype(params, torch.float32)
-    entries = ts.make_samples([SampleShape((8, 8), ((8, 8),), 5)] * 2, 32, 0, "cpu", torch.float32)
+    entries = ts.make_samples([SampleShape((8, 8), ((8, 8),), 5)] * 2, 32, 0, "cpu", torch.bfloat16)
     before = [p.detach().clone() for p in params]
-    step, _ = ts.make_ours_step(module, entries, 0, torch.bfloat16, torch.device("cpu"))
+    step, _ = ts.make_ours_step(module, entries, 0)
     loss = step()
     assert torch.isfinite(loss) and all(p.dtype == torch.float32 for p in params)
     assert sum(not torch.equal(a, p.detach()) for a, p in zip(before, params)) > 0
@@ -244,7 +244,8 @@ def test_train_step_options_smoke(tmp_path):
     assert sorted(r["checkpointing"] for r in rows) == ["every_1", "off"]
     for r in rows:
         assert r["status"] == "ok", r["status"]
-        assert r["options"] == {"sdpa_backend": "math", "compile_blocks": False, "fp8_base": True, "lora_fp32": False}
+        assert r["options"] == {"sdpa_backend": "math", "compile_blocks": False, "fp8_base": True, "lora_fp32": False,
+                                "compute_precision": "auto"}
         assert r["id"].endswith("/opts")
 
 
@@ -278,6 +279,8 @@ def test_train_step_numerics_and_the_extra_rows(tmp_path):
     swap = num["block_swap_parity"]
     assert swap["loss_equal"] and swap["grads_equal"] == swap["grads"] > 0 and swap["max_abs_grad_diff"] == 0
     assert 0 < num["lora_branch"]["max_rel_err"] < 1e-5 and num["lora_branch"]["layers"] > 0
+    prec = num["precision"]  # (an fp32 DiT: the autocast step alone computes its matmuls in bf16)
+    assert 0 < prec["rel_diff"] < 2e-3 and 0.98 < prec["grad_cosine"] < 1 and prec["loss_pure"] > 0
     extra = {k: v for r in out["rows"] for k, v in r["options"].items()
              if (k, v) in (("blocks_to_swap", 1), ("sdpa_backend", "math"), ("fp8_base", True))}
     assert extra == {"blocks_to_swap": 1, "sdpa_backend": "math", "fp8_base": True}

@@ -171,7 +171,7 @@ def test_a_row_without_a_rejected_image_is_refused(toy_forward):
 
     batch = _batch(n=2)
     batch["rejected_latents"] = [batch["rejected_latents"][0], None]
-    with pytest.raises(ValueError, match="entry 'r1' has no rejected image.*PREFERENCE.md.*--loss sft"):
+    with pytest.raises(ValueError, match="entry 'r1' has no rejected image.*PREFERENCE.md.*re-run `qie cache`"):
         flow_dpo_loss(_toy(), batch, _config())
     with pytest.raises(ValueError, match="needs a LoRA: pass --lora_rank"):
         flow_dpo_loss(_Toy(), _batch(n=1), _config())
@@ -233,6 +233,30 @@ def test_the_cache_holds_the_rejected_latents_at_the_targets_size(preference_cac
         assert not torch.equal(entry.rejected_latents, entry.target_latents)
 
 
+def test_rows_without_a_rejected_image_are_refused_before_anything_loads(preference_cache, cache_dir, tmp_path,
+                                                                        capfd):
+    """A preference cache beside a cache of plain rows: ``--loss dpo`` stops at the start, before the DiT loads
+    (its --model_dir does not even exist) and before the first step, naming the rows, their metadata file and the
+    fix; nothing is left behind."""
+    from conftest import fresh_accelerate
+
+    from diffsynth_qie.cache.store import CacheStore
+    from diffsynth_qie.cli import main
+
+    plain = CacheStore.open(cache_dir)
+    out = tmp_path / "run"
+    with fresh_accelerate():
+        code = main(["train", "--model", "tiny", "--model_dir", str(tmp_path / "no-model"), "--cache_dir",
+                     str(preference_cache), str(cache_dir), "--loss", "dpo", "--max_steps", "2", "--device", "cpu",
+                     "--lora_rank", "4", "--no_preflight", "--output_dir", str(out)])
+    err = capfd.readouterr().err
+    line = next((x for x in err.splitlines() if "no rejected image" in x), "")
+    assert code == 2 and not out.exists(), err
+    assert f"{len(plain)} of {len(plain) + 4} training rows have no rejected image" in line
+    assert plain.meta(0).row_id in line and plain.manifest["metadata"] in line and str(cache_dir) in line
+    assert "docs/PREFERENCE.md" in line and "re-run `qie cache`" in line and "--loss sft" not in line
+
+
 def test_dpo_training_resumes_exactly_after_a_kill(preference_cache, tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
@@ -288,18 +312,21 @@ def test_make_dataset_builds_preference_rows_from_two_folders(tmp_path):
     from diffsynth_qie.cli import build_parser
     from diffsynth_qie.data.formats import prepare_rows
 
-    for key, colour in (("a", (10, 10, 250)), ("b", (10, 250, 10)), ("c", (250, 10, 10))):
+    for key, colour in (("a", (10, 10, 250)), ("b", (10, 250, 10)), ("c", (250, 10, 10)), ("d", (9, 9, 9))):
         for folder, c in (("source", (128, 128, 128)), ("chosen", colour), ("rejected", (128, 128, 128))):
             (tmp_path / folder).mkdir(exist_ok=True)
-            Image.new("RGB", (64, 48), colour if (folder, key) == ("rejected", "c") else c).save(
-                tmp_path / folder / f"{key}.png")
+            if (folder, key) != ("rejected", "d"):  # d has no rejected image: not a preference row
+                Image.new("RGB", (64, 48), colour if (folder, key) == ("rejected", "c") else c).save(
+                    tmp_path / folder / f"{key}.png")
     out = tmp_path / "meta" / "metadata.jsonl"
     args = build_parser().parse_args(["make-dataset", "--target", str(tmp_path / "chosen"), "--source",
                                       str(tmp_path / "source"), "--rejected", str(tmp_path / "rejected"),
                                       "--prompt", "make it colourful", "--out", str(out), "--workers", "0"])
     assert args._run(args) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [Path(r["rejected"]).name for r in records] == ["a.png", "b.png", "c.png"]
+    assert [Path(r["rejected"]).name for r in records] == ["a.png", "b.png", "c.png"]  # d is not written
+    (skipped_d,) = [json.loads(line) for line in Path(f"{out}.skipped.jsonl").read_text().splitlines()]
+    assert (skipped_d["row_id"], skipped_d["field"]) == ("d", "rejected") and "--rejected" in skipped_d["reason"]
     good, skipped = prepare_rows(out, max_bad_fraction=0.5)
     assert [(r.row_id, r.rejected.resolve()) for r in good] == [
         (f"meta:{i}", (tmp_path / "rejected" / f"{k}.png").resolve()) for i, k in enumerate("ab")]

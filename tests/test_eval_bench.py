@@ -82,6 +82,35 @@ def test_reads_imgedit_and_gedit_as_they_ship(tmp_path):
     assert detect(tmp_path / "g") == "gedit"
 
 
+@pytest.mark.parametrize("field, value", [("id", 7), ("id", ["animal/1.jpg"]), ("id", ""), ("prompt", None),
+                                          ("prompt", ["make it red", "make it blue"]), ("prompt", 3), ("prompt", " ")])
+def test_an_imgedit_row_with_an_id_or_prompt_that_is_not_text_is_named(tmp_path, field, value):
+    """Not a traceback, and never the text "None" or "['a', 'b']" sent as the instruction: one line naming the
+    file, the row, the field and what it holds."""
+    root = _imgedit_dir(tmp_path / "imgedit")
+    meta = json.loads((root / "basic_edit.json").read_text())
+    meta["101"][field] = value
+    (root / "basic_edit.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"basic_edit.json: row '101': '{field}' must be "):
+        read_bench(root)
+
+
+@pytest.mark.parametrize("keys", [("a/b", "a_b"), ("x" * 80 + "1", "x" * 80 + "2")])
+def test_two_rows_that_would_write_one_file_are_refused_before_anything_is_edited(tmp_path, keys):
+    """Keys that differ only in characters a file name cannot hold, or after the 80 a file name keeps, would write
+    one output for two rows: refused when the benchmark is read, naming both rows and the file."""
+    from diffsynth_qie.inference.bench_layout import export
+
+    root = _imgedit_dir(tmp_path / "imgedit")
+    meta = json.loads((root / "basic_edit.json").read_text())
+    (root / "basic_edit.json").write_text(json.dumps(dict(zip(keys, meta.values()))))
+    with pytest.raises(ValueError, match=f"rows {keys[0]!r} and {keys[1]!r} would both be written as "):
+        read_bench(root)
+    with pytest.raises(ValueError, match="would both be written as"):  # the writer refuses them too
+        export("gedit", tmp_path / "out", [_image(0)] * 2, ["a", "b"], [_image(1)] * 2, [{"key": k} for k in keys])
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_run_writes_the_benchmark_layout_with_judge_scores(tiny_model_dir, tmp_path, judge_server, capsys,
                                                                 monkeypatch):
     """... and with --reward holding a judge term too, each row is turned into pixels once and judged once."""

@@ -197,7 +197,7 @@ def test_a_hanging_judge_cannot_stall_eval_edits_past_its_timeout(caplog):
 
     class Editor:  # the edit itself is not what is tested: the source, bluer
         def edit(self, request):
-            return SimpleNamespace(image=Image.blend(request.images[0], OUT, 0.5), sub_image=None)
+            return SimpleNamespace(image=Image.blend(request.images[0], OUT, 0.5), sub_image=None, cache=None)
 
     cases = [EvalCase(images=[SRC], prompt=f"make it blue {i}", target=None, extra={"key": f"k{i}"})
              for i in range(4)]

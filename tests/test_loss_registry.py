@@ -70,6 +70,22 @@ def test_every_loss_declares_a_valid_config_and_capabilities():
         assert spec.config_of(type("Saved", (), back)()) == spec.config_of(resolved)
 
 
+# the steps every loss repeats, each defined once in training/losses/common.py (what its helper calls)
+SHARED_STEPS = {"draw_timesteps(": "draw_flow_points", "add_noise(": "draw_flow_points",
+                "flow_target(": "draw_flow_points", "join_prompt(": "joined_prompts", "mask_weights(": "pixel_weights"}
+
+
+def test_every_loss_takes_the_repeated_steps_from_common():
+    """A loss draws its σ and noise, builds the flow target, joins the prompt and weighs the mask through
+    ``losses/common.py``, so a loss added later cannot grow its own copy (and the order of the draws is kept)."""
+    import inspect
+
+    for name, spec in LOSSES.items():
+        source = inspect.getsource(inspect.getmodule(spec.fn))
+        for call, helper in SHARED_STEPS.items():
+            assert call not in source, f"--loss {name} calls {call.rstrip('(')} itself; use common.{helper}"
+
+
 def test_registry_imports_no_torch():
     code = ("import sys; import diffsynth_qie.training.losses.registry as r; "
             "assert r.LOSSES and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]")

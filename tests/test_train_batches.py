@@ -412,7 +412,7 @@ def test_unequal_micro_batches_give_the_gradient_of_one_batch(cache_dir, tiny_mo
     spies = []
 
     class GradSpy(torch.optim.SGD):  # records the accumulated gradients the optimizer step sees
-        def __init__(self, params, config):
+        def __init__(self, params, config, deepspeed=False):
             super().__init__(list(params), lr=0.0)
             self.grads = []
             spies.append(self)

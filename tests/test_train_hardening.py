@@ -22,11 +22,15 @@ class _Lines(logging.Handler):
 
 @pytest.fixture
 def ema_log():
+    """The training's log lines, INFO included (whatever an earlier test left the level at)."""
     handler = _Lines()
     logger = logging.getLogger("diffsynth_qie.training")
+    level = logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     yield handler.lines
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.mark.parametrize("device", ["tpu:7", "cpu:abc", "meta", "gpu", "cuda:0"])
@@ -111,12 +115,54 @@ def test_resume_drops_adds_and_re_decays_the_ema(cache_dir, tiny_model_dir, tmp_
                           resume="latest" if resume else None))
 
     run(1, 0.9, resume=False)
-    run(2, 0.0)  # dropped
+    assert (out / "lora_ema.safetensors").is_file()
+    run(2, 0.0)  # dropped: the step-1 average is not left beside the step-2 LoRA
     assert any("the checkpoint's EMA (decay 0.9) is dropped" in x for x in ema_log)
     assert not list((out / "checkpoint-2").rglob("custom_checkpoint_*"))
+    assert (out / "lora.safetensors").is_file() and not (out / "lora_ema.safetensors").exists()
+    assert any(x.startswith("removed ") and "lora_ema.safetensors: it was an earlier run's average" in x for x in ema_log)
     run(3, 0.5)  # added, from the resumed weights
     assert any("the checkpoint has no EMA, so it starts from the resumed weights" in x for x in ema_log)
     run(4, 0.8)  # re-decayed
     assert any("resuming with --ema_decay 0.8 (the checkpoint had 0.5)" in x for x in ema_log)
     with safe_open(str(Path(out) / "lora_ema.safetensors"), "pt") as f:
         assert "0.8" in f.metadata()["weights"]
+
+
+def test_an_export_the_trained_modules_cannot_make_is_refused_before_anything_loads(cache_dir, tmp_path, capfd):
+    """vLLM-Omni puts no LoRA on img_mod.1 / txt_mod.1, which the tiny preset trains by default: the run stops
+    before the model loads (its --model_dir does not even exist), naming the modules and the three ways out."""
+    from diffsynth_qie.cli import main
+
+    out = tmp_path / "run"
+    with fresh_accelerate():
+        code = main(["train", "--model", "tiny", "--model_dir", str(tmp_path / "no-model"), "--cache_dir",
+                     str(cache_dir), "--export", "comfyui,vllm-omni", "--max_steps", "1", "--device", "cpu",
+                     "--output_dir", str(out)])
+    err = capfd.readouterr().err
+    line = next((x for x in err.splitlines() if "--export vllm-omni" in x), "")
+    assert code == 2 and not out.exists(), err
+    assert "img_mod.1" in line and "txt_mod.1" in line and "to_q" not in line
+    assert "--lora_targets serving" in line and "--drop_unsupported" in line
+
+
+def test_drop_unsupported_writes_every_export_with_what_its_runtime_loads(cache_dir, tiny_model_dir, tmp_path):
+    """``qie train --export vllm-omni,diffusers --drop_unsupported``: the flag parses, training runs, and both
+    exports are written, vLLM-Omni's without the modules it cannot load."""
+    import json
+
+    from diffsynth_qie.cli import build_parser
+    from diffsynth_qie.commands import train as train_cmd
+    from diffsynth_qie.training.loop import train
+
+    args = build_parser().parse_args(["train", "--cache_dir", "c", "--output_dir", "o", "--export", "vllm-omni",
+                                      "--drop_unsupported"])
+    assert train_cmd.config_from_args(args).lora.drop_unsupported is True
+    cfg = _config(cache_dir, tiny_model_dir, tmp_path / "run", max_steps=1, save_every=0)
+    cfg.lora.export, cfg.lora.drop_unsupported = "vllm-omni,diffusers", True
+    with fresh_accelerate():
+        result = train(cfg)
+    folder = Path(result.lora_path).parent
+    targets = json.loads((folder / "lora_vllm-omni" / "adapter_config.json").read_text())["target_modules"]
+    assert targets and not [t for t in targets if t.endswith(("img_mod.1", "txt_mod.1"))]
+    assert (folder / "lora_diffusers.safetensors").is_file()

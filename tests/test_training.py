@@ -219,6 +219,46 @@ def test_mask_weights_keep_the_loss_scale_and_ratio():
     assert per_sample_mse(err, torch.zeros_like(err), mask_weights(m, 0.0, 1.0)) == pytest.approx(0.0)
 
 
+def test_flow_points_are_per_sample_and_share_sigma_and_noise_with_a_paired_image():
+    """common.draw_flow_points: σ_b then ε_b per sample (a batch of 2 draws what two batches of 1 draw from one
+    generator), x_σ = (1-σ)·x0 + σ·ε in the latents' dtype, target ε - x0 in fp32, and ``at`` noises other
+    latents (DPO's rejected image) at each sample's own σ and ε."""
+    from diffsynth_qie.models.family import EDIT
+    from diffsynth_qie.training.config import TimestepConfig
+    from diffsynth_qie.training.losses.common import draw_flow_points
+    from diffsynth_qie.training.timesteps import Strata
+
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(4, 2, 3, generator=g).to(torch.bfloat16) for _ in range(2)]
+    other = [torch.randn(4, 2, 3, generator=g) for _ in range(2)]
+    cfg = TimestepConfig(timestep_sampling="stratified")
+    both = draw_flow_points(x, cfg, torch.Generator().manual_seed(5), family=EDIT, strata=Strata((1, 0), 2))
+    one = torch.Generator().manual_seed(5)
+    alone = [draw_flow_points([xb], cfg, one, family=EDIT, strata=Strata((k,), 2)) for xb, k in zip(x, (1, 0))]
+    assert torch.equal(both.sigmas, torch.cat([a.sigmas for a in alone]))
+    assert torch.equal(both.weights, torch.cat([a.weights for a in alone])) and both.weights.shape == (2,)
+    assert torch.allclose(both.timesteps, 1000 * both.sigmas)
+    assert float(both.sigmas[0]) < float(both.sigmas[1])  # stratum 1 of 2: the table's second half, nearer the data
+    noisy_other, target_other = both.at(other)
+    for b in range(2):
+        eps, s = both.noise[b].float(), float(both.sigmas[b])
+        assert torch.equal(eps, alone[b].noise[0].float()) and both.noisy[b].dtype == torch.bfloat16
+        assert torch.allclose(both.noisy[b].float(), ((1 - s) * x[b].float() + s * eps).bfloat16().float())
+        assert both.target[b].dtype == torch.float32 and torch.equal(both.target[b], eps - x[b].float())
+        assert torch.allclose(noisy_other[b], (1 - s) * other[b] + s * eps)
+        assert torch.equal(target_other[b], eps - other[b])
+
+
+def test_pixel_weights_read_the_masks_only_with_the_flag():
+    from diffsynth_qie.training.losses.common import mask_weights, pixel_weights
+
+    masks = [torch.rand(1, 4, 4), None]
+    assert pixel_weights(None, masks, 2) == [None, None]
+    assert pixel_weights((1.0, 0.5), None, 2) == [None, None]  # a batch without masks
+    w = pixel_weights((2.0, 0.5), masks, 2)
+    assert torch.equal(w[0], mask_weights(masks[0], 2.0, 0.5)) and w[1] is None
+
+
 # --- data ------------------------------------------------------------------------------
 def test_dataset_dropout_and_prompt_choice_are_deterministic(store):
     from diffsynth_qie.training.data import CacheDataset, SampleKey

@@ -230,6 +230,7 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             _given(page, "Example 1 loaded")
             assert page.input_value("#prompt textarea") == "make the red circle blue"
             _set_number(page, "steps", 6)
+            page.get_by_label("Balanced").check()  # the first result is a cached one (the Speed setting)
             status = _generate(page, 0)
             assert "6 steps" in status and "LoRA lora.safetensors × 1" in status.replace("`", ""), status
             assert "mask covers" in status, f"the example's mask did not reach the server: {status}"
@@ -248,7 +249,8 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             before, after = _fetch_image(before_src), _fetch_image(after_src)
             assert before.size == after.size == EXAMPLE_SIZE
             settings = json.loads(after.text["diffsynth-qie"])
-            assert (settings["seed"], settings["steps"], settings["lora"]) == (0, 6, "lora.safetensors")
+            assert (settings["seed"], settings["steps"], settings["lora"], settings["cache"]) == \
+                (0, 6, "lora.safetensors", "balanced")
             clip = page.locator("#result img.fixed").get_attribute("style")
             slider = page.locator("#result [data-testid=slider]")
             slider.scroll_into_view_if_needed()
@@ -269,6 +271,8 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             command = page.input_value("#qie-command textarea")
             assert command.startswith(f"{Path(sys.executable).parent / 'qie'} edit --model tiny"), command
             assert "--seed 0" in command and "--steps 6" in command and f"--lora {tmp_path}/loras/lora" in command
+            assert "--cache balanced" in command, command
+            page.get_by_label("Exact").check()
 
             # An error inside the run (a LoRA whose keys fit no module): a toast, the last result stays on screen,
             # Generate works again (it stayed locked, under an "Error" pill, before).
@@ -315,7 +319,7 @@ def test_mask_edit_in_headless_chromium(server, tmp_path):
             # History: the first result (the oldest, last in the gallery) brings its settings back.
             page.locator("#history img").last.click()
             page.wait_for_function("() => document.querySelector('#steps input[type=number]')?.value === '6'")
-            assert page.get_by_label("Flow matching").is_checked()
+            assert page.get_by_label("Flow matching").is_checked() and page.get_by_label("Balanced").is_checked()
             assert page.input_value("#lora input").startswith("lora.safetensors · flow matching")
             assert _shown(page)[1].endswith("edit_seed0_lora.png")
             first_result = _fetch_image(_shown(page)[1])

@@ -108,16 +108,15 @@ def test_picking_a_lora_sets_its_schedule_and_offers_its_frozen_lora(tmp_path):
     offer = h.stack_offer("task/lora.safetensors")
     assert (offer.name, offer.scale) == ("turbo.safetensors", 0.8)
     assert "trained on top of `turbo.safetensors` (scale 0.8)" in h.lora_status("task/lora.safetensors")
-    out = cb.pick_lora("task/lora.safetensors", None, MODE_FLOW, MODE_FLOW, 40, None, 4.0)
+    out = cb.pick_lora("task/lora.safetensors", None, MODE_FLOW, MODE_FLOW, 40, None)
     assert out[-1]["visible"] is True and out[-1]["value"] == "Stack with turbo.safetensors × 0.8"
     # One click: the frozen LoRA as the second LoRA at its scale, and Steps and CFG of its declared schedule.
-    lora2, scale, status, button, steps, cfg, advanced = cb.stack_frozen("task/lora.safetensors", None, MODE_FLOW,
-                                                                         40, 4.0)
+    lora2, scale, status, button, steps, cfg, advanced = cb.stack_frozen("task/lora.safetensors", None, MODE_FLOW)
     assert (lora2, scale, button["visible"], steps["value"], cfg["value"]) == ("turbo.safetensors", 0.8, False, 6, 1.0)
     assert "declares its schedule" in status and advanced["open"] is True
     assert h.stack_offer("task/lora.safetensors", "turbo.safetensors") is None  # already stacked
     # Picking the turbo LoRA itself sets Steps and CFG (flow matching only).
-    picked = cb.pick_lora("turbo.safetensors", None, MODE_FLOW, MODE_FLOW, 40, None, 4.0)
+    picked = cb.pick_lora("turbo.safetensors", None, MODE_FLOW, MODE_FLOW, 40, None)
     assert picked[2]["value"] == 6 and picked[3]["value"] == 1.0
 
 

@@ -44,7 +44,7 @@ def _distinct(mode: str) -> dict:
     painted[4:20, 4:30] = (255, 0, 255, 255)
     return dict(
         prompt="turn the square teal", negative_prompt="blurry edges", mode=mode, steps=7, lbm_steps=3, cfg=2.5,
-        seed=123, variations=2, live_preview=2, lora="a.safetensors", lora_scale=0.35, lora2="b.safetensors", lora2_scale=-0.45,
+        seed=123, cache="balanced", variations=2, live_preview=2, lora="a.safetensors", lora_scale=0.35, lora2="b.safetensors", lora2_scale=-0.45,
         mask_grow=3, width=48, height=32, strength=0.55, mask_blend=0.65, mask_feather=1.5, mask_invert=True,
         editor={"background": Image.new("RGB", (W, H), (30, 60, 90)), "layers": [Image.fromarray(painted, "RGBA")],
                 "composite": None},

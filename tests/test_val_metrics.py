@@ -127,7 +127,7 @@ def test_validator_metrics_are_output_vs_target(store, tiny_pipe, tiny_model_dir
     v = validator(store, indices, tmp_path, tiny_model_dir, steps=2, cfg=1.0)
     v.run(3, module, torch.device("cpu"), torch.float32)
     renders = v.render(module, torch.device("cpu"), torch.float32)
-    pipe, lp = v._pipe(), L.load_lpips()
+    pipe, lp = v.decoder.pipe(), L.load_lpips()
     pairs = [(M.to_pixels([decode_latents(pipe, r.latents)]), M.to_pixels([decode_latents(pipe, r.target)]))
              for r in renders]  # one batch each: the held-out entries differ in size
 

@@ -191,13 +191,13 @@ def test_validation_writes_strips_and_leaves_training_state_alone(store, tiny_pi
         assert saved.size == (round(ref_w * height / ref_h) + 2 * width, height)
         assert images[r.name].tobytes() == saved.tobytes()
         # panels: [reference | target | output], each the VAE decode of the cached/sampled latents
-        pipe = v._pipe()
+        pipe = v.decoder.pipe()
         output = decode_latents(pipe, r.latents)
         target = decode_latents(pipe, entry.target_latents)
         x0 = saved.width - 2 * width
         assert saved.crop((x0, 0, x0 + width, height)).tobytes() == target.tobytes()
         assert saved.crop((x0 + width, 0, saved.width, height)).tobytes() == output.tobytes()
-    assert tuple(v._vae_pipe.qie_model_paths) == ("vae",)  # the VAE alone
+    assert tuple(v.decoder.vae_pipe.qie_model_paths) == ("vae",)  # the VAE alone
 
 
 def test_side_by_side_scales_panels_to_the_output_height():

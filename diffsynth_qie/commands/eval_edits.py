@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cfg", type=checked(float, 0, 100), default=1.0, help="true CFG scale (1 = off)")
     parser.add_argument("--lbm_steps", type=checked(int, 1, 4), default=None, help="LBM bridge sampling with N steps")
     parser.add_argument("--seed", type=checked(int, 0, INT64_MAX), default=0)
+    from .edit import add_cache_arguments
+
+    add_cache_arguments(parser)
     parser.add_argument("--few_steps", type=checked(int, 1, 10000), action="append", default=[], metavar="N",
                         help="also score the LoRA at N steps (LBM: N bridge steps, 1-4), e.g. a Lightning LoRA's 4 "
                              "or 8 (repeatable); one line says how much each loses against --steps")
@@ -96,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
     kwargs = dict(use_mask=not args.no_mask, steps=args.steps, cfg=args.cfg, seed=args.seed,
                   lbm_steps=args.lbm_steps, lpips_model=load_lpips(), clip=_clip(args.clip), judge=judge,
-                  reward=_reward(args, judge))
+                  reward=_reward(args, judge), cache=args.cache, cache_method=args.cache_method,
+                  cache_threshold=args.cache_threshold)
     reports = {"base": evaluate(editor, cases, column="base", **kwargs)}
     scores = {"base": reports["base"].scores}
     if args.lora:
@@ -156,6 +160,9 @@ def check_flags(args: argparse.Namespace) -> None:
         from ..metrics.rewards import parse_reward
 
         parse_reward(args.reward, judge=object() if args.judge else None, judge_flag="--judge")
+    from ..models.samplers.step_cache import cache_settings
+
+    cache_settings(args.cache, args.cache_method, args.cache_threshold)
 
 
 def _cases(args: argparse.Namespace) -> list:
@@ -202,6 +209,9 @@ def _stacked_on_frozen(editor, args: argparse.Namespace, cases, kwargs: dict):
 
 def _log_psnr(reports: dict, rows: int) -> None:
     base = reports["base"]
+    stats = [s for r in reports.values() for s in r.cache if s is not None]
+    if stats:
+        log.info("the step cache reused %d of %d DiT calls", sum(s.skipped for s in stats), sum(s.calls for s in stats))
     if not base.psnr:
         return  # benchmark rows: no target
     line = f"held-out PSNR to target ({rows} rows): base {base.mean_psnr:.2f} dB"

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,6 +18,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..lora.inspect import describe, describe_text
 
-    info = describe(args.path)
+    try:
+        info = describe(args.path)
+    except ValueError as e:
+        if not args.json:
+            raise
+        # --json: a script reading stdout gets an object for a damaged file too
+        sys.stdout.write(json.dumps({"file": str(args.path), "error": str(e)}, indent=1) + "\n")
+        log.error("%s", e)
+        return 2
     sys.stdout.write((json.dumps(info, indent=1) if args.json else describe_text(info)) + "\n")
     return 0

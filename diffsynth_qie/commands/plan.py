@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train: the text encoder and VAE run beside the DiT (qie train --on_the_fly)")
     parser.add_argument("--nft_group_size", type=checked(int, 2, 256), default=4,
                         help="train, --loss nft: rollouts per source (qie train --nft_group_size)")
+    parser.add_argument("--compute_precision", default="auto", choices=("auto", "pure", "autocast"),
+                        help="train: qie train --compute_precision (auto = pure bf16 over fp32 LoRA weights; "
+                             "autocast = bf16 autocast); --verify runs it")
     parser.add_argument("--ema_decay", type=checked(float, 0.0, 1.0), default=0.0,
                         help="train: keep an fp32 EMA of the LoRA (qie train --ema_decay; 0 = none)")
     parser.add_argument("--validate_with", default="raw", choices=("raw", "ema", "both"),
@@ -55,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv_cache", default="on", choices=("on", "off"),
                         help="edit, Qwen-Image-2.1: its prefix KV cache on the GPU, or off (each step recomputes "
                              "the prefix; --gpu_memory_gb turns it off when nothing else fits)")
+    from .edit import add_cache_arguments
+
+    add_cache_arguments(parser.add_argument_group("edit: the step cache (--verify runs it: it reuses wherever allowed)"))
     for name in ("text_encoder", "vae"):
         parser.add_argument(f"--{name}_device", default="gpu", choices=("gpu", "cpu"),
                             help=f"edit / --on_the_fly: where the {name.replace('_', ' ')} runs (cpu: host RAM, fp32)")
@@ -96,6 +102,10 @@ def run(args) -> int:
     args.gpu_memory_gb = memory_of(getattr(args, "gpu", None), args.gpu_memory_gb)
     if getattr(args, "mixed", False) and not args.verify:
         raise ValueError("--mixed shapes the batch of the --verify run; add --verify, or drop --mixed")
+    from ..models.samplers.step_cache import cache_settings
+
+    if cache_settings(args.cache, args.cache_method, args.cache_threshold) is not None and args.task != "edit":
+        raise ValueError(f"--cache {args.cache} is an edit's step cache; add --task edit, or drop --cache")
     census = _census(args)
     if not family.fullsize_verify:
         log.warning("%s: weights, LoRA and optimizer state are counted exactly; activations use the constants "
@@ -146,6 +156,7 @@ def options_of(args):
                        num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
                        text_encoder_on_gpu=args.text_encoder_device == "gpu", vae_on_gpu=args.vae_device == "gpu",
                        ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),
+                       compute_precision=args.compute_precision,
                        kv_cache=args.kv_cache, pairs=args.task == "train" and loss_spec(args.loss).preference,
                        rollouts=args.nft_group_size if args.task == "train" and loss_spec(args.loss).needs_rollouts else 0)
 

@@ -48,8 +48,8 @@ def train_config(args, options):
         train=dataclasses.replace(cfg.train, model=args.model, cache_dir="-", output_dir="-",
                                   batch_size=options.batch_size, gradient_checkpointing=options.gradient_checkpointing,
                                   fp8_base=options.fp8_base, blocks_to_swap=options.blocks_to_swap,
-                                  ema_decay=ema_decay,
-                                  validate_with=options.validate_with),
+                                  ema_decay=ema_decay, validate_with=options.validate_with,
+                                  compute_precision=options.compute_precision),
         lora=dataclasses.replace(cfg.lora, lora_rank=options.lora_rank),
         optim=dataclasses.replace(cfg.optim, optimizer=options.optimizer),
         loss=dataclasses.replace(cfg.loss, loss=args.loss))
@@ -205,14 +205,16 @@ def _run_edit(args, options, family) -> FakeRun:
                     lora_ranks=tuple(r for r in options.lora_ranks if r))  # each stacked LoRA its own branches
     r = verify_edit(preset, resolution=options.resolution, ref_images=max(1, options.ref_images),
                     prompt_tokens=options.prompt_tokens, steps=args.edit_steps, cfg=cfg, num_layers=args.verify_blocks,
-                    kv_cache=options.kv_cache == "on", load=load, costs=_counts(args))
+                    kv_cache=options.kv_cache == "on", load=load, costs=_counts(args), cache=args.cache,
+                    cache_method=args.cache_method, cache_threshold=args.cache_threshold)
     rows = [("weights", r.weights)] + [(f"{k} peak", getattr(r, f"{k}_peak")) for k in ("encode", "denoise", "decode")]
     if r.kv_cache:
         rows.append(("prefix KV caches", r.kv_cache))
     phase = max(rows[1:4], key=lambda kv: kv[1])[0].replace(" peak", "")
     peak = max(b for name, b in rows if name.endswith("peak"))
-    return FakeRun(f"one edit ({args.edit_steps} steps, CFG {cfg:g})", rows, f"edit: {phase}", peak, r.weights,
-                   r.seconds, profile=r.costs, steps_run=args.edit_steps)
+    cached = f", step cache {args.cache}: {r.cache_skipped} of {r.cache_calls} calls reused" if r.cache_calls else ""
+    return FakeRun(f"one edit ({args.edit_steps} steps, CFG {cfg:g}{cached})", rows, f"edit: {phase}", peak,
+                   r.weights, r.seconds, profile=r.costs, steps_run=args.edit_steps)
 
 
 def _counts(args) -> bool:

@@ -3,12 +3,12 @@
 Files are matched by *key*: the path below its folder without the extension
 (``a.png`` -> ``a``, ``sub/b.jpg`` -> ``sub/b``). Every key of ``--target`` is one
 candidate row; each ``--source`` folder must hold the same key (several sources make a
-multi-image edit, in the order given); ``--mask``, ``--ref_gt`` and ``--rejected`` (a
-preference dataset's rejected outputs; the targets are the chosen ones) are optional per
-row. Prompts come from one of: ``--prompt`` (the same for every row), ``--prompts FILE``
-(CSV or JSONL with a ``stem`` column and ``prompt`` or ``instruction``, optionally
-``instruction_cn``, ``inverse_instruction``, ``inverse_instruction_cn``), or a ``.txt``
-beside each target (``<target>/<key>.txt``).
+multi-image edit, in the order given); ``--mask`` and ``--ref_gt`` are optional per row;
+with ``--rejected`` (a preference dataset's rejected outputs; the targets are the chosen ones)
+every row needs one, and a target without it is skipped with the reason. Prompts come from
+one of: ``--prompt`` (the same for every row), ``--prompts FILE`` (CSV or JSONL with a ``stem``
+column and ``prompt`` or ``instruction``, optionally ``instruction_cn``, ``inverse_instruction``,
+``inverse_instruction_cn``), or a ``.txt`` beside each target (``<target>/<key>.txt``).
 
 Every image is opened with :func:`~.images.open_image` (the project's loader and its
 pixel cap) in worker processes: a row whose images cannot be read, exceed
@@ -216,6 +216,10 @@ def _match_one(spec, key, target, others, prompts, scan) -> Optional[SkippedRow]
                 return SkippedRow(key, "back_mask" if name == "mask" else name, _folder(spec, name),
                                   f"several {name} files share this stem")
             optional[name] = files.get(key)
+            if optional[name] is None and name == "rejected":  # --loss dpo refuses a row that is not a pair
+                return SkippedRow(key, "rejected", _folder(spec, name), "no rejected image with this stem: with "
+                                  "--rejected every row is a chosen/rejected pair; add one to the --rejected folder "
+                                  "or remove the target")
             if optional[name] is None:  # allowed (the row trains without it), but said in the summary
                 scan.without.setdefault(name, []).append(key)
     if spec.prompt is not None:

@@ -18,6 +18,8 @@ Four things are added on top of the mode:
   asked for it and the fix; so does a CUDA driver error raised inside the session.
 - **Legal CUDA calls are modelled** (``streams.py``): streams, events, ``synchronize``,
   ``torch.Generator("cuda")`` and pinned host memory work without a driver.
+- **The step cache decides without values** (:func:`step_cache_answers`): its one designed host read, and its
+  schedule, are answered "reuse" wherever a reuse is allowed, so a cached edit runs its reusing path.
 - **Live device bytes are counted** (``accounting.py``). Every device storage is registered when an
   operator makes it and released when Python frees it (storages keep their Python object while alive), so
   the peak of live bytes per phase is exact for what the program holds. It cannot see allocator
@@ -77,6 +79,7 @@ class FakeCuda:
         self._stack.enter_context(FusedAttention(self._ops))
         self._stack.enter_context(module_moves_set_data())
         self._stack.enter_context(node_hooks_kept())
+        self._stack.enter_context(step_cache_answers())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -143,6 +146,21 @@ class FakeCuda:
         return self.memory.current
 
 
+
+
+@contextlib.contextmanager
+def step_cache_answers(answer: bool = True) -> Iterator[None]:
+    """The step cache's decisions without values (``models/samplers/cached_blocks.py``): its one designed host read
+    (``StepCache.read``, the first-block method's boolean per DiT call) is answered ``answer`` instead of read, and so
+    is the schedule method's plan, at every step past the warm-up: the run computes its first step(s) and then
+    reuses at every step it may, the path that holds the cached residuals. Any other host read stays an error."""
+    from ..models.samplers.cached_blocks import StepCache
+
+    saved, StepCache.answer_without_reading = StepCache.answer_without_reading, answer
+    try:
+        yield
+    finally:
+        StepCache.answer_without_reading = saved
 
 
 def _frame_of(tb) -> str:

@@ -8,7 +8,8 @@ docs/SCORECARD.md.
   ``basic_edit.json`` of github.com/PKU-YuanGroup/ImgEdit ``Benchmark/``): a JSON file mapping each key to
   ``{"id": <source path>, "prompt": <instruction>, "edit_type": ...}``; ``id`` is relative to the folder's
   ``singleturn/`` (the tarball's), else ``sources/`` (what ``--export imgedit`` writes), else the folder itself.
-  The JSON is ``DIR/basic_edit.json``, else ``DIR/edit.json``.
+  The JSON is ``DIR/basic_edit.json``, else ``DIR/edit.json``. ``id`` and ``prompt`` must be text (anything else
+  is named, not sent as its string).
 - ``gedit`` (GEdit-Bench, huggingface.co/datasets/stepfun-ai/GEdit-Bench): the dataset's parquet files under
   ``DIR`` (``DIR/data/train-*.parquet`` after ``huggingface-cli download ... --local-dir DIR``), columns
   ``key``, ``task_type``, ``instruction``, ``instruction_language`` and ``input_image`` (``{"bytes", "path"}``).
@@ -54,11 +55,24 @@ def detect(bench_dir: str | Path) -> str:
 
 def read_bench(bench_dir: str | Path, limit: Optional[int] = None) -> tuple[str, list[BenchRow]]:
     """(layout, rows) of a benchmark folder, the first ``limit`` rows (all with None)."""
+    from .bench_layout import check_unique
+
     layout = detect(bench_dir)
     rows = imgedit_rows(bench_dir, limit) if layout == "imgedit" else gedit_rows(_parquet_records(bench_dir), limit)
     if not rows:
         raise ValueError(f"--bench {bench_dir}: no rows to edit")
+    check_unique(layout, [r.extra for r in rows], f"--bench {bench_dir}")  # before anything is edited
     return layout, rows
+
+
+def _text(value, where: str, field: str) -> str:
+    """``value`` as the text it must be: a string with something visible, else one line naming it."""
+    from ..utils.text import is_empty_prompt
+
+    if not isinstance(value, str) or is_empty_prompt(value):
+        raise ValueError(f"{where}: {field!r} must be a non-empty text, got {json.dumps(value, ensure_ascii=False)}; "
+                         "fix the row or drop it")
+    return value
 
 
 def imgedit_rows(bench_dir: str | Path, limit: Optional[int] = None) -> list[BenchRow]:
@@ -76,12 +90,13 @@ def imgedit_rows(bench_dir: str | Path, limit: Optional[int] = None) -> list[Ben
     for key, item in list(meta.items())[:limit]:
         if not isinstance(item, dict) or "id" not in item or "prompt" not in item:
             raise ValueError(f"{meta_file}: row {key!r} needs 'id' (the source image) and 'prompt'")
-        path = next((root / r / item["id"] for r in IMGEDIT_ROOTS if (root / r / item["id"]).is_file()), None)
+        where = f"{meta_file}: row {key!r}"
+        source, prompt = _text(item["id"], where, "id"), _text(item["prompt"], where, "prompt")
+        path = next((root / r / source for r in IMGEDIT_ROOTS if (root / r / source).is_file()), None)
         if path is None:
-            raise ValueError(f"{meta_file}: row {key!r}: source {item['id']} is in none of "
+            raise ValueError(f"{where}: source {source} is in none of "
                              f"{', '.join(str(root / r) for r in IMGEDIT_ROOTS)}")
-        rows.append(BenchRow(load_rgb(path), str(item["prompt"]),
-                             {"key": str(key), "edit_type": str(item.get("edit_type", "custom"))}))
+        rows.append(BenchRow(load_rgb(path), prompt, {"key": str(key), "edit_type": str(item.get("edit_type", "custom"))}))
     return rows
 
 
@@ -97,7 +112,8 @@ def gedit_rows(records: Iterable[dict], limit: Optional[int] = None) -> list[Ben
         data = image.get("bytes") if isinstance(image, dict) else None
         if not data or "instruction" not in rec:
             raise ValueError(f"GEdit-Bench row {rec.get('key', i)!r} has no input_image bytes or no instruction")
-        rows.append(BenchRow(to_rgb(Image.open(io.BytesIO(data))), str(rec["instruction"]),
+        prompt = _text(rec["instruction"], f"GEdit-Bench row {rec.get('key', i)!r}", "instruction")
+        rows.append(BenchRow(to_rgb(Image.open(io.BytesIO(data))), prompt,
                              {k: str(rec[k]) for k in GEDIT_FIELDS if rec.get(k) is not None}))
     return rows
 

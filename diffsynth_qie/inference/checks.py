@@ -9,6 +9,7 @@ from PIL import Image
 
 from ..data.images import check_pixels
 from ..models.samplers.lightning import check_scheduler
+from ..models.samplers.step_cache import cache_settings
 from ..utils.text import is_empty_prompt
 from .masking import check_strength
 
@@ -47,6 +48,8 @@ def check_request(request) -> None:
     if not isinstance(every, int) or isinstance(every, bool) or every < 0:
         raise ValueError(f"preview_every must be a whole number of steps >= 0 (0 = no previews), got {every!r}")
     check_strength(request.mask_blend)
+    cache_settings(getattr(request, "cache", "off"), getattr(request, "cache_method", None),
+                   getattr(request, "cache_threshold", None))
     if request.height is not None and request.width is not None \
             and request.height * request.width > request.max_output_pixels:
         raise ValueError(f"the requested output {request.width}x{request.height} is "

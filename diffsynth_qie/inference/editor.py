@@ -44,7 +44,9 @@ from ..models.family import EDIT, family_of_pipe
 from ..models.qwen_image_edit.edit_ops import reference_size  # noqa: F401 (public here)
 from ..models.family_ops import ops_for
 from ..models.qwen_image_edit.forward import bound_rope_cache
+from ..models.samplers.cached_blocks import step_cache_for
 from ..models.samplers.sampling import sample_bridge, sample_flow_match, seeded_noise, uses_cfg
+from ..models.samplers.step_cache import cache_settings
 from ..models.samplers.schedules import ScheduleSpec
 from .checks import check_request
 from .request import DEFAULT_MAX_PIXELS, EditRequest, EditResult, output_size  # noqa: F401 (public here too)
@@ -238,6 +240,11 @@ class Editor:
             raise ValueError(f"{self.family.label} has no LBM sampler "
                              "(drop lbm_steps / --lbm_steps)")
         cfg = request.lbm_cfg if lbm else (self.family.default_cfg if request.cfg is None else request.cfg)
+        if lbm and request.cache != "off":
+            log.info("LBM's 1-4 steps are each a large jump with no earlier step to reuse: no step cache")
+        step_cache = None if lbm else step_cache_for(
+            cache_settings(request.cache, request.cache_method, request.cache_threshold), self.pipe.dit, self.family,
+            getattr(self.preset, "name", None))
         if not lbm and request.scheduler == "lightning" and uses_cfg(cfg):
             log.info("Lightning LoRAs were distilled for CFG 1: using cfg 1 instead of %g", cfg)
             cfg = 1.0
@@ -259,7 +266,8 @@ class Editor:
                                      self.zero_cond_t, to_dit)
         if hasattr(cond, "kv_cache"):  # a family whose prefix keys/values can be cached across steps
             cond.kv_cache = request.kv_cache
-        latents = self._sample(request, cond, cfg, z_src, z_white, self.family.latent_size(height, width))
+        latents = self._sample(request, cond, cfg, z_src, z_white, self.family.latent_size(height, width),
+                               step_cache=step_cache)
         # the conditioning holds 2.1's prefix KV caches (GiBs at full size): free them before the VAE decodes
         del cond, prompt_emb, negative_emb, edit_latents, z_src, z_white
         decoded = [self._decode(x) for x in latents]
@@ -268,14 +276,17 @@ class Editor:
             decoded = [blend_pixels(im, images[0], request.mask, request.mask_blend, request.mask_feather)
                        for im in decoded]
         seconds = time.perf_counter() - start
-        log.debug("edited %dx%d (%s) in %.2f s", width, height,
-                 f"LBM {request.lbm_steps} step(s)" if lbm else f"{request.steps} steps, cfg {cfg:g}", seconds)
+        stats = None if step_cache is None else step_cache.stats
+        log.debug("edited %dx%d (%s) in %.2f s%s", width, height,
+                  f"LBM {request.lbm_steps} step(s)" if lbm else f"{request.steps} steps, cfg {cfg:g}", seconds,
+                  "" if stats is None else f"; the step cache reused {stats.skipped} of {stats.calls} DiT calls")
         return EditResult(image=decoded[0], sub_image=decoded[1] if lbm else None,
-                          latents=latents.detach().float().cpu(), width=width, height=height, seconds=seconds)
+                          latents=latents.detach().float().cpu(), width=width, height=height, seconds=seconds,
+                          cache=stats)
 
     def _sample(self, request: EditRequest, cond, cfg: float, z_src: Tensor | None,
-                z_white: Tensor | None, latent_hw: tuple[int, int]) -> Tensor:
-        """Run the DiT sampler: flow matching from seeded noise, or LBM from [z_S, z_W]."""
+                z_white: Tensor | None, latent_hw: tuple[int, int], step_cache=None) -> Tensor:
+        """Run the DiT sampler: flow matching from seeded noise (with ``step_cache``), or LBM from [z_S, z_W]."""
         dit_device = self.devices["dit"]
         to_dit = lambda t: t.to(device=dit_device, dtype=self.dtype)  # noqa: E731
         with self._running("dit"):
@@ -296,7 +307,7 @@ class Editor:
                                            request.sigmas)
             return sample_flow_match(velocity, noise, spec, self.ops.schedule, keep, request.progress,
                                      source=None if z_src is None else to_dit(z_src)[None],
-                                     preview=self._previews(request))
+                                     preview=self._previews(request), step_cache=step_cache)
 
     def _previews(self, request: EditRequest):
         """The sampler's preview hook for ``request.preview``: every ``preview_every`` steps (not the last), the

@@ -53,6 +53,7 @@ class EvalReport:
     outputs: list[Image.Image] = field(repr=False)
     sub_outputs: list[Image.Image | None] = field(default_factory=list, repr=False)
     scores: list[dict[str, float]] = field(default_factory=list)  # the scorecard of each row
+    cache: list = field(default_factory=list)  # each row's step-cache stats (``CacheStats``; None without a cache)
 
     @property
     def mean_psnr(self) -> float:
@@ -114,7 +115,7 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
     rest, judge_weight = reward, 0.0
     if hasattr(reward, "split_judge"):
         rest, judge_weight = reward.split_judge()
-    scores, outputs, subs, cards, pending, partial = [], [], [], [], [], []
+    scores, outputs, subs, cards, pending, partial, cache = [], [], [], [], [], [], []
     for i, case in enumerate(cases):
         w, h = case.target.size if case.target is not None else (None, None)
         request = EditRequest(images=case.images, prompt=case.prompt, mask=case.mask if use_mask else None,
@@ -124,6 +125,7 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
             scores.append(psnr(result.image, case.target))
         outputs.append(result.image)
         subs.append(result.sub_image)
+        cache.append(result.cache)
         pixels = case_pixels(case, result.image)
         cards.append(score_case(case, result.image, lpips_model, pixels))
         if clip is not None:  # prompt adherence (metrics/clip_direction.py), only with a local CLIP model
@@ -146,7 +148,7 @@ def evaluate(editor: Editor, cases: Sequence[EvalCase], *, use_mask: bool = True
             card["reward"] = value
         elif "judge" in card:
             card["reward"] = value + judge_weight * card["judge"]
-    return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards)
+    return EvalReport(psnr=scores, outputs=outputs, sub_outputs=subs, scores=cards, cache=cache)
 
 
 def row_label(case: EvalCase, index: int, column: str = "") -> str:

@@ -4,13 +4,14 @@ size. Pure data: ``qie edit``, the UI, evaluation and the fake-device check all 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from PIL import Image
 
 from ..data.images import MAX_IMAGE_PIXELS, fit_image
 from ..models.prompts import DEFAULT_MAX_PROMPT_TOKENS
+from ..models.samplers.cached_blocks import CacheStats
 
 Tensor = torch.Tensor
 DEFAULT_MAX_PIXELS = 1024 * 1024
@@ -44,6 +45,9 @@ class EditRequest:
     kv_cache: bool = True                    # keep a prefix's keys/values across steps (Qwen-Image-2.1); False
                                              # recomputes them at every step: slower, GiBs less at 10 references
     sigmas: Optional[Sequence[float]] = None  # a fixed grid (a LoRA's declared schedule); None: the model's own
+    cache: Any = "off"                       # step cache: off (exact), balanced, fast, or a CacheSettings (step_cache.py)
+    cache_method: Optional[str] = None       # first_block or schedule; None: the level's own
+    cache_threshold: Optional[float] = None  # None: the level's own
     progress: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
     preview_every: int = 0                   # a live preview every N denoising steps (0 = none; the last step never:
                                              # that is the result); needs ``preview``
@@ -60,6 +64,7 @@ class EditResult:
     width: int
     height: int
     seconds: float
+    cache: Optional[CacheStats] = None       # what the step cache reused (None: no cache)
 
 
 # --- sizes --------------------------------------------------------------------------

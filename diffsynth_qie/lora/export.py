@@ -98,9 +98,10 @@ def export_path(lora_path: str | os.PathLike, fmt: str) -> Path:
     return Path(lora_path).with_name(f"lora_{fmt}" + ("" if export_target(fmt).folder else ".safetensors"))
 
 
-def export_beside(lora_path: str | os.PathLike, formats: str) -> list[Path]:
+def export_beside(lora_path: str | os.PathLike, formats: str, drop_unsupported: bool = False) -> list[Path]:
     """``qie train --export``: each format of ``formats`` ("comfyui,diffusers") written beside ``lora_path``
-    through the same check as ``qie export-lora`` (an earlier export of the same name is replaced)."""
+    through the same check as ``qie export-lora`` (an earlier export of the same name is replaced;
+    ``drop_unsupported``: its ``--drop_unsupported``)."""
     import shutil
 
     from .export_check import export_checked
@@ -112,5 +113,5 @@ def export_beside(lora_path: str | os.PathLike, formats: str) -> list[Path]:
         out = export_path(lora_path, fmt)
         if out.is_dir() and {p.name for p in out.iterdir()} <= {"adapter_model.safetensors", "adapter_config.json"}:
             shutil.rmtree(out)
-        written.append(export_checked(state, out, fmt).path)
+        written.append(export_checked(state, out, fmt, drop_unsupported=drop_unsupported).path)
     return written

@@ -87,16 +87,32 @@ class ExportPlan:
     target: ExportTarget
     families: list[str]
     state: LoraState  # what will be written
-    dropped: dict[str, str] = field(default_factory=dict)  # module or full weight -> why the runtime drops it
-    shares: dict[str, float] = field(default_factory=dict)  # the source's ‖ΔW‖ shares
+    dropped: dict[str, str] = field(default_factory=dict)  # LoRA module -> why the runtime drops it
+    shares: dict[str, float] = field(default_factory=dict)  # the source's ‖ΔW‖ shares (where something is dropped)
+    dropped_full: list[str] = field(default_factory=list)  # full weights (<module>.weight/.bias) it does not apply
 
     @property
     def dropped_share(self) -> float:
         return math.sqrt(sum(self.shares.get(n, 0.0) ** 2 for n in self.dropped))
 
     def dropped_listing(self) -> str:
-        return listing([f"{n} ({self.shares[n]:.1%})" if n in self.shares else f"{n} ({why})"
-                        for n, why in self.dropped.items()])
+        return listing([f"{n} ({self.shares[n]:.1%})" for n in self.dropped])
+
+    def full_modules(self) -> list[str]:
+        """The fully trained modules among the dropped weights (a module's weight and bias count once)."""
+        return sorted({n.rsplit(".", 1)[0] for n in self.dropped_full})
+
+    def dropped_clause(self) -> str:
+        """``"3 of LoRA x's 40 modules, 12.0% of its delta ‖ΔW‖: a (5.0%), ... and 2 fully trained module(s) ..."``"""
+        parts = []
+        if self.dropped:
+            parts.append(f"{len(self.dropped)} of LoRA {self.state.source}'s {len(self.shares)} modules, "
+                         f"{self.dropped_share:.1%} of its delta ‖ΔW‖: {self.dropped_listing()}")
+        if self.dropped_full:
+            full = self.full_modules()
+            parts.append(f"{len(full)} fully trained module(s) (full weights, which {self.target.runtime} does not "
+                         f"apply from a LoRA file): {listing(full)}")
+        return " and ".join(parts)
 
 
 def plan_export(state: LoraState, fmt: str) -> ExportPlan:
@@ -113,8 +129,7 @@ def plan_export(state: LoraState, fmt: str) -> ExportPlan:
             checked_alpha(mod.alpha, f"LoRA {state.source}: alpha of {name}")
     dropped = {n: f"{target.runtime} puts no LoRA on this module" for n in sorted(state.modules)
                if not all(r.accepts(n) for r in rules)}
-    if not target.full_weights:
-        dropped.update({n: "full weight" for n in sorted(state.full)})
+    dropped_full = [] if target.full_weights else sorted(state.full)
     for rule in rules:
         if rule.write_fused:
             for f in rule.fused:
@@ -124,7 +139,7 @@ def plan_export(state: LoraState, fmt: str) -> ExportPlan:
     if not kept.modules and not kept.full:
         raise ValueError(f"--format {fmt}: {target.runtime} loads none of LoRA {state.source}'s modules "
                          f"({listing(list(dropped))}); train with --lora_targets serving, or choose another --format")
-    return ExportPlan(target, families, kept, dropped, delta_shares(state))
+    return ExportPlan(target, families, kept, dropped, delta_shares(state) if dropped else {}, dropped_full)
 
 
 def _check_fusable(state: LoraState, parts: tuple[str, ...], fused: str) -> None:
@@ -145,9 +160,10 @@ class ExportReport:
     fmt: str
     modules: int  # LoRA modules written
     full_weights: int
-    dropped: dict[str, str]
+    dropped: dict[str, str]  # LoRA modules not written
     dropped_share: float
     max_rel_error: float
+    dropped_full: list[str] = field(default_factory=list)  # full weights not written
 
 
 def checked_options(fmt: str, options: dict) -> dict:
@@ -169,16 +185,14 @@ def export_checked(state: LoraState, out_path: str | os.PathLike, fmt: str, drop
     target = export_target(fmt)
     options = checked_options(fmt, options)
     plan = plan_export(resolved(state), fmt)
-    full_only = all(why == "full weight" for why in plan.dropped.values())
-    if plan.dropped and not (drop_unsupported or (full_only and options.get("drop_full_weights"))):
-        raise ValueError(f"--format {fmt}: {target.runtime} would not load {len(plan.dropped)} of LoRA "
-                         f"{state.source}'s modules, {plan.dropped_share:.1%} of its delta ‖ΔW‖: "
-                         f"{plan.dropped_listing()}; pass --drop_unsupported to write the rest"
+    only_full = not plan.dropped and options.get("drop_full_weights")
+    if (plan.dropped or plan.dropped_full) and not (drop_unsupported or only_full):
+        raise ValueError(f"--format {fmt}: {target.runtime} would not load {plan.dropped_clause()}; pass "
+                         "--drop_unsupported to write the rest"
                          + (" (--drop_full_weights: only the full weights)" if "drop_full_weights" in target.options
                             else ""))
-    if plan.dropped:
-        log.warning("--format %s: dropped %d module(s) %s does not load (%.1f%% of the delta): %s", fmt,
-                    len(plan.dropped), target.runtime, 100 * plan.dropped_share, plan.dropped_listing())
+    if plan.dropped or plan.dropped_full:
+        log.warning("--format %s: dropped what %s does not load: %s", fmt, target.runtime, plan.dropped_clause())
     if "drop_full_weights" in options:
         options["drop_full_weights"] = True  # the plan has dropped (or refused) them already
     tensors = target.write_fn()(plan.state, **options)
@@ -195,7 +209,7 @@ def export_checked(state: LoraState, out_path: str | os.PathLike, fmt: str, drop
 
         atomic_save(out, save)
     report = ExportReport(out, fmt, len(plan.state.modules), len(plan.state.full), plan.dropped,
-                          plan.dropped_share, errors[0])
+                          plan.dropped_share, errors[0], plan.dropped_full)
     log.info("wrote %s LoRA %s: %d module(s)%s for %s, read back: max relative delta error %.2e", fmt, out,
              report.modules, f" + {report.full_weights} full weight(s)" if report.full_weights else "",
              " / ".join(plan.families), report.max_rel_error)
@@ -260,15 +274,24 @@ def _write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], metadata: di
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}-", suffix=TEMP_MARK, dir=out.parent))
     try:
-        peft = {"base_model.model." + k[len(plan.target.prefix):]: v for k, v in tensors.items()}
+        peft = {"base_model.model." + folder_name(k[len(plan.target.prefix):], plan.target): v
+                for k, v in tensors.items()}
         write_safetensors(tmp / "adapter_model.safetensors", peft, metadata)
-        ranks = {n: m.rank for n, m in plan.state.modules.items()}
-        r = max(ranks.values())
-        mixed = {n: k for n, k in ranks.items() if k != r}
-        config = {"peft_type": "LORA", "r": r, "lora_alpha": r, "target_modules": sorted(ranks), "bias": "none",
-                  "lora_dropout": 0.0, "rank_pattern": mixed, "alpha_pattern": mixed, "use_rslora": False}
+        r = max(m.rank for m in plan.state.modules.values())  # the writer padded every module to it
+        targets = sorted(folder_name(n, plan.target) for n in plan.state.modules)
+        config = {"peft_type": "LORA", "r": r, "lora_alpha": r, "target_modules": targets, "bias": "none",
+                  "lora_dropout": 0.0, "rank_pattern": {}, "alpha_pattern": {}, "use_rslora": False}
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))
         errors.append(_read_back_error(tmp / "adapter_model.safetensors", plan))
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def folder_name(key: str, target: ExportTarget) -> str:
+    """A module path (or a key under it) in the runtime's own module names (``target.folder_names``)."""
+    for ours, theirs in target.folder_names:
+        key = key.replace(ours + ".", theirs + ".")
+        if key.endswith(ours):
+            key = key[: -len(ours)] + theirs
+    return key

@@ -6,12 +6,15 @@ and the README's "where will my LoRA load" table all come from this one table. E
 runtime's repository is cited in ``docs/LORA_RUNTIMES.md``. A target names:
 
 - the key layout it writes: ``prefix`` + module path (``underscore``: kohya's ``.`` -> ``_``) + ``pair`` names;
-- ``accepted_prefixes``: the prefixes the runtime maps (documentation, and ``as_is`` below);
+- ``accepted_prefixes``: the prefixes the runtime maps (documentation; how each runtime reads a file's own keys,
+  for ``qie inspect-lora``, is ``runtime_reads.py``);
 - where alpha goes: ``"tensor"`` (a float ``<module>.alpha``) or ``"folded"`` (``alpha / rank`` multiplied into
   lora_A; the runtime ignores or truncates alpha, or wants an integer);
 - ``full_weights``: whether the runtime applies fully trained module weights;
+- ``folder_names``: module-path renames for its PEFT folder, where the runtime's model names a module otherwise;
+- ``uniform_rank``: every module written at the LoRA's largest rank (zero-padded, the same delta);
 - per family (``families``; a family not listed cannot have this target) a :class:`FamilyRule`: the modules the
-  runtime can put a LoRA on, its fused layouts, and which of our input formats it reads unchanged.
+  runtime can put a LoRA on and its fused layouts.
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ EDIT, QWEN21 = "qwen-image-edit", "qwen-image-2.1"  # models.family names (a tes
 # proj_out and the embedders are plain nn.Linear there, and nn.Linear takes no LoRA.
 _EDIT_PARALLEL = r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|(img|txt)_mlp\.net\.(0\.proj|2))"
 _BLOCKS = r"transformer_blocks\.\d+\..+"  # inside a transformer block
-_ALL_FORMATS = ("diffsynth_qie", "diffsynth", "peft", "diffusers", "comfyui", "kohya")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,6 @@ class FamilyRule:
     fused: tuple[Fused, ...] = ()  # fused layouts of the runtime's checkpoints for this family
     write_fused: bool = False  # the file must hold the fused module (parts fused exactly, rank summed)
     half_prefix: Optional[str] = None  # prefix for the parts of a fused module (mapped only under it)
-    as_is: tuple[str, ...] = ()  # our input formats (formats.load_lora_state) the runtime reads unchanged
 
     def accepts(self, module: str) -> bool:
         return self.modules is None or re.fullmatch(self.modules, module) is not None
@@ -64,6 +65,8 @@ class ExportTarget:
     full_weights: bool = False
     folder: bool = False  # a PEFT folder (adapter_model.safetensors + adapter_config.json) unless OUT is a file
     options: tuple[str, ...] = ()  # keyword options of the writer (each a `qie export-lora` flag)
+    folder_names: tuple[tuple[str, str], ...] = ()  # (DiffSynth suffix, the runtime's) for module paths in a folder
+    uniform_rank: bool = False  # every module at the largest rank (zero-padded): the runtime wants one rank
 
     @property
     def alpha_folded(self) -> bool:
@@ -82,43 +85,40 @@ _W = "diffsynth_qie.lora.writers:"
 EXPORT_TARGETS: dict[str, ExportTarget] = {t.name: t for t in (
     ExportTarget(
         "comfyui", "ComfyUI", "diffusion_model.<module>.lora_A/lora_B.weight + .alpha (+ .set_weight for full "
-        "module weights); 2.1's img_mlp.gate_layer/proj as transformer.<module> (loads on fused gate_up too)",
+        "module weights); 2.1's img_mlp.gate_layer/proj as bare <module> keys (load on a fused gate_up too, and in "
+        "diffusers)",
         _W + "comfyui_state_dict", prefix="diffusion_model.", full_weights=True,
         accepted_prefixes=("diffusion_model.", "lora_unet_", "", "transformer.", "lycoris_"),
-        families={EDIT: FamilyRule(as_is=("diffsynth_qie", "diffsynth", "comfyui", "diffusers", "kohya")),
+        families={EDIT: FamilyRule(),
                   QWEN21: FamilyRule(fused=(Fused("img_mlp.gate_up", ("img_mlp.gate_layer", "img_mlp.proj")),),
-                                     half_prefix="transformer.", as_is=("diffsynth_qie", "diffsynth", "diffusers"))}),
+                                     half_prefix="")}),
     ExportTarget(
         "diffusers", "diffusers", "transformer.<module>.lora_A/lora_B.weight with alpha folded in",
         _W + "diffusers_state_dict", prefix="transformer.", alpha="folded", options=("drop_full_weights",),
         accepted_prefixes=("transformer.", "diffusion_model.", "lora_unet_"),
-        # 2.1: diffusers' converter re-prefixes ComfyUI files' transformer.<img_mlp half> keys and reads kohya's
-        # img_mlp_gate_layer as gate.layer; those modules are not loaded
-        families={EDIT: FamilyRule(as_is=("diffusers", "comfyui", "kohya")),
-                  QWEN21: FamilyRule(as_is=("diffusers",))}),
+        families={EDIT: FamilyRule(), QWEN21: FamilyRule()}),
     ExportTarget(
         "kohya", "musubi-tuner", "lora_unet_<module with _>.lora_down/lora_up.weight + .alpha (kohya / musubi-tuner)",
         _W + "kohya_state_dict", prefix="lora_unet_", underscore=True, pair=("lora_down", "lora_up"),
         accepted_prefixes=("lora_unet_",),
-        families={EDIT: FamilyRule(modules=_BLOCKS, as_is=("kohya",)),
-                  QWEN21: FamilyRule(modules=_BLOCKS, as_is=("kohya",))}),
+        families={EDIT: FamilyRule(modules=_BLOCKS), QWEN21: FamilyRule(modules=_BLOCKS)}),
     ExportTarget(
         "sglang", "SGLang", "diffusion_model.<module>.lora_A/lora_B.weight, alpha folded (SGLang reads it as an "
         "integer), integer metadata alpha = rank", _W + "sglang_state_dict", prefix="diffusion_model.",
         alpha="folded", accepted_prefixes=("diffusion_model.", "", "base_model.model."),
-        families={EDIT: FamilyRule(as_is=("diffsynth_qie", "diffsynth", "comfyui", "peft")),
-                  QWEN21: FamilyRule(as_is=("diffsynth_qie", "diffsynth", "comfyui", "peft", "diffusers"))}),
+        families={EDIT: FamilyRule(), QWEN21: FamilyRule()}),
     ExportTarget(
-        "vllm-omni", "vLLM-Omni", "a PEFT folder (adapter_model.safetensors: base_model.model.<module>.lora_A/B, "
-        "adapter_config.json), or with OUT *.safetensors one file of transformer.<module>.lora_A/B; alpha folded",
-        _W + "vllm_state_dict", prefix="transformer.", alpha="folded", folder=True,
+        "vllm-omni", "vLLM-Omni", "a PEFT folder (adapter_model.safetensors: base_model.model.<module>.lora_A/B in "
+        "vLLM-Omni's module names, adapter_config.json), or with OUT *.safetensors one file of "
+        "transformer.<module>.lora_A/B; alpha folded, one rank",
+        _W + "vllm_state_dict", prefix="transformer.", alpha="folded", folder=True, uniform_rank=True,
+        # vLLM-Omni's Qwen-Image attention holds its output projection as `to_out` itself (no ModuleList)
+        folder_names=((".attn.to_out.0", ".attn.to_out"),),
         accepted_prefixes=("base_model.model.", "diffusion_model.", "transformer."),
         families={EDIT: FamilyRule(modules=_EDIT_PARALLEL, fused=(
                       Fused("attn.to_qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
-                      Fused("attn.add_kv_proj", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"))),
-                      as_is=("peft", "comfyui", "diffusers")),
-                  QWEN21: FamilyRule(fused=(Fused("attn.to_qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),),
-                                     as_is=("peft", "comfyui", "diffusers"))}),
+                      Fused("attn.add_kv_proj", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")))),
+                  QWEN21: FamilyRule(fused=(Fused("attn.to_qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),))}),
     ExportTarget(
         "nunchaku", "Nunchaku", "transformer.blocks.<n>.<module>.lora_A/lora_B.weight as its converter reads, "
         "q/k/v fused into to_qkv / add_qkv_proj, alpha folded", _W + "nunchaku_state_dict",

@@ -50,20 +50,20 @@ _KIND = {"lora_A": "A", "lora_down": "A", "lora_B": "B", "lora_up": "B"}
 MAX_ABS_VALUE = 1e4
 
 
-def holds_lora_tensors(path: str | os.PathLike) -> bool:
-    """Whether a safetensors file names LoRA pairs (``lora_A``/``lora_B``, ``lora_down``/``lora_up``).
+def lora_header(path: str | os.PathLike) -> tuple[bool, dict[str, str]]:
+    """(whether a safetensors file names LoRA pairs: ``lora_A``/``lora_B``, ``lora_down``/``lora_up``; its metadata).
 
-    Reads only the header, so a picker can tell LoRAs from cache shards and other tensors cheaply.
-    A file that is not safetensors at all is logged and reported as not a LoRA.
+    Reads only the header, once, so a picker can tell LoRAs from cache shards and other tensors cheaply and label
+    them. A file that is not safetensors at all is logged and reported as not a LoRA, with no metadata.
     """
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return any(_LORA_KEY.match(k) for k in f.keys())
+            return any(_LORA_KEY.match(k) for k in f.keys()), dict(f.metadata() or {})
     except (SafetensorError, OSError) as e:
         log.info("not listed as a LoRA: %s is not a readable safetensors file (%s)", path, e)
-        return False
+        return False, {}
 
 
 def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -79,16 +79,18 @@ def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
                 for key in f.keys():
                     tensors[key] = f.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"LoRA file {path} is not a readable safetensors file: {e}") from e
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{path} is not a LoRA file: not a readable safetensors file ({first})") from e
         return tensors, metadata
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"LoRA file {path} could not be read (expected .safetensors or a torch state dict): {e}") from e
+    except Exception as e:  # text, truncated or pickled-object files: torch's own message is pages long
+        raise ValueError(f"{path} is not a LoRA file: neither a safetensors file nor a torch state dict of "
+                         "tensors") from e
     if isinstance(obj, dict) and len(obj) == 1 and next(iter(obj)) in ("state_dict", "module", "model_state"):
         obj = next(iter(obj.values()))
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"LoRA file {path} does not hold a flat dict of tensors")
+        raise ValueError(f"{path} is not a LoRA file: it holds no flat dict of tensors")
     return dict(obj), {}
 
 
@@ -190,9 +192,15 @@ def parse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], metadata: Mapp
             ("rank-0 pairs (lora_A with no rows)", rank_zero), counted=False))
     if not modules and not full:
         raise ValueError(f"LoRA {source} holds no LoRA tensors")
-    modules = split_fused_gate_up(modules)
+    modules = split_fused_gate_up(_diffsynth_names(modules))
     return LoraState(modules=modules, full=full, format=_format_name(formats, metadata), metadata=metadata,
                      source=source, underscore_names=underscore == {True})
+
+
+def _diffsynth_names(modules: dict[str, LoraModule]) -> dict[str, LoraModule]:
+    """vLLM-Omni's Qwen-Image attention holds its output projection as ``attn.to_out`` itself, where DiffSynth's
+    and diffusers' DiT have ``attn.to_out.0`` (a ModuleList): a PEFT folder written for vLLM-Omni reads back."""
+    return {n + ".0" if n.endswith(".attn.to_out") else n: m for n, m in modules.items()}
 
 
 # ComfyUI's Qwen-Image-2.1 may hold the feed-forward's two input projections as one fused weight,
@@ -263,9 +271,13 @@ def _format_name(formats: set[str], metadata: Mapping[str, str]) -> str:
     return "diffsynth_qie" if metadata.get("format") == FORMAT_NAME else "diffsynth"
 
 
+def read_lora_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A LoRA file's tensors (checked: :func:`check_tensors`) and metadata, keys as the file holds them."""
+    tensors, metadata = _read_file(Path(path))
+    return check_tensors(tensors, str(path)), metadata
+
+
 def load_lora_state(path: str | os.PathLike) -> LoraState:
     """Read a LoRA file of any supported format into a :class:`LoraState`."""
-    path = Path(path)
-    tensors, metadata = _read_file(path)
-    tensors = check_tensors(tensors, str(path))
+    tensors, metadata = read_lora_file(path)
     return parse_lora_state_dict(tensors, metadata, source=str(path))

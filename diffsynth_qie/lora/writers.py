@@ -28,18 +28,21 @@ def folded_A(mod: LoraModule) -> torch.Tensor:
 def _prefix(target: ExportTarget, name: str) -> str:
     """The target's prefix, or its family rule's ``half_prefix`` for a part of a fused module (ComfyUI 2.1's
     ``img_mlp.gate_layer`` / ``proj``: on a fused ``gate_up`` checkpoint ComfyUI maps them only as ``<k>``,
-    ``transformer.<k>`` or ``lycoris_<k>``)."""
+    ``transformer.<k>`` or ``lycoris_<k>``; bare ``<k>`` is also what diffusers' converter prefixes right)."""
     for rule in target.families.values():
-        if rule.half_prefix and any(name.endswith("." + p) for f in rule.fused for p in f.parts):
+        if rule.half_prefix is not None and any(name.endswith("." + p) for f in rule.fused for p in f.parts):
             return rule.half_prefix
     return target.prefix
 
 
 def layout_state_dict(state: LoraState, target: ExportTarget) -> dict[str, torch.Tensor]:
-    """``state``'s LoRA pairs under ``target``'s key names; full weights as ComfyUI ``.set_weight`` patches
-    where the target applies them (elsewhere the export check has dropped or refused them)."""
+    """``state``'s LoRA pairs under ``target``'s key names (at one rank where the target wants it); full weights
+    as ComfyUI ``.set_weight`` patches where the target applies them (elsewhere the export check has dropped or
+    refused them)."""
     down, up = target.pair
     out: dict[str, torch.Tensor] = {}
+    if target.uniform_rank:
+        state = uniform_rank(state)
     for name, mod in sorted(state.modules.items()):
         key = _prefix(target, name) + (name.replace(".", "_") if target.underscore else name)
         out[f"{key}.{down}.weight"] = _cpu(folded_A(mod) if target.alpha_folded else mod.A)
@@ -91,11 +94,32 @@ def sglang_state_dict(state: LoraState) -> dict[str, torch.Tensor]:
 
 
 def vllm_state_dict(state: LoraState) -> dict[str, torch.Tensor]:
-    """vLLM-Omni's single-file keys ``transformer.<module>.lora_A/lora_B.weight``, alpha folded (the PEFT folder
-    renames them to ``base_model.model.<module>``, ``export_check.write_peft_folder``)."""
+    """vLLM-Omni's single-file keys ``transformer.<module>.lora_A/lora_B.weight``, alpha folded, every module at
+    the largest rank (the PEFT folder renames them to ``base_model.model.<module>``,
+    ``export_check.write_peft_folder``)."""
     from .resolve import resolved
 
     return layout_state_dict(resolved(state), EXPORT_TARGETS["vllm-omni"])
+
+
+def uniform_rank(state: LoraState) -> LoraState:
+    """Every module at the LoRA's largest rank: lora_A (alpha folded in) padded with zero rows, lora_B with zero
+    columns, so each delta is unchanged. vLLM-Omni applies one rank from its config to every module, and its newest
+    loader refuses a file whose modules differ in rank."""
+    from dataclasses import replace
+
+    top = max(state.ranks, default=0)
+    if len(state.ranks) <= 1:
+        return state
+    log.info("one rank for every module: modules of rank %s padded with zeros to rank %d (the same deltas)",
+             ", ".join(map(str, sorted(state.ranks - {top}))), top)
+    padded = {}
+    for name, mod in state.modules.items():
+        a, b = folded_A(mod), mod.B
+        extra = top - mod.rank
+        padded[name] = LoraModule(A=torch.cat([a, a.new_zeros(extra, a.shape[1])]),
+                                  B=torch.cat([b, b.new_zeros(b.shape[0], extra)], dim=1))
+    return replace(state, modules=padded)
 
 
 def fuse(parts: list[LoraModule | None]) -> LoraModule:

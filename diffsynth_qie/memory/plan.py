@@ -46,7 +46,8 @@ GiB = 1024 ** 3
 
 from .plan_rollouts import rollout_terms
 from .plan_terms import (  # noqa: F401 (the constants and per-token terms, public here)
-    CALIBRATION, GPU_CHECKPOINTED_ACTIVATION_SCALE, VAE_BYTES_PER_PIXEL, activation_bytes, kv_cache_bytes,
+    AUTOCAST_CALIBRATION, CALIBRATION, GPU_CHECKPOINTED_ACTIVATION_SCALE, VAE_BYTES_PER_PIXEL, activation_bytes,
+    calibration, kv_cache_bytes,
     vae_bytes as _vae_bytes)
 
 OPTIMIZER_BYTES = {"adamw": 16, "prodigy_sf": 20}  # per trainable parameter, weight included
@@ -75,6 +76,7 @@ class PlanOptions:
     text_encoder_on_gpu: bool = True  # edit / --on_the_fly: False = on the host (--text_encoder_device cpu)
     vae_on_gpu: bool = True
     ema: bool = False  # train: --ema_decay D (an fp32 average of the trainable weights)
+    compute_precision: Literal["auto", "pure", "autocast"] = "auto"  # train: qie train --compute_precision
     validate_with: Literal["raw", "ema", "both"] = "raw"  # train: ema/both keep a copy while validating
     loras: tuple[int, ...] = ()  # edit: the ranks of stacked LoRAs (default: one of lora_rank, if any)
     kv_cache: Literal["on", "off"] = "on"  # edit, a DiT with a prefix KV cache: kept on the GPU, or recomputed
@@ -181,7 +183,8 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         plan.gpu["LoRA gradients + optimizer state"] = rest
         plan.gpu["activations" + (" (checkpointed)" if o.gradient_checkpointing else "")] = activation_bytes(c, o)
         if o.pairs:  # the reference (LoRA off, no graph) after the policy's forward: one block's working set
-            plan.gpu["reference forward (no graph)"] = round(2 * o.batch_size * o.tokens * c.dim * CALIBRATION["K_BLOCK"] * o.dtype_bytes)
+            plan.gpu["reference forward (no graph)"] = round(2 * o.batch_size * o.tokens * c.dim * calibration(o)["K_BLOCK"]
+                                                             * o.dtype_bytes)
         if o.rollouts:  # --loss nft
             rollout_terms(plan, c, o)
         if o.ema:
@@ -273,6 +276,8 @@ def describe(o: PlanOptions) -> str:
     if o.task == "train":
         parts.append(f"--lora_rank {o.lora_rank}")
         parts += ["--gradient_checkpointing"] if o.gradient_checkpointing else []
+    parts += [f"--compute_precision {o.compute_precision}"] if o.task == "train" and o.compute_precision != "auto" \
+        else []
     parts += ["--ema_decay D"] if o.ema else []
     parts += [f"--validate_with {o.validate_with}"] if o.validate_with != "raw" else []
     parts += ["--on_the_fly"] if o.on_the_fly else []

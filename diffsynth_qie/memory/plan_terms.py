@@ -4,31 +4,41 @@ from __future__ import annotations
 
 # Activation constants, in elements (of ``dtype_bytes``) per token and per unit of model width, fitted on
 # full-width training steps and edits of the real 2511 DiT on the fake CUDA device (``fakegpu/device.py``,
-# ``python -m benchmarks.fit_plan``): bf16 under autocast, rank-32 LoRA on the 2511 targets, 1024² target + one
-# 1024² reference + 300 prompt tokens, at 2 and 4 blocks (a line through the two depths), with and without
-# checkpointing; attention runs the fused (flash / memory-efficient) kernels, so memory is linear in tokens.
-# The activation term is what the steady-state peak (optimizer state alive) holds beyond the DiT, the LoRA
-# weights and the LoRA's gradients + optimizer state. ``qie plan --verify`` checks the whole 60-block model.
+# ``python -m benchmarks.fit_plan``): bf16 without autocast (``--compute_precision pure``, the default), rank-32
+# LoRA on the 2511 targets, 1024² target + one 1024² reference + 300 prompt tokens, at 2 and 4 blocks (a line
+# through the two depths), with and without checkpointing; attention runs the fused (flash / memory-efficient)
+# kernels, so memory is linear in tokens. The activation term is what the steady-state peak (optimizer state
+# alive) holds beyond the DiT, the LoRA weights and the LoRA's gradients + optimizer state. ``qie plan --verify``
+# checks the whole 60-block model.
 CALIBRATION = {
-    "K_BLOCK": 40.05,  # kept per block for backward (q, k, v, MLP hidden, norms, gates, fp32 RoPE and casts)
-    "K_OUTSIDE": 19.75,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, the last block's backward
+    "K_BLOCK": 34.05,  # kept per block for backward (q, k, v, MLP hidden, norms, gates, fp32 RoPE)
+    "K_OUTSIDE": 18.82,  # img_in/txt_in, modulation, norm_out/proj_out, the loss, the last block's backward
     "K_BOUNDARY": 1.0,  # checkpointing: each block's saved inputs (image + text hidden states)
-    "K_OUTSIDE_CKPT": 10.8,  # checkpointing: everything outside the recomputed block
+    "K_OUTSIDE_CKPT": 8.26,  # checkpointing: everything outside the recomputed block
     "K_INFER": 21.07,  # an edit: one block's working set without a graph, per sample of a pass
 }
-# Measured on a GPU (benchmarks/results/nvidia-h200-2026-11-26.md, ``python -m benchmarks.plan_vs_gpu``): a
-# checkpointed training step's activations, measured peak minus the static terms, grow 7 % faster with the
-# tokens than the fake device counts (2511 at batch 1/2/4: 0.93, 1.00, 1.04 x the constants above; 2.1 at 1 and
-# 3 references, batch 1 and 4: 1.03-1.07 x). The plan takes the larger slope, so a real step is predicted
-# within +2 %/-0 % instead of +1 %/-5 %. Without checkpointing our step ran out of 139 GiB (the plan: 160 GiB).
+# The same under bf16 autocast (``--compute_precision autocast``, ``fit_plan --compute_precision autocast``): the
+# LayerNorm outputs and the modulation in fp32, and their bf16 copies for the linears, are kept for backward too.
+AUTOCAST_CALIBRATION = {"K_BLOCK": 40.05, "K_OUTSIDE": 19.75, "K_BOUNDARY": 1.0, "K_OUTSIDE_CKPT": 10.8}
+# Measured on a GPU (benchmarks/results/nvidia-h200-2026-11-26.md, ``python -m benchmarks.plan_vs_gpu``; those
+# steps ran under autocast): a checkpointed training step's activations, measured peak minus the static terms,
+# grow 7 % faster with the tokens than the fake device counts (2511 at batch 1/2/4: 0.93, 1.00, 1.04 x the
+# autocast constants; 2.1 at 1 and 3 references, batch 1 and 4: 1.03-1.07 x). The plan takes the larger slope,
+# so a real step is predicted within +2 %/-0 % instead of +1 %/-5 %; the pure step takes the same factor until
+# it is measured. Without checkpointing our step ran out of 139 GiB (the plan: 160 GiB).
 GPU_CHECKPOINTED_ACTIVATION_SCALE = 1.07
 # The VAE's working set while encoding a reference or decoding the result, bytes per output pixel (bf16).
 VAE_BYTES_PER_PIXEL = 1357
 
 
+def calibration(o) -> dict:
+    """The constants of ``o``'s (a ``plan.PlanOptions``) training step: pure bf16, or under autocast."""
+    return {**CALIBRATION, **AUTOCAST_CALIBRATION} if o.compute_precision == "autocast" else CALIBRATION
+
+
 def activation_bytes(c, o) -> int:
     """Training activations of ``o`` (a ``plan.PlanOptions``) on the model ``c`` (a ``census.DiTCensus``), bytes."""
-    k = CALIBRATION
+    k = calibration(o)
     lora = c.lora_token_targets * o.lora_rank / c.dim
     if o.gradient_checkpointing:
         per = (c.num_layers * k["K_BOUNDARY"] + k["K_BLOCK"] + lora + k["K_OUTSIDE_CKPT"]) * GPU_CHECKPOINTED_ACTIVATION_SCALE

@@ -55,6 +55,10 @@ class Family:
     text_encoder_class: str = ""
     vae_class: str = ""
     streams: int = 2                     # token streams per block with their own LoRA targets (image, text)
+    # A DiT block's call as the step cache sees it (``models/samplers/cached_blocks.py``): its tensor inputs in
+    # positional order, the first being the stream whose residual is cached, and its outputs in order (one name:
+    # the block returns that tensor bare)
+    block_io: tuple[tuple[str, ...], tuple[str, ...]] = (("image", "text"), ("text", "image"))
     # Fixed sampling sigmas of a distilled variant are a preset's, not the family's: ``Preset.sigmas``.
     notes: dict = field(default_factory=dict)
 
@@ -127,6 +131,7 @@ QWEN21 = Family(
     dit_class="diffsynth.models.qwen_image_21_dit.QwenImage21DiT",
     text_encoder_class="diffsynth.models.qwen_image_21_text_encoder.QwenImage21TextEncoder",
     vae_class="diffsynth.models.qwen_image_21_vae.QwenImage21VAE", streams=1,
+    block_io=(("hidden_states",), ("hidden_states",)),
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in (EDIT, QWEN21)}
 

@@ -7,7 +7,8 @@ swapping, ``--compile``, and every ``--lora`` file read on the host and attached
 :data:`PREFLIGHT_BLOCKS` full-width blocks, then again as the UI's loop runs it: the LoRAs switched to other files
 and a second edit with the next seed (``edit_again.py``). A device or dtype mismatch, a host read inside the
 sampling loop, a LoRA branch off its layer's device, or device memory still held after the second edit beyond
-the first's, raises ``ValueError`` naming our file:line in seconds instead of after the load. Every block runs the same code and holds the same, so the peak of the whole DiT is the run's
+the first's, raises ``ValueError`` naming our file:line in seconds instead of after the load. Every block runs
+the same code and holds the same, so the peak of the whole DiT is the run's
 peak plus the resident blocks it did not build (their weights and LoRA branches, and their share of a prefix KV
 cache); the verdict (``fakegpu/verdict.py``) judges that scaled peak against the GPU and says it was scaled.
 """

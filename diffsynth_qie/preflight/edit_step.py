@@ -5,8 +5,9 @@ It runs :meth:`Editor.edit` with the preset's real DiT, the family's real text e
 real VAE, all built on the fake device (``fakegpu/device.py``) through the family seam (``Family`` and
 ``family_ops``; no family is named here): the VAE encoding of the references at their real size, the denoising
 steps with true CFG (one batch, or two passes when the prompts' lengths differ, as on a GPU), the edit strength's
-part-way start, the Lightning schedule, the mask's latent and pixel blends, LBM, the unmerged branches of every
-LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (``compile_blocks`` with the
+part-way start, the Lightning schedule, the step cache (``--cache``: the fake device answers its decisions with
+"reuse" wherever allowed, ``fakegpu/device.py``), the mask's latent and pixel blends, LBM, the unmerged branches
+of every LoRA (one set per ``--lora``), the FP8 base, the block swapper, ``--compile`` (``compile_blocks`` with the
 eager backend: dynamo compiles the blocks, and the compiled graphs run on the fake device, checked and
 counted), Qwen-Image-2.1's prefix KV cache, and the VAE decode. The host-side stand-ins
 (prompt token bookkeeping, the finished image's host copy, a family's DiT bookkeeping) are in
@@ -64,6 +65,8 @@ class EditVerifyReport:
     edits: int = 0            # edits run in the one session (the preflight: two, a LoRA switch between them)
     compiled_blocks: int = 0  # blocks run through torch.compile
     costs: object = None      # with costs=True: the counted kernels (fakegpu.costs.Profile), by phase
+    cache_calls: int = 0      # DiT calls made with a step cache (--cache)
+    cache_skipped: int = 0    # of them, calls that reused the cached residual (the fake device reuses wherever allowed)
 
     @property
     def peak(self) -> int:
@@ -76,6 +79,7 @@ class EditVerifyReport:
 def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_tokens: int = 300, steps: int = 2,
                 cfg: float = 4.0, lora_rank: int = 0, fp8_base: bool = False, blocks_to_swap: int = 0,
                 lbm_steps: Optional[int] = None, num_layers: Optional[int] = None, *, kv_cache: bool = True,
+                cache: str = "off", cache_method: Optional[str] = None, cache_threshold: Optional[float] = None,
                 request: Optional[EditRequest] = None, load: Optional[EditLoad] = None,
                 costs: bool = False, again: bool = False) -> EditVerifyReport:
     """Run one edit on the fake device; the peak of live device bytes per phase. ``steps`` denoising steps
@@ -91,7 +95,8 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
         image = Image.new("RGB", (resolution, resolution), (128, 128, 128))
         request = EditRequest(images=[image] * max(1, ref_images), prompt="edit", steps=steps, cfg=cfg,
                               height=resolution, width=resolution, lbm_steps=lbm_steps, max_pixels=resolution ** 2,
-                              ref_max_pixels=resolution ** 2, max_prompt_tokens=None, kv_cache=kv_cache)
+                              ref_max_pixels=resolution ** 2, max_prompt_tokens=None, kv_cache=kv_cache, cache=cache,
+                              cache_method=cache_method, cache_threshold=cache_threshold)
     if load is None:
         load = EditLoad(fp8_base=fp8_base, blocks_to_swap=blocks_to_swap, lora_ranks=(lora_rank,) if lora_rank else ())
     with tempfile.TemporaryDirectory(prefix="qie-preflight-") as tmp:
@@ -149,6 +154,7 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
         report.encode_peak, report.denoise_peak, report.decode_peak = (marks.get(k, 0) for k in
                                                                        ("encode", "denoise", "decode"))
         report.kv_cache = marks.get("kv_cache", 0)
+        report.cache_calls, report.cache_skipped = marks.get("cache", (0, 0))
         report.costs = fc.costs.profile if fc.costs is not None else None
         del editor, pipe, te, vae, dit, marks
         if load.compile:
@@ -194,7 +200,9 @@ def _run_phased(editor: FakeEditor, request: EditRequest, fc: FakeCuda, marks: d
 
     for name in originals:
         setattr(editor, name, wrap(name))
-    editor.edit(request)
+    stats = editor.edit(request).cache
+    if stats is not None:
+        marks["cache"] = (stats.calls, stats.skipped)
 
 
 def _section(fc: FakeCuda, name: str) -> None:

@@ -7,10 +7,10 @@ user's own cut to those blocks (:func:`first_blocks_file`): its keys, dtypes, ra
 it adapts renumbered to the blocks built. Tests and checks without a file write one shaped like a real LoRA of the
 preset (:func:`standin_lora_file`).
 
-:func:`misplaced_branch` finds an unmerged branch that does not sit where its layer's weight is (a branch left on
-the host while the weight is on the GPU: the branch's forward then copies it to the GPU at every call, or fails
-on a device mismatch where nothing moves it); :func:`check_branches` makes it the preflights' error, and the UI
-checks it after each LoRA switch on the real model.
+``lora.branch.misplaced_branch`` finds an unmerged branch that does not sit where its layer's weight is (a branch
+left on the host while the weight is on the GPU: the branch's forward then copies it to the GPU at every call, or
+fails on a device mismatch where nothing moves it); :func:`check_branches` makes it the preflights' error, and the
+UI checks it after each LoRA switch on the real model.
 """
 from __future__ import annotations
 
@@ -91,26 +91,10 @@ def standin_lora_file(preset, path: str | Path, rank: int = 32, blocks: int = 2,
     return Path(path)
 
 
-def misplaced_branch(model: torch.nn.Module, what: str) -> Optional[str]:
-    """One line about the first unmerged LoRA branch of ``model`` that is not on the device of its layer's weight
-    (``what``: who attached the branches, for the line), or None when every branch sits with its weight."""
-    from ..lora.branch import branch_tensors
-
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        for tensor in branch_tensors(module):
-            if isinstance(weight, torch.Tensor) and tensor.device != weight.device:
-                return (f"LoRA branch off its layer's device: {what} left the branch of {name} "
-                        f"({tuple(tensor.shape)}, {str(tensor.dtype).replace('torch.', '')}) on {tensor.device} while "
-                        f"the layer's weight is on {weight.device}: on a GPU every forward copies it to the device "
-                        "again, or fails on a device mismatch where nothing moves it; register the branch where the "
-                        "weight is (lora.branch.attach)")
-    return None
-
-
 def check_branches(model: torch.nn.Module, what: str) -> None:
-    """:func:`misplaced_branch` as a :class:`~..fakegpu.device.FakeRunError` (the preflights' report)."""
+    """``lora.branch.misplaced_branch`` as a :class:`~..fakegpu.device.FakeRunError` (the preflights' report)."""
     from ..fakegpu.device import FakeRunError
+    from ..lora.branch import misplaced_branch
 
     line = misplaced_branch(model, what)
     if line is not None:

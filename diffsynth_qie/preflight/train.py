@@ -1,7 +1,7 @@
 """``qie train``'s preflight: the run's configuration, one training step on the fake device, and a memory verdict.
 
 Before a real preset's weights load (tens of GB, minutes), :func:`preflight` runs one optimizer step of the
-user's whole resolved ``RunConfig`` (``verify.verify_train_step``: every flag the step reads, as ``qie train``
+user's whole resolved ``RunConfig`` (``train_step.verify_train_step``: every flag the step reads, as ``qie train``
 reads it) at full width on a DiT of a few blocks, twice: at two depths. A device or dtype mismatch, or a host
 read of a device tensor, raises ``ValueError`` naming the operator and our line. Every block runs the same code
 and holds the same, so the difference of the two peaks is one block's share (its weights, LoRA, optimizer state

@@ -1,4 +1,4 @@
-"""The batch of a fake-device training step (``verify.py``): shaped like a collated cache batch of any family.
+"""The batch of a fake-device training step (``train_step.py``): shaped like a collated cache batch of any family.
 
 Per sample: a target latent ``[C, H/f, W/f]`` (the family's latent channels and VAE factor), reference latents, a
 prompt embedding ``[L, D]``, the family's prompt tensors (Qwen-Image-2.1: the references' slot mask ``pad``

@@ -1,4 +1,4 @@
-"""What a fake-device training step runs besides forward, backward and the optimizer step (``verify.py``).
+"""What a fake-device training step runs besides forward, backward and the optimizer step (``train_step.py``).
 
 - **ProdigyPlusScheduleFree's own host reads.** The library reads values on the host by design: its step-size
   estimate ``d`` once per step and, when it sets up a parameter's state, whether the parameter is all zero
@@ -117,8 +117,7 @@ def validation_entry(shape: SampleShape, family, dim: int, lbm: bool):
 
 def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
     """``validate_step``'s work on one held-out ``entry``: per ``--validate_with`` tag, the schedule-free average
-    (and the EMA) swapped in, the sampler run through the module under bf16 autocast (accelerate's mixed
-    precision), swapped back."""
+    (and the EMA) swapped in, the sampler run through the module (in its ``--compute_precision``), swapped back."""
     from ..training.losses.registry import loss_spec
     from ..training.optim import schedule_free_eval
     from ..training.validation import flow_match_jobs, lbm_jobs, output_name, sample_jobs
@@ -131,8 +130,7 @@ def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
     which = t.validate_with if ema is not None else "raw"
     module.eval()
     for tag in {"raw": ("",), "ema": ("-ema",), "both": ("", "-ema")}[which]:
-        with schedule_free_eval(optimizer), (ema.applied(module) if tag else contextlib.nullcontext()), \
-                torch.autocast("cuda", dtype=torch.bfloat16):
+        with schedule_free_eval(optimizer), (ema.applied(module) if tag else contextlib.nullcontext()):
             sample_jobs(lambda fn: module(predict=fn), [entry], jobs, lbm=lbm,
                         steps=min(t.validation_steps, VALIDATION_STEPS), cfg=t.validation_cfg_scale,
                         zero_cond_t=bool(t.zero_cond_t), bridge_noise=cfg.lbm.lbm_bridge_noise, device=device,

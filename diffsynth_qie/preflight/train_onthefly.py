@@ -1,4 +1,4 @@
-"""``--on_the_fly`` in the fake-device training step (``verify.py``): the encoders on the device beside the DiT,
+"""``--on_the_fly`` in the fake-device training step (``train_step.py``): the encoders on the device beside the DiT,
 and one sample encoded through the real on-the-fly path.
 
 The family's real text encoder and VAE (its decoder freed, as ``cache.settings.load_encoder_pipeline`` frees

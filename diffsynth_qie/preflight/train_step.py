@@ -2,9 +2,10 @@
 
 It runs what ``qie train`` runs for one optimizer step, for any model family, on the preset's real DiT built on
 the fake device (``fakegpu/device.py``), with the family's stand-in for host bookkeeping its DiffSynth DiT
-does (``Family.fake_standin``; Qwen-Image-2.1: ``fakegpu/standin21.py``): :class:`~.module.QIETrainingModule`
-with the run's LoRA targets, the FP8 base as configured, the family's forward and the configured loss under bf16
-autocast (with ``--mask_loss_weights``, on masked samples), ``backward``, the optimizer's step (ProdigyPlusScheduleFree
+does (``Family.fake_standin``; Qwen-Image-2.1: ``fakegpu/standin21.py``): the training module as ``qie train``
+builds it (``training/placement.training_module``: the run's LoRA targets, the FP8 base as configured,
+``--compute_precision``), the family's forward and the configured loss in bf16 (with ``--mask_loss_weights``, on
+masked samples), ``backward``, the optimizer's step (ProdigyPlusScheduleFree
 included, ``train_extras.py``), the EMA's update, and with ``--validate_every`` one validation render (the EMA
 swapped in as ``--validate_with`` asks). ``--compile`` compiles the blocks with the eager backend. Block swapping
 runs with the real :class:`~..memory.block_swap.BlockSwapper`, its hooks and its CUDA transport, on the fake
@@ -36,7 +37,7 @@ from ..fakegpu.device import FakeCuda, backward
 from .train_batch import DEVICE, SampleShape, batch_shapes, fake_batch, text_dim  # noqa: F401 (public here)
 from .train_extras import (build_ema, compiled, library_host_reads, rollout_state, validate_once,
                             validation_entry)
-from .train_growth import LaterSteps
+from .train_growth import later_steps
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,8 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
     from ..memory.census import build_dit
     from ..models.presets import family_of
     from ..training.losses.registry import loss_spec
-    from ..training.module import QIETrainingModule
     from ..training.optim import build_optimizer
+    from ..training.placement import training_module
     from .train_onthefly import on_the_fly
 
     report = StepReport()
@@ -122,11 +123,8 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
         # PEFT makes the adapters beside their weights
         with fc.build(dtype, DEVICE):
             dit = build_dit(preset, num_layers)
-            module = QIETrainingModule(dit, cfg, preset.name)
-        if t.fp8_base:
-            module.quantize_frozen_base(DEVICE)
-        module.upcast_trainable(torch.float32)  # single process / DDP: fp32 LoRA + optimizer states
-        module.disable_lora_input_casting()  # as qie train does under bf16 autocast
+            module = training_module(dit, dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=0)),
+                                     preset.name, DEVICE, dtype)  # single process / DDP, as qie train builds it
         fc.register(module)
         if t.blocks_to_swap:  # the swapped blocks' frozen weights leave the device now
             swapper = BlockSwapper(module.dit, t.blocks_to_swap, DEVICE, record_events=True).install()
@@ -141,12 +139,10 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
         masks = cfg.loss.mask_loss_weights is not None  # the masked samples' path (every sample has a mask)
         batch = fake_batch(shapes, family, dim, lbm=lbm, masks=masks, dtype=dtype, pairs=spec.preference)
         generator = torch.Generator().manual_seed(t.seed)
-        later = LaterSteps(fc, module, steps)  # (reads the first step's compute context as it runs)
         with compiled(cfg, module):
             with fc.phase("forward + backward"):
                 _section(fc, "forward")
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss, _ = module(batch, generator)
+                loss, _ = module(batch, generator)  # under autocast with --compute_precision autocast
                 report.loss_dtype = str(loss.dtype).replace("torch.", "")
                 _section(fc, "backward")
                 backward(loss)
@@ -165,9 +161,9 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
                 with fc.phase("validation"):
                     validate_once(cfg, preset, module, optimizer, ema, entry)
                 report.validation_peak = fc.phases[-1].peak_bytes
-            report.steps = later.run(module, optimizer, ema, encoders, shapes, family.size_divisor,
-                                     functools.partial(fake_batch, family=family, dim=dim, lbm=lbm, masks=masks,
-                                                       dtype=dtype, pairs=spec.preference), generator)
+            report.steps = later_steps(fc, steps, module, optimizer, ema, encoders, shapes, family.size_divisor,
+                                       functools.partial(fake_batch, family=family, dim=dim, lbm=lbm, masks=masks,
+                                                         dtype=dtype, pairs=spec.preference), generator)
         del module, optimizer, dit, ema, encoders
         report.costs = fc.costs.profile if fc.costs is not None else None
     report.seconds = time.perf_counter() - t0

@@ -8,7 +8,8 @@ tensor (``param.ds_tensor``, flat and padded), and the whole average is assemble
 
 It is registered with accelerate's checkpointing, so each checkpoint holds it (whole, so a resume on another
 number of processes re-partitions it) and ``--resume`` continues it exactly; the final average is written as
-``lora_ema.safetensors`` beside ``lora.safetensors``, in the same format. :meth:`LoraEMA.applied` swaps it into
+``lora_ema.safetensors`` beside ``lora.safetensors``, in the same format (a run without an EMA removes an earlier
+run's, which would otherwise sit beside the newer LoRA). :meth:`LoraEMA.applied` swaps it into
 the module for validation (``--validate_with ema|both``); under ZeRO-3 through DeepSpeed's
 ``GatheredParameters``, the supported way to modify partitioned weights.
 """
@@ -134,6 +135,17 @@ class LoraEMA:
             log.info("saved the EMA LoRA to %s (decay %g)", path, self.decay)
         accelerator.wait_for_everyone()
         return path
+
+
+def remove_stale_ema(output_dir: str | Path) -> None:
+    """After a run without an EMA (one that dropped the checkpoint's included): an earlier run's
+    ``lora_ema.safetensors`` would sit beside the newer ``lora.safetensors`` as if it were its average; removed,
+    with a log line."""
+    path = Path(output_dir) / EMA_LORA_NAME
+    if path.is_file():
+        path.unlink()
+        log.info("removed %s: it was an earlier run's average, older than lora.safetensors (this run keeps no EMA)",
+                 path)
 
 
 class _DroppedEMA:

@@ -104,6 +104,7 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
 
     from . import checkpoint as ckpt
     from .data import iterate_batches
+    from .ema import remove_stale_ema
     from .onthefly import prefetched
     from .validation import validate_step
 
@@ -154,11 +155,13 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
             save()
         ckpt.save_final_lora(acc, run.module, run.optimizer, run.engine, t.output_dir, {"step": state.step})
         if run.cfg.lora.export and acc.is_main_process:  # --export: checked exports beside it
-            from ..lora.export import export_beside
+            from .exports import write_exports
 
-            export_beside(result.lora_path, run.cfg.lora.export)
+            write_exports(run.cfg, result.lora_path)
         if run.ema is not None:  # lora_ema.safetensors beside it
             run.ema.save(acc, run.module, t.output_dir, {"step": state.step})
+        elif acc.is_main_process:  # (an earlier run's average is not this LoRA's)
+            remove_stale_ema(t.output_dir)
     finally:
         stream.close()
         bar.close()

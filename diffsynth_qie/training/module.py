@@ -1,12 +1,13 @@
 """``QIETrainingModule``: the DiT with LoRA, as the one ``nn.Module`` accelerate/DeepSpeed wrap.
 
 Extends DiffSynth's ``DiffusionTrainingModule`` (its PEFT injection
-``add_lora_to_model``, ``trainable_modules``/``trainable_param_names`` and
-``transfer_data_to_device``). What we do differently from DiffSynth's Qwen-Image
-training module: it holds *only* the DiT (phase 2 never loads the encoders), its
+``add_lora_to_model`` and ``trainable_modules``/``trainable_param_names``). What we do differently from
+DiffSynth's Qwen-Image training module: it holds *only* the DiT (phase 2 never loads the encoders), its
 ``forward`` takes a real batch and returns ``(loss, metrics)`` from the configured
 loss (``losses.registry.LOSSES``), and ``zero_cond_t`` comes from the run's config (resolved
-from the preset), never from cached inputs.
+from the preset), never from cached inputs. Its forward owns the autocast of ``--compute_precision autocast``
+(``precision.py``), and a batch reaches a GPU through pinned memory (``transfer_data_to_device`` copies pageable
+memory, which waits for the stream).
 
 LoRA targets are PEFT name suffixes (``to_q`` matches every ``...attn.to_q``); a
 target that matches no module is an error, not a silent no-op. The exported LoRA is
@@ -15,6 +16,7 @@ loader both read.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, Iterable, Optional
 
@@ -66,6 +68,7 @@ class QIETrainingModule(DiffusionTrainingModule):
         self.loss_fn = get_loss(config.loss.loss)
         self.pixel_critic = None  # LBM's --lbm_pixel_loss (frozen VAE + LPIPS, not part of the module's state)
         self.loss_extras: dict = {}  # what a loss's set-up gives its function by keyword (--loss nft: its state)
+        self.autocast_dtype: Optional[torch.dtype] = None  # --compute_precision autocast (precision.py); None: none
         dit.requires_grad_(False)
         self.frozen = None  # --frozen_lora: unmerged branches (buffers: no gradient, not in any saved state)
         if lo.frozen_lora:
@@ -254,13 +257,20 @@ class QIETrainingModule(DiffusionTrainingModule):
 
     # --- forward -------------------------------------------------------------------
     def to_compute(self, batch: dict) -> dict:
-        """Move a collated batch's tensors to the DiT's device and dtype (others untouched)."""
+        """Move a collated batch's tensors to the DiT's device and dtype (others untouched). Host tensors bound
+        for a GPU go through pinned memory and copy without blocking: no stream sync at the step's start."""
         device, dtype = self.compute_device_dtype()
         out = dict(batch)
         for k in TENSOR_KEYS:
             if k in out:
-                out[k] = self.transfer_data_to_device(out[k], device, dtype)
+                out[k] = _to_device(out[k], device, dtype)
         return out
+
+    def compute_context(self):
+        """What the forward runs under: ``torch.autocast`` with ``--compute_precision autocast``, else nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.compute_device_dtype()[0].type, dtype=self.autocast_dtype)
 
     def forward(self, batch: Optional[dict] = None, generator: Optional[torch.Generator] = None, *,
                 predict: Optional[dict | Callable] = None):
@@ -271,6 +281,10 @@ class QIETrainingModule(DiffusionTrainingModule):
         instead: validation runs the samplers' DiT calls through the same
         wrapped module, so DDP/DeepSpeed hooks (ZeRO-3 parameter gathering) run.
         """
+        with self.compute_context():
+            return self._forward(batch, generator, predict)
+
+    def _forward(self, batch, generator, predict):
         if callable(predict):
             return predict(self.dit)
         if predict is not None:
@@ -282,3 +296,20 @@ class QIETrainingModule(DiffusionTrainingModule):
             return sum((p.float() * 0).sum() for p in self.trainable_modules()), {}
         extra = dict(self.loss_extras, **({"pixel_critic": self.pixel_critic} if self.pixel_critic is not None else {}))
         return self.loss_fn(self.dit, self.to_compute(batch), self.config, generator, **extra)
+
+
+def _to_device(data, device: torch.device, dtype: torch.dtype):
+    """DiffSynth's ``transfer_data_to_device`` (tensors in lists, tuples and dicts to ``device``, floating ones to
+    ``dtype``), with a host tensor bound for CUDA pinned first and copied ``non_blocking``."""
+    if isinstance(data, torch.Tensor):
+        if device.type == "cuda" and data.device.type == "cpu":
+            data = data.pin_memory().to(device, non_blocking=True)
+        else:
+            data = data.to(device)
+        return data.to(dtype) if data.dtype in (torch.float32, torch.float16, torch.bfloat16) else data
+    if isinstance(data, (list, tuple)):
+        moved = [_to_device(x, device, dtype) for x in data]
+        return moved if isinstance(data, list) else tuple(moved)
+    if isinstance(data, dict):
+        return {k: _to_device(v, device, dtype) for k, v in data.items()}
+    return data

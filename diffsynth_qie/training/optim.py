@@ -31,15 +31,25 @@ from .config import OptimConfig
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW or ProdigyPlusScheduleFree over ``params`` (``config`` resolved)."""
+def fused_adamw(params: list, deepspeed: bool = False) -> bool:
+    """Whether AdamW runs fused (one kernel per step for all tensors): every parameter a floating tensor on a CUDA
+    device, and no DeepSpeed (which hands the optimizer its own flat partitions). Elsewhere PyTorch's default
+    stays: ``foreach`` on CUDA, the per-tensor loop on the CPU."""
+    return not deepspeed and all(p.is_floating_point() and p.device.type == "cuda" for p in params)
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig,
+                    deepspeed: bool = False) -> torch.optim.Optimizer:
+    """AdamW (fused where :func:`fused_adamw` says) or ProdigyPlusScheduleFree over ``params`` (``config``
+    resolved); ``deepspeed``: the optimizer goes to a DeepSpeed engine."""
     config = config.resolved()
     params = list(params)
     if not params:
         raise ValueError("no trainable parameters: check --lora_rank / --lora_target_modules / --full_finetune_modules")
     if config.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=config.learning_rate, betas=tuple(config.betas),
-                                 weight_decay=config.weight_decay)
+                                 weight_decay=config.weight_decay,
+                                 **({"fused": True} if fused_adamw(params, deepspeed) else {}))
     if config.optimizer == "prodigy_sf":
         try:
             from prodigyplus.prodigy_plus_schedulefree import ProdigyPlusScheduleFree

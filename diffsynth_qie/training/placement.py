@@ -160,11 +160,32 @@ def load_dit(preset, config: RunConfig, accelerator, ds_config: Optional[dict] =
     return pipe.dit
 
 
+def training_module(dit, cfg: RunConfig, preset_name: str, device, dtype: torch.dtype,
+                    ds_config: Optional[dict] = None):
+    """The training module around a loaded DiT, as ``qie train`` builds it: LoRA injected, the FP8 base made on
+    ``device`` (``--fp8_base``), then the trainable weights' dtype and ``--compute_precision`` (``precision.py``)
+    for a DiT in ``dtype``; under DeepSpeed (``ds_config``) the engine keeps the masters and no autocast runs.
+    The benchmarks and the fake-device check build theirs here too."""
+    from .module import QIETrainingModule
+    from .precision import apply_precision
+
+    t = cfg.train
+    module = QIETrainingModule(dit, cfg, preset_name)
+    if t.fp8_base:  # quantised on the GPU layer by layer; the swapped blocks' layers go back to the host
+        module.quantize_frozen_base(device, t.blocks_to_swap)
+        if not t.blocks_to_swap:
+            module.to(device)
+    if ds_config is None:
+        apply_precision(module, dtype, t.compute_precision)
+    elif t.compute_precision == "autocast":
+        log.warning("--compute_precision autocast does not apply under DeepSpeed: the engine computes in its "
+                    "config's dtype over its own fp32 masters")
+    return module
+
+
 def build_module(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict]):
     """The training module on its devices: DiT loaded, LoRA injected, FP8 base, dtypes, block swapping.
     Returns ``(module, swapper)``; host loads run in turns on each machine."""
-    from .module import QIETrainingModule
-
     t = cfg.train
 
     def build():
@@ -175,15 +196,7 @@ def build_module(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict])
         # model load of a process draws from the global RNG and a later one does not (so a run would otherwise
         # start from another LoRA depending on what loaded before it: the encoders of --on_the_fly, a test's).
         set_seed(t.seed)
-        module = QIETrainingModule(dit, cfg, preset.name)
-        if t.fp8_base:  # quantised on the GPU layer by layer; the swapped blocks' layers go back to the host
-            module.quantize_frozen_base(accelerator.device, t.blocks_to_swap)
-            if not t.blocks_to_swap:
-                module.to(accelerator.device)
-        if ds_config is None:
-            module.upcast_trainable(torch.float32)  # fp32 LoRA + optimizer states; DeepSpeed keeps fp32 masters
-            if str(accelerator.mixed_precision) in ("bf16", "fp16"):
-                module.disable_lora_input_casting()  # autocast picks the matmul dtype; PEFT's fp32 copy is waste
+        module = training_module(dit, cfg, preset.name, accelerator.device, weight_dtype(accelerator), ds_config)
         return module, install_block_swap(module, cfg, accelerator, ds_config)
 
     # ZeRO-3 loads collectively (every rank at once), so only the FP8 / swapping host loads take turns

@@ -19,6 +19,7 @@ import torch
 
 from ..utils.dir_lock import TrainLock
 from .config import RunConfig
+from .exports import check_exports
 from .placement import process_group_timeout, weight_dtype
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ _DISTRIBUTION = {"NO": "no distribution", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP 
 def make_accelerator(config: RunConfig):
     """The Accelerator (created before the DiT is loaded: ZeRO-3 must be known by then)."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from accelerate.utils import AutocastKwargs, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     train = config.train
     mp = train.mixed_precision
@@ -41,8 +42,11 @@ def make_accelerator(config: RunConfig):
     # find_unused_parameters: the last block's text-stream LoRAs get no gradient (its outputs are discarded)
     ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
     group = InitProcessGroupKwargs(timeout=process_group_timeout())  # sized for a turn of a host load
+    # the module's forward autocasts itself where --compute_precision asks (precision.py): accelerate's is off
+    autocast = AutocastKwargs(enabled=False)
     return Accelerator(gradient_accumulation_steps=train.gradient_accumulation_steps, mixed_precision=mp,
-                       cpu=train.device == "cpu", step_scheduler_with_optimizer=False, kwargs_handlers=[ddp, group])
+                       cpu=train.device == "cpu", step_scheduler_with_optimizer=False,
+                       kwargs_handlers=[ddp, group, autocast])
 
 
 def deepspeed_config(accelerator) -> Optional[dict]:
@@ -122,6 +126,7 @@ def setup(config: RunConfig, preflight: Optional[Callable] = None) -> Run:
     preset = get_preset(config.train.model, zero_cond_t=config.train.zero_cond_t)
     cfg = config.resolved(preset)
     check_flags(cfg)
+    check_exports(cfg, preset)  # --export against the modules this run trains, not after the last step
     out = Path(config.train.output_dir)
     existed, had_lock = out.exists(), (out / TrainLock.name).exists()
     lock = TrainLock(config.train.output_dir).acquire_for_ranks(accelerator)  # one run per --output_dir
@@ -170,6 +175,9 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
                                num_validation=t.num_validation if t.validate_every > 0 else 0,
                                num_replicas=accelerator.num_processes, rank=accelerator.process_index, live=live)
     dataset, sampler, store, val_idx = data.dataset, data.sampler, data.validation_store, data.validation_indices
+    check_data = loss_spec(cfg.loss.loss).check_data
+    if check_data is not None:  # the loss's own rows, before the DiT loads (--loss dpo: every row a pair)
+        check_data(dataset)
     total_steps = total_optimizer_steps(cfg, len(sampler.epoch_batches(0)))
 
     set_seed(t.seed)  # the LoRA init, identical on every rank
@@ -180,6 +188,9 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
         set_seed(t.seed)
     module, swapper = build_module(cfg, preset, accelerator, ds_config)
+    if weight_dtype(accelerator) != torch.float32 and ds_config is None:
+        log.info("compute precision: %s", "autocast to %s" % str(module.autocast_dtype).replace("torch.", "")
+                 if module.autocast_dtype is not None else "pure bf16 over fp32 trainable weights")
     loss = loss_spec(cfg.loss.loss)
     if loss.setup is not None:  # the loss's own set-up (LBM: --lbm_pixel_loss's critic)
         loss.setup(module, cfg, preset, accelerator.device, weight_dtype(accelerator), ds_config)
@@ -188,7 +199,7 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
                 accelerator.register_for_checkpointing(state)
     if t.compile:
         compile_blocks(module.dit)
-    optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
+    optimizer = build_optimizer(module.trainable_modules(), cfg.optim, deepspeed=ds_config is not None)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_steps)
     if ds_config is not None:
         configure_deepspeed(ds_config, cfg.optim, t.batch_size)  # micro-batch size and --max_grad_norm

@@ -32,8 +32,8 @@ atomically to ``<output_dir>/validation/step-<n>/<k>-<entry>.png`` (LBM:
 ``<k>-<entry>_main.png`` and ``<k>-<entry>_sub.png``) and logged to WandB when it is
 on. Each output is scored (``validation_metrics``: against its target, and the edit scorecard against its
 source, and with ``--val_judge`` by a judge: ``val_judge``); the means are in :attr:`Validator.metrics` (the trainer logs them to ``loss.jsonl`` and WandB), each
-output's in ``scores.jsonl`` beside the strips; the time taken is logged. The VAE loads alone, lazily, only
-when validation runs; reference and target panels are decoded once and reused.
+output's in ``scores.jsonl`` beside the strips; the time taken is logged. The VAE side (loaded alone, lazily, only
+when validation runs; reference and target panels decoded once and reused) is ``validation_decode.py``.
 """
 from __future__ import annotations
 
@@ -50,14 +50,13 @@ from PIL import Image
 from ..cache.store import CacheEntry, CacheStore
 from ..data.images import side_by_side
 from ..utils.atomic import atomic_save
+from .validation_decode import PanelDecoder
 from .validation_metrics import SCORES_FILE, output_metrics, summarize, write_scores
 from .tracking import VALIDATION_DIR
 # (entry_seed and the job builders are imported from here by the preflight and the tests)
 from .validation_sampling import Render, entry_seed, flow_match_jobs, lbm_jobs, sample_jobs  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-Tensor = torch.Tensor
 
 
 def output_name(k: int, entry_id: str) -> str:
@@ -80,28 +79,10 @@ class Validator:
         self.zero_cond_t = zero_cond_t
         self.accelerator = accelerator
         self.dtype = dtype
-        self._vae_pipe = None
-        self._panels: dict[tuple[int, str], Image.Image] = {}  # (entry, "reference"|"target"|"ref_gt"), decoded once
+        self.decoder = PanelDecoder(preset, model_dir, accelerator, dtype)  # the VAE, loaded on first use
         self._lpips = None  # loaded on the first validation; False when it cannot be
         self._judge = None  # --val_judge, built on the first validation; False without one
         self.metrics, self.row_scores = {}, {}  # of the last run (main process): means, and per output name
-
-    def _zero3(self) -> bool:
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
-        return is_deepspeed_zero3_enabled()
-
-    def _pipe(self):
-        """VAE-only pipeline, loaded on first use: on the main process, or on every rank under
-        ZeRO-3 (DiffSynth then builds it partitioned, and decoding gathers it collectively)."""
-        if self._vae_pipe is None:
-            from ..models.load.loading import load_pipeline
-
-            device = self.accelerator.device
-            device = "cpu" if device.type == "cpu" else str(device)
-            self._vae_pipe = load_pipeline(self.preset, model_dir=self.model_dir, components=("vae",),
-                                           device=device, torch_dtype=self.dtype)
-        return self._vae_pipe
 
     def _objective(self, wrapped_module):
         """(a bridge loss: the LBM sampler, LBMConfig) of the loss the module trains (its resolved ``RunConfig``)."""
@@ -153,18 +134,16 @@ class Validator:
         started = time.perf_counter()
         entries = [self.store.load(i) for i in self.indices]
         renders = self.render(wrapped_module, device, dtype, entries)
-        images = {}
-        zero3 = self._zero3()
-        if self.accelerator.is_main_process or zero3:
-            pipe = self._pipe()
+        images, decoder = {}, self.decoder
+        if self.accelerator.is_main_process or decoder.zero3():
             scores, self.row_scores, judged = [], {}, []
-            with _gathered(pipe.vae) if zero3 else contextlib.nullcontext():
+            with decoder.gathered():
                 for r in renders:
                     entry = entries[r.entry]
                     which = "target" if r.target is entry.target_latents else "ref_gt"
-                    panels = [self._panel(pipe, (r.entry, which), r.target), self._decode(pipe, r.latents)]
+                    panels = [decoder.panel((r.entry, which), r.target), decoder.decode(r.latents)]
                     # every reference of the row, in order (a text-to-image row has none)
-                    refs = [self._panel(pipe, (r.entry, f"reference{k}"), z) for k, z in enumerate(entry.edit_latents)]
+                    refs = [decoder.panel((r.entry, f"reference{k}"), z) for k, z in enumerate(entry.edit_latents)]
                     if self.accelerator.is_main_process:
                         mask = entry.back_mask if which == "target" else None
                         source = refs[0] if refs and which == "target" else None
@@ -221,26 +200,9 @@ class Validator:
             self._lpips = load_lpips() or False
         return self._lpips or None
 
-    def _decode(self, pipe, latents: Tensor) -> Image.Image:
-        from ..models.family_ops import ops_for
-        from ..models.presets import family_of
-
-        return ops_for(family_of(self.preset)).decode(pipe, latents)
-
-    def _panel(self, pipe, key: tuple[int, str], latents: Tensor) -> Image.Image:
-        if key not in self._panels:
-            self._panels[key] = self._decode(pipe, latents)
-        return self._panels[key]
-
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:64]
-
-
-def _gathered(module):
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
 
 def validate_step(run, step: int) -> None:

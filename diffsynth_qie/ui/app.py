@@ -85,6 +85,9 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
     prompt_box = widgets["prompt"] = build_widget("prompt", render=False)
 
     family = family_label(handlers.config.model)
+    with handlers.one_look():  # the LoRA folder as the page opens: each header read once
+        lora_options, picked = handlers.lora_options(), handlers.default_lora()
+        lora_text, modes = handlers.lora_status(picked), handlers.mode_choices()
     with gr.Blocks(title=f"{family} mask edit", analytics_enabled=False) as demo:
         gr.Markdown(intro(family))
         model_status = gr.Markdown(handlers.model_status(), elem_id="model-status")
@@ -149,24 +152,25 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
                                     file_count="multiple", interactive=False, elem_id="downloads")
                 command = gr.Textbox(label="Copy as a qie edit command", buttons=["copy"], interactive=False,
                                      lines=2, elem_id="qie-command")
-                mode = add("mode", choices=handlers.mode_choices())
+                mode = add("mode", choices=modes)
                 steps = add("steps")
                 lbm_steps = add("lbm_steps")
                 cfg = add("cfg", value=default_cfg(handlers.config.model))
+                add("cache")
                 with gr.Row(equal_height=True):
                     add("seed")
                     add("variations")
                 with gr.Row(equal_height=True):
-                    lora = add("lora", choices=handlers.lora_options(), value=handlers.default_lora())
+                    lora = add("lora", choices=lora_options, value=picked)
                     refresh = gr.Button("Refresh", scale=1, min_width=80, elem_id="lora-refresh")
                 add("lora_scale")
-                lora_status = gr.Markdown(handlers.lora_status(handlers.default_lora()), elem_id="lora-status")
+                lora_status = gr.Markdown(lora_text, elem_id="lora-status")
                 stack = gr.Button(visible=False, size="sm", elem_id="lora-stack")  # LoraEvents.stack_button
                 with gr.Accordion("Advanced", open=False, elem_id="advanced") as advanced:
                     negative = add("negative_prompt")
                     add("strength")
                     add("mask_blend")
-                    lora2 = add("lora2", choices=handlers.lora_options())
+                    lora2 = add("lora2", choices=lora_options)
                     add("lora2_scale")
                     add("live_preview")
                     with gr.Row(equal_height=True):
@@ -190,10 +194,10 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         refresh.click(cb.refresh_loras, [lora, lora2], lora_outputs, queue=False)
         status_timer.tick(cb.poll_model_status, None, [model_status, status_timer], queue=False)
         mode.input(cb.switch_mode, [mode, prev_mode, steps, saved_steps], mode_outputs, queue=False)
-        lora.input(cb.pick_lora, [lora, lora2, mode, prev_mode, steps, saved_steps, cfg],
+        lora.input(cb.pick_lora, [lora, lora2, mode, prev_mode, steps, saved_steps],
                    [mode, lora_status, *mode_outputs, stack], queue=False)
-        lora2.input(cb.pick_second, [lora, lora2, mode, steps, cfg], [lora_status, stack, steps, cfg], queue=False)
-        stack.click(cb.stack_frozen, [lora, lora2, mode, steps, cfg],
+        lora2.input(cb.pick_second, [lora, lora2, mode], [lora_status, stack, steps, cfg], queue=False)
+        stack.click(cb.stack_frozen, [lora, lora2, mode],
                     [lora2, widgets["lora2_scale"], lora_status, stack, steps, cfg, advanced], queue=False)
         editor.upload(cb.new_image, editor, [editor, brush_size], queue=False, show_progress="hidden")
         brush_size.change(cb.set_brush, brush_size, editor, queue=False, show_progress="hidden")
@@ -234,7 +238,7 @@ def build_ui(handlers: UIHandlers) -> gr.Blocks:
         whole = [*restored, editor, loaded, mask_file, references, widgets["variations"], variants, batch, prev_mode,
                  saved_steps, brush_size, *shown, status]
         gallery.select(cb.restore, [history, editor], whole, queue=False)
-        settings_png.upload(cb.load_png, [settings_png, editor], whole, queue=False)
+        settings_png.upload(cb.load_png, [settings_png, editor, history], whole, queue=False)
         variants.select(cb.show_variation, [batch], shown, queue=False)
     demo.queue(default_concurrency_limit=1)
     return demo

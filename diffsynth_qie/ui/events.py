@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -17,49 +16,23 @@ import gradio as gr
 from . import history as hist
 from . import live
 from . import masks
-from . import restore as back
 from .examples import Example, examples_file, load_examples
-from .handlers import MODE_LBM, MODE_LIGHTNING, NO_LORA, GenerateInputs, Stopped, UIHandlers, user_message
-from .history import HistoryEntry
+from .handlers import GenerateInputs, Stopped, UIHandlers, user_message
 from .lora_events import LoraEvents
-from .messages import toast_html
+from .mask_events import brush, image_brush
+from .messages import error_toast, toast_html
+from .restore_events import RestoreEvents
 from .runner import queued_note
-from .settings import INPUT_NAMES
+from .settings import INPUT_NAMES, shown_for_mode, steps_for_mode
 
 STOPPING = "Stopping at the next step (the finished variations are kept)…"
 
 log = logging.getLogger(__name__)
 
-LIGHTNING_DEFAULT_STEPS = 8
-FLOW_DEFAULT_STEPS = 40
 
-
-def steps_for_mode(new: str, prev: str, steps: float, saved: float | None) -> tuple[float, float | None]:
-    """(steps to show, steps to remember) when the sampler changes from ``prev`` to ``new``.
-
-    Entering Lightning remembers the user's steps and shows 8; leaving it gives them back
-    (never leaves a flow-matching run silently at Lightning's 8).
-    """
-    if new == MODE_LIGHTNING and prev != MODE_LIGHTNING:
-        return LIGHTNING_DEFAULT_STEPS, steps
-    if prev == MODE_LIGHTNING and new != MODE_LIGHTNING:
-        return saved or FLOW_DEFAULT_STEPS, saved
-    return steps, saved
-
-
-def shown_for_mode(mode: str) -> dict[str, bool]:
-    """Which sampler widgets ``mode`` shows: LBM has its own steps and no CFG; Lightning runs 4/8 steps at CFG 1;
-    the negative prompt only where CFG applies (it has no effect at CFG 1)."""
-    lbm, few = mode == MODE_LBM, mode == MODE_LIGHTNING
-    return {"steps": not lbm, "cfg": not (lbm or few), "lbm_steps": lbm, "negative_prompt": not (lbm or few)}
-
-
-def _error(exc: BaseException) -> gr.Error:
-    return gr.Error(toast_html(user_message(exc)), duration=None, print_exception=False)
-
-
-class Callbacks(LoraEvents):
-    """One UI's callbacks over its :class:`UIHandlers` (the LoRA picker's: ``ui/lora_events.py``)."""
+class Callbacks(LoraEvents, RestoreEvents):
+    """One UI's callbacks over its :class:`UIHandlers` (the LoRA picker's: ``ui/lora_events.py``; bringing a result
+    back: ``ui/restore_events.py``)."""
 
     def __init__(self, handlers: UIHandlers):
         self.h = handlers
@@ -138,7 +111,7 @@ class Callbacks(LoraEvents):
         try:
             cleared = masks.clear(value, self.folder)
         except Exception as exc:  # noqa: BLE001
-            raise _error(exc) from None
+            raise error_toast(exc) from None
         given = self.h.give(getattr(request, "session_hash", None), cleared["background"])
         return (cleared, masks.loaded_record(given, value), self._unlocked(request),
                 "Paint cleared (the image stays).")
@@ -171,7 +144,7 @@ class Callbacks(LoraEvents):
         try:
             self.h.check(self.inputs(values), getattr(request, "session_hash", None))
         except Exception as exc:  # noqa: BLE001
-            raise _error(exc) from None
+            raise error_toast(exc) from None
         session = getattr(request, "session_hash", None)
         with self._pending_lock:
             if session in self._pending:
@@ -256,89 +229,3 @@ class Callbacks(LoraEvents):
         return ("Stopped while waiting in the queue: it will not run. Generate unlocks when another tab's "
                 "generation ahead of it ends.")
 
-    # results and history --------------------------------------------------------------------
-    @staticmethod
-    def _show(entry: HistoryEntry):
-        """The slider, sub-stream, downloads, command, "Edit this result" and current entry of ``entry``."""
-        files = [f for f in (entry.image, entry.sub_image, entry.input, entry.mask, *entry.references) if f]
-        return ((entry.before, entry.image), gr.update(value=entry.sub_image, visible=entry.sub_image is not None),
-                files, entry.command, gr.update(interactive=True), entry)
-
-    def _restore_all(self, settings, files: dict, editor: Any, request: gr.Request | None) -> tuple:
-        """The restored settings' widgets, then editor, loaded record, mask file, references, variations (1), the
-        variations grid (hidden) and the batch, then the sampler state (prev_mode, saved_steps), then the brush size."""
-        image = files.get("image")
-        values = back.widget_values(settings, self.h.lora_choices())
-        values.update({name: gr.update(visible=visible, value=values.get(name))
-                       for name, visible in shown_for_mode(settings.mode).items()})
-        size = gr.skip()
-        if image is not None:
-            given, size = self.h.give(getattr(request, "session_hash", None), image), image_brush(image)
-            inputs = (gr.update(value=hist.editor_value(image), brush=brush(size)), masks.loaded_record(given, editor),
-                      files.get("mask"), files.get("references") or None)
-        else:
-            inputs = (gr.skip(),) * 4
-        return (*(values[name] for name in hist.RESTORED), *inputs, 1, gr.update(value=None, visible=False), [],
-                settings.mode, FLOW_DEFAULT_STEPS if settings.mode == MODE_LIGHTNING else settings.steps, size)
-
-    def restore(self, history: list[HistoryEntry], editor: Any = None, request: gr.Request = None,
-                evt: gr.SelectData = None):
-        """A history click: the entry's settings, image, mask and references back, the entry in the slider."""
-        entry = _picked(history, evt, "history")
-        files = back.files_of({"image": entry.input, "mask": entry.mask_source, "references": list(entry.references)},
-                              self.h.config.resolved_outputs_dir)
-        return (*self._restore_all(entry.settings, files, editor, request), *self._show(entry),
-                f"Restored from the history: {entry.settings.summary()}.")
-
-    def load_png(self, path: str | None, editor: Any, request: gr.Request):
-        """A PNG dropped on "Settings from a PNG": its settings (and, for a result of this UI, its image, mask and
-        references) back in the widgets."""
-        if not path:
-            return (*(gr.skip(),) * (len(hist.RESTORED) + 10), *(gr.skip(),) * 6, gr.skip())
-        try:
-            settings, files = back.from_png(path, self.h.config.resolved_outputs_dir)
-        except Exception as exc:  # noqa: BLE001
-            raise _error(exc) from None
-        extra = " with its image, mask and reference images" if files.get("image") else ""
-        return (*self._restore_all(settings, files, editor, request), *(gr.skip(),) * 6,
-                f"Settings restored from {Path(str(path)).name}{extra}: {settings.summary()}.")
-
-    def show_variation(self, batch: list[HistoryEntry], evt: gr.SelectData = None):
-        return self._show(_picked(batch, evt, "variations"))
-
-    def edit_result(self, entry: HistoryEntry | None, editor: Any, request: gr.Request):
-        if entry is None:
-            raise gr.Error("generate an image first", duration=5, print_exception=False)
-        given = self.h.give(getattr(request, "session_hash", None), entry.image)
-        size = image_brush(entry.image)
-        return (gr.update(value=hist.editor_value(entry.image), brush=brush(size)), masks.loaded_record(given, editor),
-                self._unlocked(request),
-                f"Editing the result of seed {entry.settings.seed}: paint, describe the next edit, Generate.", None,
-                size)
-
-
-def brush(size: int) -> gr.Brush:
-    """The editor's one brush (magenta at 60 %: the image stays visible under the paint), ``size`` px across."""
-    return gr.Brush(colors=[masks.BRUSH_COLOR], color_mode="fixed", default_size=int(size))
-
-
-def image_brush(path: str) -> int:
-    """The brush size for the image file ``path`` (read from its header), whatever loaded it."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            return masks.brush_size(im.size)
-    except (OSError, ValueError):
-        return masks.DEFAULT_BRUSH
-
-
-def _picked(entries: list[HistoryEntry] | None, evt: Any, where: str) -> HistoryEntry:
-    """The entry a gallery click selected; a message (not a traceback) for a call without a click on an entry."""
-    index = getattr(evt, "index", None)
-    if isinstance(index, (list, tuple)):
-        index = index[0] if index else None
-    if not entries or not isinstance(index, int) or not 0 <= index < len(entries):
-        raise gr.Error(f"click an entry of the {where} first (nothing is there to show yet)" if not entries else
-                       f"click an entry of the {where}", duration=5, print_exception=False)
-    return entries[index]

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from PIL import Image
 
 from .config import UIConfig
-from .lora_picker import resolve_lora
+from .lora_picker import LoraFolder
 from .masks import combine, content_digest, grow_mask
 from .results import EditSettings
 from .schedules import declared, job_sigmas
@@ -49,20 +49,22 @@ class Job:
     preview_every: int = 0               # a live preview every N steps (0 = none): ``EditRequest.preview_every``
 
 
-def lightning_loras(loras: list, lightning_lora: str | None, steps: int) -> tuple[list, int, float]:
+def lightning_loras(loras: list, lightning_lora: str | None, steps: int,
+                    headers: dict[str, dict[str, str]] | None = None) -> tuple[list, int, float]:
     """The LoRAs, steps and CFG of the Lightning sampler: the chosen LoRA stacked with the
-    configured Lightning LoRA; 4 or 8 steps (else the Lightning LoRA's own count); CFG 1."""
+    configured Lightning LoRA; 4 or 8 steps (else the Lightning LoRA's own count); CFG 1 (``headers``: the files'
+    metadata by path where the caller has read it already)."""
     from ..models.samplers.lightning import LIGHTNING_STEPS, is_lightning_lora, lightning_steps
 
     if lightning_lora and not any(Path(p) == Path(lightning_lora) for p, _ in loras):
         if not Path(lightning_lora).is_file():
             raise UIError(f"Lightning LoRA {lightning_lora} not found; fix --lightning_lora")
         loras = [*loras, (Path(lightning_lora), 1.0)]
-    paths = [str(p) for p, _ in loras]
-    if not any(is_lightning_lora(p) for p in paths):
+    paths, headers = [str(p) for p, _ in loras], headers or {}
+    if not any(is_lightning_lora(p, headers.get(p)) for p in paths):
         raise UIError("the Lightning sampler needs a Lightning LoRA: start the UI with --lightning_lora FILE, "
                       "or pick a LoRA whose name contains 'Lightning'")
-    return loras, steps if steps in LIGHTNING_STEPS else lightning_steps(paths), 1.0
+    return loras, steps if steps in LIGHTNING_STEPS else lightning_steps(paths, headers), 1.0
 
 
 def editor_image(editor: Any, loaded: str | None, limit: int,
@@ -105,12 +107,13 @@ def allowed_files(config: UIConfig, known_images: frozenset[str] | set[str],
 
 
 def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | None = None,
-              known_images: frozenset[str] | set[str] = frozenset(), own: frozenset[str] | None = None) -> Job:
+              known_images: frozenset[str] | set[str] = frozenset(), own: frozenset[str] | None = None,
+              folder: LoraFolder | None = None) -> Job:
     """Everything Generate needs, checked; UIError (with the fix) on the first problem. Loads no model.
 
     ``lightning_lora`` is the Lightning LoRA the Lightning sampler stacks with the chosen LoRAs
     (default ``--lightning_lora``); ``known_images`` are the images besides its temp files that the UI puts into
-    the editor (the examples').
+    the editor (the examples'); ``folder``: the LoRA folder as the click sees it (default: a fresh look).
     """
     values = checked_values(inputs)
     settings = EditSettings(model=config.model, **{name: values[name] for name in RECORDED})
@@ -122,15 +125,17 @@ def check_job(inputs: GenerateInputs, config: UIConfig, lightning_lora: str | No
     mask_file = to_pil(inputs.mask_file, "mask file")
     mask = grow_mask(combine(painted, mask_file, image.size, settings.mask_invert), settings.mask_grow)
     refs = reference_images(inputs.references, limit)
-    loras = [(resolve_lora(config.lora_dir, name), scale) for name, scale in settings.loras()]
+    folder = folder or LoraFolder(config.lora_dir)
+    loras = [(folder.resolve(name), scale) for name, scale in settings.loras()]
     job = Job(settings=settings, image=image, mask=mask, references=refs, loras=loras, scheduler="default",
               seeds=[settings.seed + i for i in range(values["variations"])], preview_every=values["live_preview"],
               mask_source=combine(painted, mask_file, image.size) if mask is not None else None)
     if settings.mode == MODE_LIGHTNING:
-        job.loras, steps, cfg = lightning_loras(loras, lightning_lora or config.lightning_lora, settings.steps)
+        headers = {str(p): folder.metadata(name) for (name, _), (p, _) in zip(settings.loras(), loras)}
+        job.loras, steps, cfg = lightning_loras(loras, lightning_lora or config.lightning_lora, settings.steps, headers)
         job.settings, job.scheduler = dataclasses.replace(settings, steps=steps, cfg=cfg), "lightning"
         job.lightning_lora = next((p for p, _ in job.loras[len(loras):]), None)
     elif settings.mode == MODE_FLOW:  # a declared schedule unless Steps say otherwise (as qie edit --scheduler auto)
         names = [name for name, _ in settings.loras()]
-        job.sigmas = job_sigmas(declared(config.lora_dir, names, config.model), settings.steps)
+        job.sigmas = job_sigmas(declared(folder, names, config.model), settings.steps)
     return job

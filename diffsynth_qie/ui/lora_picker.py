@@ -8,18 +8,17 @@
 - **Labels** (:func:`lora_info`, :meth:`LoraInfo.label`): what training wrote in the
   file's metadata (loss, preset, rank, step), so a user picks a LoRA by what it is, the
   UI can switch to the LBM sampler for an LBM LoRA, and a preset mismatch is flagged.
+- **One look** (:class:`LoraFolder`): the folder as one click sees it; each file's header (its keys and
+  metadata) is read once, whatever the click asks of it (list, labels, schedules, what it was trained on).
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from .uploads import UIError
-
-log = logging.getLogger(__name__)
 
 NO_LORA = "(none)"
 LORA_SUFFIX = ".safetensors"
@@ -38,27 +37,7 @@ def list_loras(lora_dir: str | os.PathLike) -> list[str]:
     LoRA pairs are listed (not cache shards), and not a checkpoint's ``trainable.safetensors`` (the raw
     training tensors; the checkpoint's ``lora.safetensors`` beside it is the loadable LoRA).
     """
-    from ..lora.formats import holds_lora_tensors
-    from ..training.checkpoint import TRAINABLE_NAME
-
-    root = Path(lora_dir).expanduser()
-    if not root.is_dir():
-        return []
-    root = root.resolve()
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            if name.startswith(".") or not name.endswith(LORA_SUFFIX):
-                continue
-            path = Path(dirpath) / name
-            try:
-                real = path.resolve(strict=True)
-            except (OSError, RuntimeError):  # dangling or looping symlink
-                continue
-            if _inside(real, root) and real.is_file() and name != TRAINABLE_NAME and holds_lora_tensors(real):
-                found.append(path.relative_to(root).as_posix())
-    return sorted(found)
+    return LoraFolder(lora_dir).names()
 
 
 def resolve_lora(lora_dir: str | os.PathLike, name: str | None) -> Path | None:
@@ -150,19 +129,69 @@ class LoraInfo:
 
 def lora_info(root: str | os.PathLike, name: str) -> LoraInfo:
     """The metadata of ``root/name`` (header only; an unreadable header gives a bare :class:`LoraInfo`)."""
-    from safetensors import safe_open
+    return LoraFolder(root).info(name)
 
-    from ..lora.manager import lora_family
-    from ..models.samplers.lightning import is_lightning_lora
 
-    path = Path(root).expanduser() / name
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = dict(f.metadata() or {})
-    except Exception as exc:  # noqa: BLE001 - listed by name only; loading it will say what is wrong
-        log.info("no metadata for %s: %s", path, exc)
-        meta = {}
-    rank, step = _plain(meta.get("rank")), _plain(meta.get("step"))
-    return LoraInfo(name=name, loss=_plain(meta.get("loss")), preset=_plain(meta.get("preset")),
-                    rank=rank if isinstance(rank, int) else None, step=step if isinstance(step, int) else None,
-                    lightning=is_lightning_lora(path, meta), family=lora_family(meta))
+class LoraFolder:
+    """The LoRA folder as one look sees it: each file's header (whether it names LoRA pairs, its metadata) is
+    read on first use and kept, so listing, labels and what a picked LoRA declares read it once."""
+
+    def __init__(self, lora_dir: str | os.PathLike):
+        self.lora_dir = str(lora_dir)
+        self.root = Path(lora_dir).expanduser()
+        self._headers: dict[str, tuple[bool, dict[str, str]]] = {}
+        self._names: list[str] | None = None
+
+    def _header(self, name: str) -> tuple[bool, dict[str, str]]:
+        if name not in self._headers:
+            from ..lora.formats import lora_header
+
+            self._headers[name] = lora_header(self.root / name)
+        return self._headers[name]
+
+    def metadata(self, name: str) -> dict[str, str]:
+        """The header metadata of the file ``name`` ({} when it has none or cannot be read)."""
+        return self._header(name)[1]
+
+    def names(self) -> list[str]:
+        """:func:`list_loras` of this folder."""
+        if self._names is None:
+            self._names = self._listed()
+        return list(self._names)
+
+    def _listed(self) -> list[str]:
+        from ..training.checkpoint import TRAINABLE_NAME
+
+        if not self.root.is_dir():
+            return []
+        root = self.root.resolve()
+        found = []
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                if name.startswith(".") or not name.endswith(LORA_SUFFIX):
+                    continue
+                path = Path(dirpath) / name
+                try:
+                    real = path.resolve(strict=True)
+                except (OSError, RuntimeError):  # dangling or looping symlink
+                    continue
+                relative = path.relative_to(root).as_posix()
+                if _inside(real, root) and real.is_file() and name != TRAINABLE_NAME and self._header(relative)[0]:
+                    found.append(relative)
+        return sorted(found)
+
+    def info(self, name: str) -> LoraInfo:
+        """The training facts of the file ``name`` (a bare :class:`LoraInfo` when its header says nothing)."""
+        from ..lora.manager import lora_family
+        from ..models.samplers.lightning import is_lightning_lora
+
+        meta = self.metadata(name)
+        rank, step = _plain(meta.get("rank")), _plain(meta.get("step"))
+        return LoraInfo(name=name, loss=_plain(meta.get("loss")), preset=_plain(meta.get("preset")),
+                        rank=rank if isinstance(rank, int) else None, step=step if isinstance(step, int) else None,
+                        lightning=is_lightning_lora(self.root / name, meta), family=lora_family(meta))
+
+    def resolve(self, name: str | None) -> Path | None:
+        """:func:`resolve_lora` in this folder."""
+        return resolve_lora(self.lora_dir, name)

@@ -1,27 +1,53 @@
 """The LoRA side of :class:`~diffsynth_qie.ui.handlers.UIHandlers`: which LoRAs the picker lists and how each is
 labelled, the samplers they allow, and what a picked LoRA says about how to run it (its declared schedule, the
-frozen LoRA it was trained on top of: ``ui/schedules.py``)."""
+frozen LoRA it was trained on top of: ``ui/schedules.py``).
+
+A click asks several of these questions; inside :meth:`LoraChoices.one_look` they share one
+:class:`~diffsynth_qie.ui.lora_picker.LoraFolder`, so each LoRA file's header is read once per click. Outside it,
+every question looks at the folder afresh (a LoRA copied in is listed at the next click).
+"""
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Iterator
 
-from .lora_picker import NO_LORA, LoraInfo, list_loras, lora_info, resolve_lora
+from .lora_picker import NO_LORA, LoraFolder, LoraInfo
 from .model_fit import family_supports_lbm
 from .schedules import Declared, StackOffer, declared, stack_offer
 from .settings import LBM_MAX_STEPS, MODE_FLOW, MODE_LBM, MODE_LIGHTNING
 from .uploads import UIError
 
 
+_LOOK: ContextVar[LoraFolder | None] = ContextVar("qie_lora_look", default=None)  # the click's look at the folder
+
+
 class LoraChoices:
     """The LoRA methods of the UI's handlers (``self.config``: the :class:`~diffsynth_qie.ui.config.UIConfig`)."""
 
+    @contextlib.contextmanager
+    def one_look(self) -> Iterator[LoraFolder]:
+        """Inside: every LoRA question looks at one :class:`LoraFolder` (a callback's, a Generate check's)."""
+        look = self.folder()  # (inside another look: that one)
+        token = _LOOK.set(look)
+        try:
+            yield look
+        finally:
+            _LOOK.reset(token)
+
+    def folder(self) -> LoraFolder:
+        """The LoRA folder as this click sees it (:meth:`one_look`), else as it is now."""
+        look = _LOOK.get()
+        return look if look is not None and look.lora_dir == str(self.config.lora_dir) else LoraFolder(
+            self.config.lora_dir)
+
     def loras(self) -> list[LoraInfo]:
-        """The LoRA files under the folder with their metadata (one header read each), without those trained for
-        the other model family."""
+        """The LoRA files under the folder with their metadata, without those trained for the other model family."""
         from ..models.presets import family_of
 
-        family, root = family_of(self.config.model).name, self.config.lora_dir
-        return [info for info in (lora_info(root, n) for n in list_loras(root)) if info.family in (None, family)]
+        family, folder = family_of(self.config.model).name, self.folder()
+        return [info for info in map(folder.info, folder.names()) if info.family in (None, family)]
 
     def lora_choices(self) -> list[str]:
         """:data:`NO_LORA` and the names of :meth:`loras`."""
@@ -30,7 +56,7 @@ class LoraChoices:
     def lora_info(self, name: str | None) -> LoraInfo | None:
         if not name or name == NO_LORA:
             return None
-        return lora_info(self.config.lora_dir, name)
+        return self.folder().info(name)
 
     def lora_options(self) -> list[tuple[str, str]]:
         """The picker's (label, name) pairs: each LoRA with its loss, preset, rank and step from its metadata."""
@@ -64,20 +90,20 @@ class LoraChoices:
 
     def declared_schedule(self, *names: str | None) -> Declared | None:
         """The schedule the picked LoRAs declare (UIError for one of the other family or two that disagree)."""
-        return declared(self.config.lora_dir, [n for n in names if n and n != NO_LORA], self.config.model)
+        return declared(self.folder(), [n for n in names if n and n != NO_LORA], self.config.model)
 
     def stack_offer(self, name: str | None, second: str | None = None) -> StackOffer | None:
         """The frozen LoRA ``name`` was trained on top of, when ``second`` is not already it."""
         if not name or name == NO_LORA:
             return None
-        return stack_offer(self.config.lora_dir, name, [second] if second and second != NO_LORA else [])
+        return stack_offer(self.folder(), name, [second] if second and second != NO_LORA else [])
 
     def lightning_lora(self) -> str | None:
         """The Lightning LoRA the Lightning sampler uses: ``--lightning_lora``, else the first in the LoRA folder."""
         if self.config.lightning_lora:
             return self.config.lightning_lora
         name = next((info.name for info in self.loras() if info.lightning), None)
-        return str(resolve_lora(self.config.lora_dir, name)) if name else None
+        return str(self.folder().resolve(name)) if name else None
 
     def lightning_available(self) -> bool:
         """Whether the Lightning sampler can run: ``--lightning_lora`` is set or a listed LoRA is a Lightning one."""

@@ -1,11 +1,11 @@
-"""The callbacks of the mask preview and the box tool (``ui/mask_preview.py`` does the work)."""
+"""The callbacks of the mask preview and the box tool (``ui/mask_preview.py`` does the work), and the editor's brush."""
 from __future__ import annotations
 
 from typing import Any
 
 import gradio as gr
 
-from . import mask_preview
+from . import mask_preview, masks
 from .handlers import UIHandlers, user_message
 from .job import allowed_files, editor_image
 from .messages import toast_html
@@ -66,3 +66,19 @@ class MaskTools:
             return mask_preview.box_from_drag(drag, mask_file, image.size, self.folder)
         except Exception as exc:  # noqa: BLE001
             raise gr.Error(toast_html(user_message(exc)), duration=6, print_exception=False) from None
+
+
+def brush(size: int) -> gr.Brush:
+    """The editor's one brush (magenta at 60 %: the image stays visible under the paint), ``size`` px across."""
+    return gr.Brush(colors=[masks.BRUSH_COLOR], color_mode="fixed", default_size=int(size))
+
+
+def image_brush(path: str) -> int:
+    """The brush size for the image file ``path`` (read from its header), whatever loaded it."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return masks.brush_size(im.size)
+    except (OSError, ValueError):
+        return masks.DEFAULT_BRUSH

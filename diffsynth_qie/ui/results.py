@@ -106,9 +106,21 @@ def _text(path: str | Path) -> dict:
 
 
 def read_settings(path: str | Path) -> EditSettings | None:
-    """The settings a PNG written by :func:`save_png` (the UI or ``qie edit``) carries (None for any other image)."""
+    """The settings a PNG written by :func:`save_png` (the UI or ``qie edit``) carries (None for any other image),
+    each through Generate's own check (``SETTINGS``): a value a crafted PNG holds (``cfg: "abc"``, a list for the
+    record) is a ``ValueError`` naming it, never a broken widget or summary later."""
     text = _text(path)
-    return EditSettings.from_json(json.loads(text[PNG_KEY])) if PNG_KEY in text else None
+    if PNG_KEY not in text:
+        return None
+    try:
+        data = json.loads(text[PNG_KEY])
+    except ValueError:
+        raise ValueError(f"its {PNG_KEY} settings are not readable JSON") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"its {PNG_KEY} settings are not a JSON object")
+    settings = EditSettings.from_json(data)
+    return dataclasses.replace(settings, **{name: SETTING[name].check(getattr(settings, name), settings)
+                                            for name in RECORDED if SETTING[name].check is not None})
 
 
 def read_extras(path: str | Path) -> tuple[dict, str]:
@@ -169,7 +181,7 @@ def cli_png_info(args: Any, loras: list[tuple[Any, float]]) -> PngInfo:
         model=args.model, prompt=args.prompt or "", negative_prompt=args.negative_prompt or "", mode=mode,
         steps=int(args.steps), lbm_steps=int(args.lbm_steps or 1), cfg=float(args.cfg), seed=int(args.seed),
         lora=lora, lora_scale=lora_scale, lora2=lora2, lora2_scale=lora2_scale, strength=float(args.strength),
-        mask_blend=float(args.mask_blend), mask_feather=float(args.mask_feather))
+        mask_blend=float(args.mask_blend), mask_feather=float(args.mask_feather), cache=getattr(args, "cache", "off"))
     images = [_absolute(p) for p in args.image]
     mask = _absolute(args.mask) if args.mask else None
     files = {"image": images[0] if images else None, "mask": mask, "references": images[1:]}

@@ -8,12 +8,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .lora_picker import list_loras, resolve_lora
+from .lora_picker import LoraFolder
 from .uploads import UIError
 
 log = logging.getLogger(__name__)
@@ -45,8 +44,8 @@ class Declared:
                 f" flow matching uses {grid} at CFG {s.cfg:g} (Steps and CFG are set to it; {change}).")
 
 
-def declared(lora_dir: str | os.PathLike, names: Sequence[str | None], model: str) -> Declared | None:
-    """The schedule the LoRAs ``names`` (inside ``lora_dir``) declare for flow matching on ``model``, or None.
+def declared(folder: LoraFolder, names: Sequence[str | None], model: str) -> Declared | None:
+    """The schedule the LoRAs ``names`` (inside ``folder``) declare for flow matching on ``model``, or None.
 
     The rules are ``qie edit --scheduler auto``'s: a schedule declared for the other family, or two LoRAs declaring
     different ones, are refused (UIError naming the files); a Lightning file known only by its name is left to the
@@ -55,20 +54,22 @@ def declared(lora_dir: str | os.PathLike, names: Sequence[str | None], model: st
     from ..models.samplers.declared import declared_schedule, plan_schedule
     from ..models.samplers.lightning import is_lightning_lora
 
-    paths = [(n, resolve_lora(lora_dir, n)) for n in names if n]
+    paths = [(n, folder.resolve(n)) for n in names if n]
     paths = [(n, p) for n, p in paths if p is not None]
+    headers = {str(p): folder.metadata(n) for n, p in paths}
     try:
-        found = [(n, p, *declared_schedule(p)) for n, p in paths]
+        found = [(n, p, *declared_schedule(p, headers[str(p)])) for n, p in paths]
     except ValueError as exc:  # a malformed qie_schedule entry
         raise UIError(str(exc)) from None
-    found = [(n, s, w) for n, p, s, w in found if s is not None and not (w != "its metadata" and is_lightning_lora(p))]
+    found = [(n, s, w) for n, p, s, w in found
+             if s is not None and not (w != "its metadata" and is_lightning_lora(p, headers[str(p)]))]
     if not found:
         return None
     preset, family = get_preset(model), family_of(model)
     try:  # the family and agreement checks, in qie edit's words
         plan_schedule("auto", None, None, [str(p) for _, p in paths], family.name,
                       default_steps=len(preset.sigmas) if preset.sigmas else family.default_steps,
-                      default_cfg=family.default_cfg)
+                      default_cfg=family.default_cfg, headers=headers)
     except ValueError as exc:
         raise UIError(str(exc)) from None
     return Declared(*found[0])
@@ -105,18 +106,17 @@ class StackOffer:
         return f"{head}, which is no longer at `{self.where or self.file}`: results may be weaker without it."
 
 
-def stack_offer(lora_dir: str | os.PathLike, name: str | None, others: Sequence[str | None] = ()
-                ) -> StackOffer | None:
-    """What ``name`` was trained on top of, when it is not already among ``others`` (the other picked LoRAs)."""
+def stack_offer(folder: LoraFolder, name: str | None, others: Sequence[str | None] = ()) -> StackOffer | None:
+    """What ``name`` (in ``folder``) was trained on top of, when it is not already among ``others`` (the other
+    picked LoRAs)."""
     from ..lora.frozen import trained_on
-    from ..models.samplers.declared import read_metadata
 
-    path = resolve_lora(lora_dir, name) if name else None
-    base = trained_on(read_metadata(path)) if path is not None else None
+    path = folder.resolve(name) if name else None
+    base = trained_on(folder.metadata(name)) if path is not None else None
     if base is None or base["file"] in {Path(o).name for o in others if o}:
         return None
-    root = Path(lora_dir).expanduser().resolve()
-    listed = list_loras(root)
+    root = folder.root.resolve()
+    listed = folder.names()
     recorded = Path(str(base.get("path") or ""))
     inside = (recorded.resolve().relative_to(root).as_posix()
               if base.get("path") and recorded.is_file() and recorded.resolve().is_relative_to(root) else None)

@@ -118,6 +118,15 @@ def _mode(value: Any, _inputs: Any) -> str:
     return value
 
 
+def _cache(value: Any, _inputs: Any) -> str:
+    from ..models.samplers.step_cache import LEVEL_NAMES
+
+    value = "off" if value in (None, "") else value
+    if value not in LEVEL_NAMES:
+        raise UIError(f"unknown speed {value!r}; valid: {', '.join(LEVEL_NAMES)}")
+    return value
+
+
 def _seed(value: Any, _inputs: Any) -> int:
     seed = whole("seed", -1, 2**32 - 1)(value) if value is not None else 0
     return secrets.randbelow(2**31) if seed < 0 else seed  # < 0 = random
@@ -181,6 +190,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cfg", 4.0, _SLIDER, dict(minimum=1.0, maximum=10.0, step=0.5, label="CFG"),
             check=number("CFG", 0.0, 100.0), record=True, request=True, flag="--cfg", flag_when=_not_lbm,
             restore=True),
+    Setting("cache", "off", "Radio", dict(choices=[("Exact", "off"), ("Balanced", "balanced"), ("Fast", "fast")],
+                                          label="Speed (reuse some steps' DiT work; no effect with LBM)"),
+            check=_cache, record=True, request=True, flag="--cache", flag_when=lambda s, ctx: s.cache != "off",
+            summary=lambda s: f"speed {s.cache}" if s.cache != "off" else None, restore=True),
     Setting("seed", 0, "Number", dict(precision=0, label="Seed (-1 = random)"), check=_seed, record=True,
             request=True, flag="--seed", summary=lambda s: f"seed {s.seed}", restore=True),
     Setting("variations", 1, _SLIDER, dict(minimum=1, maximum=MAX_VARIATIONS, step=1,
@@ -234,6 +247,31 @@ SETTINGS: tuple[Setting, ...] = (
     # masks.loaded_record of the image the UI last put into the editor (events.Callbacks.lock_generate)
     Setting("loaded_image", None, "Textbox", dict(visible=False)),
 )
+
+# --- what each sampler shows ------------------------------------------------------------------------
+LIGHTNING_DEFAULT_STEPS = 8
+FLOW_DEFAULT_STEPS = 40
+
+
+def steps_for_mode(new: str, prev: str, steps: float, saved: float | None) -> tuple[float, float | None]:
+    """(steps to show, steps to remember) when the sampler changes from ``prev`` to ``new``.
+
+    Entering Lightning remembers the user's steps and shows 8; leaving it gives them back
+    (never leaves a flow-matching run silently at Lightning's 8).
+    """
+    if new == MODE_LIGHTNING and prev != MODE_LIGHTNING:
+        return LIGHTNING_DEFAULT_STEPS, steps
+    if prev == MODE_LIGHTNING and new != MODE_LIGHTNING:
+        return saved or FLOW_DEFAULT_STEPS, saved
+    return steps, saved
+
+
+def shown_for_mode(mode: str) -> dict[str, bool]:
+    """Which sampler widgets ``mode`` shows: LBM has its own steps and no CFG; Lightning runs 4/8 steps at CFG 1;
+    the negative prompt only where CFG applies (it has no effect at CFG 1)."""
+    lbm, few = mode == MODE_LBM, mode == MODE_LIGHTNING
+    return {"steps": not lbm, "cfg": not (lbm or few), "lbm_steps": lbm, "negative_prompt": not (lbm or few)}
+
 
 SETTING: dict[str, Setting] = {s.name: s for s in SETTINGS}
 INPUT_NAMES: tuple[str, ...] = tuple(SETTING)                      # Generate's inputs

@@ -142,7 +142,7 @@ def test_a_host_read_in_the_mask_weights_is_caught_only_with_mask_loss_weights(m
 
     monkeypatch.setattr(common, "mask_weights", _old_mask_weights)
     step(run_config())  # no --mask_loss_weights: the masks are not read
-    with pytest.raises(FakeRunError, match=r"host read .*(test_verify_train_options|losses/sft)\.py:\d+"):
+    with pytest.raises(FakeRunError, match=r"host read .*(test_verify_train_options|losses/(sft|common))\.py:\d+"):
         step(run_config(mask=(1.0, 0.2)))
 
 

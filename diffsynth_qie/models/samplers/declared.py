@@ -195,13 +195,16 @@ class SchedulePlan:
 
 
 def plan_schedule(scheduler: str, steps: Optional[int], cfg: Optional[float], lora_paths: Sequence,
-                  family: str, default_steps: int, default_cfg: float) -> SchedulePlan:
+                  family: str, default_steps: int, default_cfg: float,
+                  headers: Optional[Mapping[str, Mapping[str, str]]] = None) -> SchedulePlan:
     """The schedule of an edit with ``lora_paths``: a declared one (metadata, else the public-line table) unless
     ``scheduler`` is given explicitly; ``steps`` / ``cfg`` given by the user override it (said in one line).
-    Two LoRAs declaring different schedules, or one declared for another family, are refused in one line."""
+    Two LoRAs declaring different schedules, or one declared for another family, are refused in one line.
+    ``headers``: the files' metadata by path where the caller has read it already (the rest is read here)."""
     from .lightning import is_lightning_lora, sampling_plan
 
-    declared = [(p, *declared_schedule(p)) for p in map(str, lora_paths)]
+    headers = headers or {}
+    declared = [(p, *declared_schedule(p, headers.get(p))) for p in map(str, lora_paths)]
     declared = [(p, s, where) for p, s, where in declared if s is not None]
     for path, schedule, _ in declared:
         if schedule.family is not None and schedule.family != family:
@@ -209,7 +212,7 @@ def plan_schedule(scheduler: str, steps: Optional[int], cfg: Optional[float], lo
                              f"{family}: pick a {family} LoRA (or the matching --model)")
     # (a Lightning file known only by its name keeps the Lightning scheduler: the same grid, tests pin it, and
     # it also starts part-way for --strength)
-    declared = [d for d in declared if not (d[2] != "its metadata" and is_lightning_lora(d[0]))]
+    declared = [d for d in declared if not (d[2] != "its metadata" and is_lightning_lora(d[0], headers.get(d[0])))]
     if scheduler != "auto" or not declared:
         return SchedulePlan(*sampling_plan(scheduler, steps, cfg, lora_paths, default_steps, default_cfg))
     path, schedule, where = declared[0]

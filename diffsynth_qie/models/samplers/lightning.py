@@ -21,6 +21,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,11 @@ def is_lightning_lora(path: str | os.PathLike, metadata: dict | None = None) -> 
     return any("lightning" in f"{k} {v}".lower() for k, v in (metadata or {}).items())
 
 
-def lightning_steps(paths) -> int:
-    """The step count a Lightning LoRA's name states (``...-4steps-...``), else 8."""
+def lightning_steps(paths, headers: Optional[Mapping[str, Mapping[str, str]]] = None) -> int:
+    """The step count a Lightning LoRA's name states (``...-4steps-...``), else 8 (``headers``: the files' metadata
+    by path where the caller has read it already)."""
     for path in paths:
-        if is_lightning_lora(path):
+        if is_lightning_lora(path, (headers or {}).get(str(path))):
             m = _STEPS_IN_NAME.search(Path(path).name)
             if m and int(m.group(1)) in LIGHTNING_STEPS:
                 return int(m.group(1))

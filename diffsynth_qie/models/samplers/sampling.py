@@ -16,6 +16,9 @@ toy model in the LBM tests, or a DiT under training (validation). Convention
   :func:`~diffsynth_qie.models.qwen_image_edit.forward.dit_forward` (DiffSynth runs two sequential
   batch-1 passes); ``v = v_neg + cfg·(v_pos − v_neg)``. Like DiffSynth, any
   ``cfg != 1`` uses the negative pass; ``cfg == 1`` skips it.
+- **Step cache** (``step_cache.py``, ``cached_blocks.py``): flow matching can reuse the DiT blocks' work of an
+  earlier step at some steps; off unless asked. The bridge has 1-4 steps, each a large jump with nothing
+  before it to reuse: it takes no step cache.
 - **Bridge (LBM)**: σ_k = linspace(1, 1/N, N), Euler ``x ← x + (σ_{k+1} − σ_k)·v`` with
   σ_{N+1} = 0 and ``s·√(σ_{k+1}(1−σ_{k+1}))·ε`` re-injected after every step but the
   last. :func:`bridge_sigmas`, :func:`bridge_step`, :func:`bridge_interpolate` and
@@ -27,11 +30,13 @@ same values at training, validation and inference.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .cached_blocks import StepCache
 from .bridge import (bridge_interpolate, bridge_noise_scale, bridge_sigmas,  # noqa: F401 (re-exported)
                              bridge_step, bridge_target)
 from ..qwen_image_edit.forward import dit_forward
@@ -144,7 +149,8 @@ def dit_velocity(dit, cond: Conditioning, cfg: float = 1.0) -> VelocityFn:
 @torch.no_grad()
 def sample_flow_match(velocity: VelocityFn, noise: Tensor, spec: ScheduleSpec, schedule: ScheduleFn,
                       keep: KeepFn | None = None, progress: ProgressFn | None = None,
-                      source: Tensor | None = None, preview: PreviewFn | None = None) -> Tensor:
+                      source: Tensor | None = None, preview: PreviewFn | None = None,
+                      step_cache: StepCache | None = None) -> Tensor:
     """Integrate from ``noise`` [B, C, h, w] (σ = 1) to σ = 0 with DiffSynth's Euler step on the schedule the
     model family builds for ``spec`` (``schedule(spec)``: the family's ``FamilyOps.schedule``).
 
@@ -153,6 +159,8 @@ def sample_flow_match(velocity: VelocityFn, noise: Tensor, spec: ScheduleSpec, s
     ``spec.strength`` < 1 (SDEdit): the schedule starts part-way (DiffSynth's ``denoising_strength``) from
     ``source`` noised to the first σ, ``(1 − σ₀)·source + σ₀·noise``; 0 returns ``source``; 1 is the plain sampler.
     ``preview`` (:data:`PreviewFn`) gets each step's predicted clean latents; it leaves the result as it is.
+    ``step_cache`` (``cached_blocks.StepCache``, on the DiT ``velocity`` drives): some steps reuse the blocks' work
+    of an earlier step (``step_cache.py``); None runs every block of every step.
     """
     strength = spec.strength
     if strength < 1.0 and source is None:
@@ -167,16 +175,19 @@ def sample_flow_match(velocity: VelocityFn, noise: Tensor, spec: ScheduleSpec, s
     if keep is not None:
         x = keep(x, sigmas[0])
     total = len(scheduler.timesteps)
-    for i, timestep in enumerate(scheduler.timesteps):
-        v = velocity(x, timestep.reshape(1).expand(x.shape[0]))
-        if preview is not None:
-            preview(i + 1, total, predicted_clean(x, v, sigmas[i], keep))
-        # BasePipeline.step without inpaint: x + v·(σ_next − σ) in the latents' dtype.
-        x = scheduler.step(v, scheduler.timesteps[i], x)
-        if keep is not None:
-            x = keep(x, sigmas[i + 1])
-        if progress is not None:
-            progress(i + 1, total)
+    with step_cache.run(sigmas[:total]) if step_cache is not None else contextlib.nullcontext():
+        for i, timestep in enumerate(scheduler.timesteps):
+            if step_cache is not None:
+                step_cache.step(i)
+            v = velocity(x, timestep.reshape(1).expand(x.shape[0]))
+            if preview is not None:
+                preview(i + 1, total, predicted_clean(x, v, sigmas[i], keep))
+            # BasePipeline.step without inpaint: x + v·(σ_next − σ) in the latents' dtype.
+            x = scheduler.step(v, scheduler.timesteps[i], x)
+            if keep is not None:
+                x = keep(x, sigmas[i + 1])
+            if progress is not None:
+                progress(i + 1, total)
     return x
 
 

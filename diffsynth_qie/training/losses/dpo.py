@@ -92,13 +92,41 @@ def lora_switched_off(dit):
             m._disable_adapters = s
 
 
+FIX_PAIRS = ("give each such row a rejected image (the 'rejected' column beside the target, docs/PREFERENCE.md) and "
+             "re-run `qie cache`, or drop the rows from the metadata file")
+
+
+def _source(store) -> str:
+    """Where a store's rows come from, for a message: the metadata file (and the cache made from it)."""
+    cache = getattr(store, "cache_dir", None)
+    if cache is None:  # --on_the_fly: the LiveStore reads its metadata file itself
+        return str(store.config.dataset.dataset_metadata)
+    return f"{store.manifest.get('metadata', 'its metadata file')}, cached in {cache}"
+
+
+def check_pairs(dataset) -> None:
+    """Before anything loads: every training row of ``dataset`` (a ``training.data.CacheDataset``) is a pair, else
+    one ``ValueError`` naming the rows without a rejected image, their metadata file and the fix."""
+    missing: dict[str, list[str]] = {}
+    for part in dataset.parts:
+        for i in part.indices:
+            meta = part.store.meta(i)
+            if not meta.has_rejected:
+                missing.setdefault(_source(part.store), []).append(meta.row_id)
+    if missing:
+        n = sum(map(len, missing.values()))
+        rows = "; ".join(f"{', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''} ({where})"
+                         for where, ids in missing.items())
+        raise ValueError(f"--loss dpo trains on chosen/rejected pairs, but {n} of {len(dataset)} training rows have "
+                         f"no rejected image: {rows}; {FIX_PAIRS}")
+
+
 def _rejected_of(batch: dict) -> list:
     rejected = batch.get("rejected_latents") or [None] * len(batch["target_latents"])
     for b, (w, l) in enumerate(zip(batch["target_latents"], rejected)):
         where = f"entry {batch['entry_id'][b]!r}" if "entry_id" in batch else f"batch position {b}"
         if l is None:
-            raise ValueError(f"--loss dpo: {where} has no rejected image; cache a preference dataset (a 'rejected' "
-                             "column beside the target, docs/PREFERENCE.md) or train with --loss sft")
+            raise ValueError(f"--loss dpo: {where} has no rejected image; {FIX_PAIRS}")
         if tuple(l.shape) != tuple(w.shape):
             raise ValueError(f"--loss dpo: {where}: rejected latents {tuple(l.shape)} differ from the chosen "
                              f"{tuple(w.shape)}; re-run `qie cache` (it fits the rejected image to the target's size)")
@@ -113,33 +141,20 @@ def flow_dpo_loss(dit, batch: dict, config, generator: "torch.Generator | None" 
 
     from ...models.family_ops import ops_for
     from ...models.presets import family_of
-    from ..timesteps import Strata, draw_timesteps
-    from .common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
+    from .common import draw_flow_points, joined_prompts, per_sample_mse, pixel_weights, weighted_batch_mean
 
     chosen = batch["target_latents"]
     rejected = _rejected_of(batch)
     n, beta = len(chosen), float(SPEC.config_of(config).dpo_beta)
     ops = ops_for(family_of(config.train.model))
-    strata = batch.get("timestep_strata")
-    draws, noisy, velocity = [], [[], []], [[], []]
-    for b, (xw, xl) in enumerate(zip(chosen, rejected)):  # σ_b then ε_b, sample by sample (as sft.py)
-        one = None if strata is None else Strata((strata.strata[b],), strata.count)
-        d = draw_timesteps(1, config.timesteps, generator, weighting=config.loss.loss_weighting, strata=one,
-                           family=ops.family)
-        noise = sample_noise(xw, generator).float()  # one ε for both images of the pair
-        sigma = d.sigmas[0].to(xw.device, torch.float32)
-        for k, x0 in enumerate((xw, xl)):
-            noisy[k].append(add_noise(x0.float(), noise, sigma).to(x0.dtype))
-            velocity[k].append(flow_target(x0.float(), noise))
-        draws.append(d)
-    timesteps = torch.cat([d.timesteps for d in draws]).to(chosen[0].device)
-    weights = torch.cat([d.weights for d in draws])
-    extras = batch.get("prompt_extras") or [{}] * n
-    prompts = [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)]
-    pixel_w = [None] * n
-    if config.loss.mask_loss_weights is not None:
-        inside, outside = config.loss.mask_loss_weights
-        pixel_w = [None if m is None else mask_weights(m, inside, outside) for m in batch["back_mask"]]
+    # σ_b then ε_b, sample by sample (as sft.py), one ε for both images of the pair
+    points = draw_flow_points(chosen, config.timesteps, generator, family=ops.family,
+                              weighting=config.loss.loss_weighting, strata=batch.get("timestep_strata"))
+    noisy_l, velocity_l = points.at(rejected)
+    noisy, velocity = [points.noisy, noisy_l], [points.target, velocity_l]
+    timesteps = points.timesteps.to(chosen[0].device)
+    prompts = joined_prompts(ops, batch)
+    pixel_w = pixel_weights(config.loss.mask_loss_weights, batch.get("back_mask"), n)
 
     def errors(grad: bool) -> "Tensor":  # [2, B]: chosen and rejected in one DiT call of 2B samples
         pred = ops.forward(dit, noisy[0] + noisy[1], torch.cat([timesteps, timesteps]), prompts * 2,
@@ -152,14 +167,14 @@ def flow_dpo_loss(dit, batch: dict, config, generator: "torch.Generator | None" 
     with torch.no_grad(), lora_switched_off(dit):
         ref = errors(False)
     losses, margin = dpo_terms(policy[0], policy[1], ref[0], ref[1], beta)
-    loss = weighted_batch_mean(list(losses), weights)
+    loss = weighted_batch_mean(list(losses), points.weights)
     metrics = {
         "dpo_accuracy": (margin > 0).float().mean().detach(),
         "dpo_margin": margin.detach().mean(),
         "mse_chosen": policy[0].detach().mean(),
         "mse_rejected": policy[1].detach().mean(),
-        "sigma_mean": float(torch.cat([d.sigmas for d in draws]).mean()),
-        "weight_mean": float(weights.mean()),
+        "sigma_mean": float(points.sigmas.mean()),
+        "weight_mean": float(points.weights.mean()),
     }
     return loss, metrics
 
@@ -176,4 +191,5 @@ def _setup(module, cfg, preset, device, dtype, ds_config) -> None:
 
 SPEC = LossSpec(
     name="dpo", summary="Diffusion-DPO on chosen/rejected pairs, reference = the base (docs/PREFERENCE.md)",
-    fn=flow_dpo_loss, config=DPOConfig, stratified_sigma=True, default_optimizer="adamw", preference=True, setup=_setup)
+    fn=flow_dpo_loss, config=DPOConfig, stratified_sigma=True, default_optimizer="adamw", preference=True, setup=_setup,
+    check_data=check_pairs)

@@ -241,23 +241,17 @@ def lbm_loss(dit, batch: dict, config, generator: Optional["torch.Generator"] = 
 
     from ...models.family_ops import ops_for
     from ...models.presets import family_of
-    from .common import mask_weights, per_sample_mse
+    from .common import joined_prompts, per_sample_mse, pixel_weights
 
     lbm = lbm_config_of(config)
     ops = ops_for(family_of(config.train.model))  # the family's DiT call (2.1: references in its t=0 prefix)
     bridge = make_bridge_batch(batch, lbm, generator)
-    first = bridge.noisy[0]
-    extras = batch.get("prompt_extras") or [{}] * len(bridge.noisy)
     pred = ops.forward(
-        dit, bridge.noisy, bridge.timesteps.to(first.device),
-        [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)], batch["edit_latents"],
-        zero_cond_t=bool(config.train.zero_cond_t),
+        dit, bridge.noisy, bridge.timesteps.to(bridge.noisy[0].device), joined_prompts(ops, batch),
+        batch["edit_latents"], zero_cond_t=bool(config.train.zero_cond_t),
         use_gradient_checkpointing=bool(config.train.gradient_checkpointing) and torch.is_grad_enabled(),
     )
-    pixel_w = [None] * len(pred)
-    if config.loss.mask_loss_weights is not None:
-        inside, outside = config.loss.mask_loss_weights
-        pixel_w = [None if e.back_mask is None else mask_weights(e.back_mask, inside, outside) for e in bridge.ends]
+    pixel_w = pixel_weights(config.loss.mask_loss_weights, [e.back_mask for e in bridge.ends], len(pred))
     losses = torch.stack([per_sample_mse(p, v, w) for p, v, w in zip(pred, bridge.velocity, pixel_w)])
     detached = losses.detach()
     extra = {}

@@ -164,7 +164,7 @@ def build_reward(nft: NFTConfig, judge_config=None):
 
 
 def check_nft(cfg) -> None:
-    """``config.validate``'s check of ``--loss nft``: the reward resolves (a module imports, a file reads), before
+    """``config_checks.validate``'s check of ``--loss nft``: the reward resolves (a module imports, a file reads), before
     anything is loaded; the judge itself loads in the set-up."""
     from ...metrics.rewards import parse_reward, probe
 
@@ -265,8 +265,7 @@ def nft_loss_fn(dit, batch: dict, config, generator=None, nft=None):
 
     from ...models.family_ops import ops_for
     from ...models.presets import family_of
-    from ..timesteps import draw_timesteps
-    from .common import add_noise, flow_target, sample_noise
+    from .common import draw_flow_points, joined_prompts
     from .nft_math import nft_loss, optimality
 
     if nft is None:
@@ -279,8 +278,7 @@ def nft_loss_fn(dit, batch: dict, config, generator=None, nft=None):
         raise ValueError(f"--loss nft edits a source image and scores the edit against it, but cache rows {bare[:3]} "
                          "have no reference image (text-to-image rows); train them with --loss sft, or leave them "
                          "out of the cache")
-    extras = batch.get("prompt_extras") or [{}] * n
-    prompts = [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)]
+    prompts = joined_prompts(ops, batch)
     zero_cond_t = bool(config.train.zero_cond_t)
     nft.follow(dit)
     flat_prompts = [p for p in prompts for _ in range(k)]
@@ -292,15 +290,8 @@ def nft_loss_fn(dit, batch: dict, config, generator=None, nft=None):
                            generator, nft.schedule)
         rewards = nft.score(samples, batch)
         x0 = [x for group in samples for x in group]
-        noisy, target, steps = [], [], []
-        for x in x0:
-            d = draw_timesteps(1, config.timesteps, generator, weighting="none", family=ops.family)
-            eps = sample_noise(x, generator)
-            sigma = d.sigmas[0].to(x.device, torch.float32)
-            noisy.append(add_noise(x.float(), eps.float(), sigma).to(x.dtype))
-            target.append(flow_target(x.float(), eps.float()))
-            steps.append(d.timesteps)
-        timesteps = torch.cat(steps).to(x0[0].device)
+        points = draw_flow_points(x0, config.timesteps, generator, family=ops.family, weighting="none")
+        noisy, target, timesteps = points.noisy, points.target, points.timesteps.to(x0[0].device)
         v_old = ops.forward(dit, noisy, timesteps, flat_prompts, flat_refs, zero_cond_t=zero_cond_t)
     r = optimality(rewards, k, c.nft_adv_clip)
     v_theta = ops.forward(dit, noisy, timesteps, flat_prompts, flat_refs, zero_cond_t=zero_cond_t,

@@ -18,9 +18,9 @@ that sample's own target tokens (padding never counts). The batch loss is the me
 ``weight_b · mse_b``, so a batch of 2 gives the same mean gradient as two batches
 of 1 accumulated.
 
-Random draws go sample by sample (σ_b, then ε_b), so a sample gets the same σ and
-noise whether it is trained in a batch or alone — that is what makes the batch-2 vs
-2×batch-1 equivalence testable.
+Random draws go sample by sample (σ_b, then ε_b: ``common.draw_flow_points``, shared by the
+losses), so a sample gets the same σ and noise whether it is trained in a batch or alone — that
+is what makes the batch-2 vs 2×batch-1 equivalence testable.
 
 Like ``lbm.py`` this module imports no torch at import time: the registry, and with it the flags,
 stay cheap to build.
@@ -51,43 +51,25 @@ def flow_match_sft_loss(dit, batch: dict, config, generator: "torch.Generator | 
 
     from ...models.family_ops import ops_for
     from ...models.presets import family_of
-    from ..timesteps import Strata, draw_timesteps
-    from .common import add_noise, flow_target, mask_weights, per_sample_mse, sample_noise, weighted_batch_mean
+    from .common import draw_flow_points, joined_prompts, per_sample_mse, pixel_weights, weighted_batch_mean
 
     targets = batch["target_latents"]
-    n = len(targets)
     ops = ops_for(family_of(config.train.model))  # the model family's DiT call and σ schedule (models/family_ops.py)
-    draws = []
-    noisy, velocity = [], []
     # --timestep_sampling stratified: the loop puts each sample's stratum of the step into the batch
-    strata = batch.get("timestep_strata")
-    for b, x0 in enumerate(targets):
-        one = None if strata is None else Strata((strata.strata[b],), strata.count)
-        d = draw_timesteps(1, config.timesteps, generator, weighting=config.loss.loss_weighting, strata=one,
-                           family=ops.family)
-        noise = sample_noise(x0, generator)
-        sigma = d.sigmas[0].to(x0.device, torch.float32)
-        noisy.append(add_noise(x0.float(), noise.float(), sigma).to(x0.dtype))
-        velocity.append(flow_target(x0.float(), noise.float()))
-        draws.append(d)
-    timesteps = torch.cat([d.timesteps for d in draws])
-    weights = torch.cat([d.weights for d in draws])
-    extras = batch.get("prompt_extras") or [{}] * n
+    points = draw_flow_points(targets, config.timesteps, generator, family=ops.family,
+                              weighting=config.loss.loss_weighting, strata=batch.get("timestep_strata"))
     pred = ops.forward(
-        dit, noisy, timesteps.to(targets[0].device), [ops.join_prompt(e, x) for e, x in zip(batch["prompt_emb"], extras)],
-        batch["edit_latents"], zero_cond_t=bool(config.train.zero_cond_t),
+        dit, points.noisy, points.timesteps.to(targets[0].device), joined_prompts(ops, batch), batch["edit_latents"],
+        zero_cond_t=bool(config.train.zero_cond_t),
         use_gradient_checkpointing=config.train.gradient_checkpointing and torch.is_grad_enabled(),
     )
-    pixel_w = [None] * n
-    if config.loss.mask_loss_weights is not None:
-        inside, outside = config.loss.mask_loss_weights
-        pixel_w = [None if m is None else mask_weights(m, inside, outside) for m in batch["back_mask"]]
-    losses = [per_sample_mse(p, t, w) for p, t, w in zip(pred, velocity, pixel_w)]
-    loss = weighted_batch_mean(losses, weights)
+    pixel_w = pixel_weights(config.loss.mask_loss_weights, batch.get("back_mask"), len(targets))
+    losses = [per_sample_mse(p, t, w) for p, t, w in zip(pred, points.target, pixel_w)]
+    loss = weighted_batch_mean(losses, points.weights)
     metrics = {
         "mse": torch.stack(losses).detach().mean(),
-        "sigma_mean": float(torch.cat([d.sigmas for d in draws]).mean()),
-        "weight_mean": float(weights.mean()),
+        "sigma_mean": float(points.sigmas.mean()),
+        "weight_mean": float(points.weights.mean()),
     }
     return loss, metrics
 

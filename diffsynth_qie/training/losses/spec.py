@@ -36,7 +36,9 @@ class LossSpec:
     needs_rollouts: bool = False          # trains on samples the model generates during training
     preference: bool = False              # trains on chosen/rejected pairs (the cache's rejected_latents): two
     #                                       samples' activations per row and a reference pass (qie plan, verify)
-    check: Optional[Callable[..., None]] = None  # check(run_config) from config.validate: ValueError before any load
+    check: Optional[Callable[..., None]] = None  # check(run_config) from config_checks.validate: ValueError before any load
+    check_data: Optional[Callable[..., None]] = None  # check_data(dataset) once the training rows are known, before
+    #                                                   the DiT loads: ValueError naming the rows and the fix
     setup: Optional[Callable[..., None]] = None  # setup(module, cfg, preset, device, dtype, ds_config) after the
     #                                              module is built (e.g. LBM's pixel critic); None: nothing
 
