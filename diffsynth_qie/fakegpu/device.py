@@ -51,6 +51,20 @@ from .streams import modelled_cuda_calls
 __all__ = ["FakeCuda", "FakeRunError", "PhasePeak", "backward"]
 
 
+class _FakeMode(FakeTensorMode):
+    """PyTorch's fake mode with ``avoid_device_init`` read once per session: PyTorch asks it on every operator,
+    and each answer is a ``torch.cuda.is_available()``, which with DeepSpeed imported (it sets
+    ``PYTORCH_NVML_BASED_CUDA_CHECK``) loads and initialises NVML every time."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._avoid_device_init = FakeTensorMode.avoid_device_init.fget(self)
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return self._avoid_device_init
+
+
 class FakeCuda:
     """The fake device session: ``with FakeCuda() as fc:`` ... ``with fc.phase("forward"):`` ...
 
@@ -72,7 +86,7 @@ class FakeCuda:
     def __enter__(self) -> "FakeCuda":
         self._stack = contextlib.ExitStack()
         streams = self._stack.enter_context(modelled_cuda_calls())
-        self._stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        self._stack.enter_context(_FakeMode(allow_non_fake_inputs=True))
         self._ops = self._stack.enter_context(HostRealDeviceFake(self.memory, streams))
         self._ops.counter = self.costs
         self._stack.enter_context(cuda_looks_available())

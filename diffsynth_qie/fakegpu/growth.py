@@ -3,7 +3,7 @@ an edit in the UI's loop) beyond what the same unit left before it.
 
 On a GPU such growth is a slow leak: a cache, list or dict that keeps each step's tensors on the device runs out
 of memory hundreds of steps into a run, long after any one-step check passed. The preflights run the unit a few
-times on other samples and compare what is live after the last two (``accounting.DeviceMemory.snapshot``). What
+times on other samples and compare what is live after the last two (:func:`settled`). What
 grew is named twice: by the lines of our code that allocated it (``accounting.allocating_frame``), and, searched
 only when something grew, by the object of our code that still holds it (``Class.attribute`` and the class's
 file:line: the first instance of one of our classes found whose attributes reach the new tensors, through dicts,
@@ -26,6 +26,14 @@ MiB = 1024 ** 2
 _OWN = ("diffsynth_qie.",)
 _RUNNERS = ("diffsynth_qie.fakegpu.", "diffsynth_qie.preflight.")  # their subclasses are named by the class they extend
 _DEPTH, _ITEMS = 4, 4096
+
+
+def settled(memory) -> Held:
+    """``memory.snapshot()`` once the garbage collector has run: tensors that only a reference cycle keeps (an
+    exception's frames, a closure) are freed at a moment Python chooses, so without it two snapshots differ by
+    chance."""
+    gc.collect()
+    return memory.snapshot()
 
 
 def check_growth(before: Held, after: Held, unit: str, previous: str, shown: int = 3) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
+import sys
 from typing import Iterator, Optional
 
 import torch
@@ -79,15 +79,21 @@ def compiled_frame_error(exc: BaseException) -> Optional[FakeRunError]:
 
 def our_frame() -> str:
     """``file:line (function)`` of the innermost frame in this package outside the fake device's modules,
-    else the innermost frame outside torch (a caller's own code)."""
-    stack = list(reversed(traceback.extract_stack()))
-    for frame in stack:
-        if frame.filename.startswith(PACKAGE_DIR) and not frame.filename.endswith(FAKE_DEVICE_FILES):
-            return f"{os.path.relpath(frame.filename, os.path.dirname(PACKAGE_DIR))}:{frame.lineno} ({frame.name})"
+    else the innermost frame outside torch (a caller's own code). The interpreter's frames are walked (no source
+    lines read: it runs on every device copy)."""
+    frames, frame = [], sys._getframe(0)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    for frame in frames:
+        name = frame.f_code.co_filename
+        if name.startswith(PACKAGE_DIR) and not name.endswith(FAKE_DEVICE_FILES):
+            return f"{os.path.relpath(name, os.path.dirname(PACKAGE_DIR))}:{frame.f_lineno} ({frame.f_code.co_name})"
     torch_dir = os.path.dirname(torch.__file__)
-    for frame in stack:
-        if not frame.filename.startswith(torch_dir) and not frame.filename.endswith(FAKE_DEVICE_FILES):
-            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    for frame in frames:
+        name = frame.f_code.co_filename
+        if not name.startswith(torch_dir) and not name.endswith(FAKE_DEVICE_FILES):
+            return f"{name}:{frame.f_lineno} ({frame.f_code.co_name})"
     return "(unknown)"
 
 

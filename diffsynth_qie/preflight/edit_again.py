@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
-from ..fakegpu.growth import check_growth
+from ..fakegpu.growth import check_growth, settled
 from .lora_files import check_branches, first_blocks_file
 
 
@@ -39,16 +39,20 @@ def edit_again(editor, request, loras: Sequence[tuple[str, float]], fc, folder: 
     """The UI's next generation after ``request``'s edit: the LoRAs switched to copies of their files, then an edit
     with the next seed (:func:`next_request`); raises ``FakeRunError`` when more device memory is held after it
     than after the first. Returns the edits run in the session (2)."""
-    before = fc.memory.snapshot()
+    before = settled(fc.memory)
     if loras:
         switched = []
         for i, (path, scale) in enumerate(loras):
             (folder / str(i)).mkdir(parents=True)
             switched.append((shutil.copy(path, folder / str(i)), scale))
         set_loras(editor, switched)
-    with fc.uncounted(), fc.phase("edit again"):
-        editor.edit(next_request(request, editor.preset))
-    check_growth(before, fc.memory.snapshot(), "edit 2", "edit 1")
+    editor.language_model_runs = False  # (the prompt stand-in's pass is transformers' transient, shown in edit 1)
+    try:
+        with fc.uncounted(), fc.phase("edit again"):
+            editor.edit(next_request(request, editor.preset))
+    finally:
+        editor.language_model_runs = True
+    check_growth(before, settled(fc.memory), "edit 2", "edit 1")
     return 2
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..fakegpu.device import backward
-from ..fakegpu.growth import check_growth
+from ..fakegpu.growth import check_growth, settled
 from .lora_files import check_branches
 from .train_batch import step_rows
 
@@ -49,7 +49,7 @@ def later_steps(fc, steps: int, module, optimizer, ema, encoders, shapes: Sequen
                 optimizer.zero_grad(set_to_none=True)
                 if ema is not None:
                     ema.update()
-            snapshots.append(fc.memory.snapshot())
+            snapshots.append(settled(fc.memory))
     if len(snapshots) >= 2:
         check_growth(snapshots[-2], snapshots[-1], f"step {steps}", f"step {steps - 1}")
     return steps

@@ -2,7 +2,9 @@
 held after the last beyond what the one before left, naming the lines that allocated it and the object that holds it.
 
 `qie train`'s preflight runs three steps on other rows (the on-the-fly store encoding each first); `qie edit`'s runs
-two edits, the LoRAs switched between them (the UI's loop). Each leak is planted in a copy of our code.
+two edits, the LoRAs switched between them (the UI's loop). Each leak is planted in a copy of our code; the tiny
+preset runs the same preflight code as the full-size ones (tests/memory/test_verify_edit_readme.py: no false alarm
+on the README's full-size commands; test_verify_train_options.py: on the launchers').
 """
 from __future__ import annotations
 
@@ -46,9 +48,9 @@ def test_an_on_the_fly_store_that_keeps_every_entry_on_the_gpu_is_caught_by_qie_
     plant(monkeypatch, live.LiveStore, "load", "return entry",
           "self.__dict__.setdefault('_entries', {})[i] = entry; return entry")  # "so a second epoch is free"
     with pytest.raises(ValueError) as caught:
-        preflight(on_the_fly(run_config(), max_pixels=512 * 512), get_preset("2511"), gpu_memory_gb=80)
+        preflight(on_the_fly(run_config(model="tiny"), max_pixels=512 * 512), get_preset("tiny"), gpu_memory_gb=80)
     line = str(caught.value)
-    assert line.startswith("preflight (training steps on a fake CUDA device, before loading 2511): ")
+    assert line.startswith("preflight (training steps on a fake CUDA device, before loading tiny): ")
     assert re.search(GROWS.format(unit="step", n=3, m=2) + ", " + ALLOCATED, line), line
     assert f"held by LiveStore._entries ({_class_line(live.LiveStore)})" in line, line
     assert line.endswith("pass --no_preflight to skip the check") and "\n" not in line
@@ -61,9 +63,9 @@ def _edit(tmp_path, **load):
     from diffsynth_qie.preflight.edit_step import EditLoad
     from diffsynth_qie.preflight.lora_files import standin_lora_file
 
-    lora = standin_lora_file(get_preset("2511"), tmp_path / "mine.safetensors", rank=16, blocks=2)
+    lora = standin_lora_file(get_preset("tiny"), tmp_path / "mine.safetensors", rank=4, blocks=2)
     request = EditRequest(images=[Image.new("RGB", (512, 384))], prompt="make the sky pink", steps=40, cfg=4.0)
-    return preflight("2511", request, EditLoad(lora_ranks=(16,), lora_paths=(str(lora),), **load), gpu_memory_gb=80)
+    return preflight("tiny", request, EditLoad(lora_ranks=(4,), lora_paths=(str(lora),), **load), gpu_memory_gb=80)
 
 
 def test_an_editor_that_keeps_each_result_on_the_gpu_is_caught_by_qie_edits_preflight(tmp_path, monkeypatch):
@@ -74,7 +76,7 @@ def test_an_editor_that_keeps_each_result_on_the_gpu_is_caught_by_qie_edits_pref
     with pytest.raises(ValueError) as caught:
         _edit(tmp_path)
     line = str(caught.value)
-    assert line.startswith("preflight (two edits on a fake CUDA device, before loading 2511): ")
+    assert line.startswith("preflight (two edits on a fake CUDA device, before loading tiny): ")
     assert re.search(GROWS.format(unit="edit", n=2, m=1) + ", " + ALLOCATED, line), line
     assert f"held by Editor._results ({_class_line(editor.Editor)})" in line, line
 
