@@ -81,19 +81,16 @@ def our_frame() -> str:
     """``file:line (function)`` of the innermost frame in this package outside the fake device's modules,
     else the innermost frame outside torch (a caller's own code). The interpreter's frames are walked (no source
     lines read: it runs on every device copy)."""
-    frames, frame = [], sys._getframe(0)
-    while frame is not None:
-        frames.append(frame)
-        frame = frame.f_back
-    for frame in frames:
-        name = frame.f_code.co_filename
-        if name.startswith(PACKAGE_DIR) and not name.endswith(FAKE_DEVICE_FILES):
-            return f"{os.path.relpath(name, os.path.dirname(PACKAGE_DIR))}:{frame.f_lineno} ({frame.f_code.co_name})"
     torch_dir = os.path.dirname(torch.__file__)
-    for frame in frames:
-        name = frame.f_code.co_filename
-        if not name.startswith(torch_dir) and not name.endswith(FAKE_DEVICE_FILES):
-            return f"{name}:{frame.f_lineno} ({frame.f_code.co_name})"
+    for ours in (True, False):  # (no list of frames kept: it would hold their tensors in a reference cycle)
+        frame = sys._getframe(1)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if not name.endswith(FAKE_DEVICE_FILES) and (name.startswith(PACKAGE_DIR) if ours
+                                                        else not name.startswith(torch_dir)):
+                where = os.path.relpath(name, os.path.dirname(PACKAGE_DIR)) if ours else name
+                return f"{where}:{frame.f_lineno} ({frame.f_code.co_name})"
+            frame = frame.f_back
     return "(unknown)"
 
 
