@@ -46,6 +46,21 @@ def batch_shapes(resolution: int, ref_images: int, prompt_tokens: int, batch_siz
     return tuple(out)
 
 
+def step_rows(shapes: Sequence[SampleShape], step: int, multiple: int = 16) -> tuple[SampleShape, ...]:
+    """The samples of step ``step`` (0 is the first: ``shapes``): other rows of the data. On odd steps each sample
+    is turned 4:3 the other way (about its pixel count, sides in multiples of ``multiple``) with a prompt 30 %
+    shorter; even steps take ``shapes``' sizes again, so every size a later step takes an earlier one took (a
+    cache per size fills once; one per sample grows)."""
+    if step % 2 == 0:
+        return tuple(shapes)
+
+    def turned(h: int, w: int) -> tuple[int, int]:
+        return _snap(h * 0.866, multiple), _snap(w * 1.155, multiple)
+
+    return tuple(SampleShape(*turned(s.height, s.width), tuple(turned(h, w) for h, w in s.refs),
+                             max(1, int(s.prompt_tokens * 0.7))) for s in shapes)
+
+
 def _snap(x: float, multiple: int = 16) -> int:
     return max(multiple, int(round(x / multiple)) * multiple)
 

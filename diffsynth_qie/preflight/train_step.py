@@ -17,11 +17,14 @@ dict) and DeepSpeed (the engine needs a process group; ZeRO-2/3 shard what this 
 With ``--on_the_fly`` the family's text encoder and VAE are built on the fake device beside the DiT and one
 sample is encoded through the real on-the-fly path before the step (``train_onthefly.py``); its transient
 counts on top of the step's peak (the encode thread runs beside the step). The batch is
-``train_batch.fake_batch``; ``qie train``'s preflight is ``train.py``.
+``train_batch.fake_batch``; ``qie train``'s preflight is ``train.py``. With ``steps`` > 1 (the preflight) more steps
+follow on other samples, and memory still held after the last beyond the one before is an error
+(``train_growth.py``, which also checks where ``--frozen_lora``'s branches sit).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import tempfile
 import time
@@ -34,6 +37,7 @@ from ..fakegpu.device import FakeCuda, backward
 from .train_batch import DEVICE, SampleShape, batch_shapes, fake_batch, text_dim  # noqa: F401 (public here)
 from .train_extras import (build_ema, compiled, library_host_reads, rollout_state, validate_once,
                             validation_entry)
+from .train_growth import later_steps
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,7 @@ class StepReport:
     verdict: object = None      # the preflight's fakegpu.verdict.MemoryVerdict, scaled to the whole DiT
     costs: object = None        # with costs=True: the step's counted kernels (fakegpu.costs.Profile)
     prediction: object = None   # the preflight's predicted step time (preflight.timing.TimePrediction)
+    steps: int = 1              # optimizer steps run in the session (the preflight: 3, on other samples)
 
     @property
     def peak(self) -> int:
@@ -79,25 +84,28 @@ STEP_SECTIONS = ("forward", "backward", "optimizer step")  # the counted kernels
 
 
 def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Optional[int] = None,
-                      dtype: torch.dtype = torch.bfloat16, encode: bool = True, costs: bool = False) -> StepReport:
+                      dtype: torch.dtype = torch.bfloat16, encode: bool = True, costs: bool = False,
+                      steps: int = 1) -> StepReport:
     """Run one optimizer step of ``cfg`` (a resolved ``RunConfig``) on ``preset``'s DiT on the fake device.
 
     Raises :class:`~..fakegpu.device.FakeRunError` where a GPU run would fail (a device or dtype
     mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests);
     ``encode=False`` leaves ``--on_the_fly``'s encoders out (the preflight builds them in one of its two runs).
     ``costs``: count each kernel's cost (``report.costs``: sections :data:`STEP_SECTIONS` and validation).
+    ``steps``: optimizer steps to run, each after the first on other samples and not counted; a
+    :class:`~..fakegpu.device.FakeRunError` when the last leaves more device memory held than the one before.
     """
-    from ..lora.frozen import first_blocks_copy
+    from .lora_files import first_blocks_file
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qie-verify-") as tmp:
         if cfg.lora.frozen_lora and num_layers is not None:  # the shallower DiT attaches its first blocks' part
             cfg = dataclasses.replace(cfg, lora=dataclasses.replace(
-                cfg.lora, frozen_lora=str(first_blocks_copy(cfg.lora.frozen_lora, num_layers, tmp))))
-        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs)
+                cfg.lora, frozen_lora=str(first_blocks_file(cfg.lora.frozen_lora, num_layers, tmp))))
+        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs, steps)
 
 
-def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs=False) -> StepReport:
+def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs=False, steps=1) -> StepReport:
     from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
     from ..models.presets import family_of
@@ -161,6 +169,9 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
                 with fc.phase("validation"):
                     validate_once(cfg, preset, module, optimizer, ema, entry)
                 report.validation_peak = fc.phases[-1].peak_bytes
+            report.steps = later_steps(fc, steps, module, optimizer, ema, encoders, shapes, family.size_divisor,
+                                       functools.partial(fake_batch, family=family, dim=dim, lbm=lbm, masks=masks,
+                                                         dtype=dtype, pairs=spec.preference), generator)
         del module, optimizer, dit, ema, encoders
         report.costs = fc.costs.profile if fc.costs is not None else None
     report.seconds = time.perf_counter() - t0
