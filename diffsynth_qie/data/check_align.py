@@ -225,19 +225,23 @@ def structure(gs: np.ndarray, gt: np.ndarray) -> float:
 
 def dhash(im: Image.Image) -> int:
     """64-bit difference hash (9x8 grayscale, left-right gradients)."""
-    g = np.asarray(im.convert("L").resize((9, 8), Image.Resampling.BILINEAR), dtype=np.int16)
+    g = np.asarray(_grey(im).resize((9, 8), Image.Resampling.BILINEAR), dtype=np.int16)
     return int.from_bytes(np.packbits((g[:, 1:] > g[:, :-1]).ravel(), bitorder="little").tobytes(), "little")
 
 
 def thumb(im: Image.Image) -> bytes:
     """A 16x16 grey thumbnail (box filter), the duplicate pass's check of a hash match."""
-    return im.convert("L").resize((THUMB_SIDE, THUMB_SIDE), Image.Resampling.BOX).tobytes()
+    return _grey(im).resize((THUMB_SIDE, THUMB_SIDE), Image.Resampling.BOX).tobytes()
 
 
 def hash_and_thumb(im: Image.Image) -> tuple[int, bytes]:
     """:func:`dhash` and :func:`thumb` of ``im``, from one grey conversion."""
-    grey = im.convert("L")
+    grey = _grey(im)
     return dhash(grey), thumb(grey)
+
+
+def _grey(im: Image.Image) -> Image.Image:
+    return im if im.mode == "L" else im.convert("L")
 
 
 def coarse_change(s: np.ndarray, t: np.ndarray, threshold: float = 0.1) -> float:
