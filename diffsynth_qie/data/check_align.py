@@ -69,24 +69,26 @@ BLOCK_CHUNK = 16 * 32 * 32  # pixels of the blocks :func:`block_motion` transfor
 
 def _phase_peaks(bs: np.ndarray, bt: np.ndarray, b: int) -> tuple[np.ndarray, ...]:
     """``dy``, ``dx``, ``peak`` and ``texture`` of :func:`block_motion` for the ``[n, b, b]`` blocks ``bs``, ``bt``."""
-    texture = np.minimum(bs.std(axis=(1, 2)), bt.std(axis=(1, 2)))
-    window = _hann2(b)
-    fa = np.fft.rfft2((bs - bs.mean(axis=(1, 2), keepdims=True)) * window)
-    fb = np.fft.rfft2((bt - bt.mean(axis=(1, 2), keepdims=True)) * window)
+    n = len(bs)
+    both = np.concatenate([bs, bt])  # (one call per step for the two sides: each block's numbers are its own)
+    sd = both.std(axis=(1, 2))
+    texture = np.minimum(sd[:n], sd[n:])
+    f = np.fft.rfft2((both - both.mean(axis=(1, 2), keepdims=True)) * _hann2(b))
+    fa, fb = f[:n], f[n:]
     cross = fb * np.conj(fa)
     corr = np.fft.irfft2(cross / np.maximum(np.abs(cross), 1e-9), s=(b, b))
     flat = corr.reshape(len(corr), -1)
     idx = flat.argmax(1)
     py, px = np.divmod(idx, b)
-    n = np.arange(len(corr))
-    peak = flat[n, idx]
+    rows = np.arange(n)
+    peak = flat[rows, idx]
 
     def sub(c_minus, c_plus):
         den = c_minus - 2 * peak + c_plus
         return np.clip(np.where(np.abs(den) > 1e-9, 0.5 * (c_minus - c_plus) / np.where(den == 0, 1, den), 0), -.5, .5)
 
-    dy = ((py + b // 2) % b - b // 2) + sub(corr[n, (py - 1) % b, px], corr[n, (py + 1) % b, px])
-    dx = ((px + b // 2) % b - b // 2) + sub(corr[n, py, (px - 1) % b], corr[n, py, (px + 1) % b])
+    dy = ((py + b // 2) % b - b // 2) + sub(corr[rows, (py - 1) % b, px], corr[rows, (py + 1) % b, px])
+    dx = ((px + b // 2) % b - b // 2) + sub(corr[rows, py, (px - 1) % b], corr[rows, py, (px + 1) % b])
     return dy, dx, peak, texture
 
 
@@ -170,9 +172,10 @@ def block_keep(m: dict, inside: np.ndarray, limit: float = 0.25) -> np.ndarray:
     """Blocks of ``m``'s grid with at most ``limit`` of their pixels inside ``inside`` (bool, image size)."""
     b = m["block"]
     ys, xs = m["starts"]
-    integral = np.pad(inside.astype(np.int32).cumsum(0).cumsum(1), ((1, 0), (1, 0)))
-    y0, x0 = np.meshgrid(ys, xs, indexing="ij")
-    cover = integral[y0 + b, x0 + b] - integral[y0, x0 + b] - integral[y0 + b, x0] + integral[y0, x0]
+    q = b // 2  # (the grid's step: a block is 2x2 tiles of q x q pixels, the tiles reach (n + 1)·q <= the side)
+    tiles = inside[:(len(ys) + 1) * q, :(len(xs) + 1) * q].reshape(len(ys) + 1, q, len(xs) + 1, q).sum(
+        (1, 3), dtype=np.int32)
+    cover = tiles[:-1, :-1] + tiles[1:, :-1] + tiles[:-1, 1:] + tiles[1:, 1:]
     return cover.ravel() <= limit * b * b
 
 
