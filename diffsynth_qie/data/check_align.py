@@ -55,7 +55,7 @@ def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None) ->
     gy, gx = (g.ravel() for g in np.meshgrid(np.arange(len(ys)), np.arange(len(xs)), indexing="ij"))
     # (a few blocks at a time: each block's numbers are the same, and the transforms' arrays stay small enough for
     # the allocator to reuse; a 49-block rfft2 alone took 2.1 ms with its fresh pages faulted in, 0.75 ms in chunks)
-    step = max(1, BLOCK_CHUNK // (b * b))
+    step = max(1, BLOCK_CHUNK // (2 * b * b))  # (a step transforms its source and target blocks together)
     parts = [_phase_peaks(vs[gy[i:i + step], gx[i:i + step]], vt[gy[i:i + step], gx[i:i + step]], b)
              for i in range(0, len(gy), step)]
     dy, dx, peak, texture = (np.concatenate(p) for p in zip(*parts))
@@ -64,7 +64,7 @@ def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None) ->
             "texture": texture, "block": b, "starts": (ys, xs)}
 
 
-BLOCK_CHUNK = 16 * 32 * 32  # pixels of the blocks :func:`block_motion` transforms at once
+BLOCK_CHUNK = 16 * 32 * 32  # pixels of the blocks (source and target) :func:`block_motion` transforms at once
 
 
 def _phase_peaks(bs: np.ndarray, bt: np.ndarray, b: int) -> tuple[np.ndarray, ...]:
