@@ -101,8 +101,6 @@ def open_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.
     return im
 
 
-
-
 def image_size(path: str | os.PathLike) -> tuple[int, int]:
     """``(width, height)`` of an image as :func:`open_image` returns it (EXIF orientation applied), read from
     the header alone: nothing is decoded."""
