@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# Shared by Qwen-Image-Edit-2511.sh, Qwen-Image-Edit-2509.sh, Qwen-Image-Edit-LBM.sh, Qwen-Image-2.1.sh and
-# Qwen-Image-2.1-LBM.sh:
+# Shared by Qwen-Image-Edit-2511.sh, Qwen-Image-Edit-2509.sh, Qwen-Image-Edit-LBM.sh, Qwen-Image-2.1.sh,
+# Qwen-Image-2.1-LBM.sh and Qwen-Image-Edit-Distill.sh:
 # environment defaults and the `accelerate launch` wrapper. All logic lives in Python
 # (`qie cache`, `qie train`, `qie edit`); this file only picks defaults.
 #
@@ -26,6 +26,9 @@
 #   QIE_VENV          the virtual environment to run (default: .venv in the repository)
 #   QIE_GPU_MEMORY_GB the memory of one GPU in GiB for the ZeRO-2/ZeRO-3 choice (default: what torch reports)
 #   QIE_HOME          where the pretrained tiny base is installed (default: ~/.cache/diffsynth-qie)
+#   TEACHER_LORA      Qwen-Image-Edit-Distill.sh: the task LoRA to distil (CPU demo: the 2511 demo's, trained if
+#                     missing)
+#   STUDENT_STEPS     Qwen-Image-Edit-Distill.sh: the student's sampling steps, 1-8 (default 1)
 # Extra command-line arguments of the launcher go to phase 2 (`qie train`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -211,10 +211,35 @@ def test_the_training_preflight_runs_the_frozen_branches_on_the_fake_device(tmp_
     assert stacked.forward_backward_peak > plain.forward_backward_peak
 
 
-def test_first_blocks_copy_keeps_what_a_shallower_dit_has_in_every_key_format(tmp_path):
+def test_a_frozen_branch_registered_on_the_host_is_caught_by_the_training_preflight(tmp_path, monkeypatch):
+    """The training module reads --frozen_lora on the host and attaches it to the DiT on the (fake) GPU, as a real
+    run does; a branch left on the host (the branch's forward would copy it at every call) fails the preflight."""
+    import dataclasses
+
+    from diffsynth_qie.lora import branch
+    from diffsynth_qie.models.presets import get_preset
+    from diffsynth_qie.training.config import RunConfig
+    from diffsynth_qie.preflight.train import preflight
+
+    sys.path.insert(0, str(Path(__file__).parent / "memory"))
+    from edit_planting import plant
+
+    preset = get_preset("tiny-2.1")
+    cfg = RunConfig()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, model="tiny-2.1", cache_dir="-", output_dir="-"),
+                              lora=dataclasses.replace(cfg.lora, lora_rank=4,
+                                                       frozen_lora=str(_frozen_file(tmp_path / "turbo.safetensors"))))
+    plant(monkeypatch, branch, "attach", "lora.A.to(device=weight.device, dtype=dtype)", "lora.A.to(dtype=dtype)")
+    with pytest.raises(ValueError, match=r"preflight .*LoRA branch off its layer's device: the training module's "
+                                         r"--frozen_lora left the branch of transformer_blocks\.0\.\S+ .* on cpu while "
+                                         r"the layer's weight is on cuda:0"):
+        preflight(cfg.resolved(preset), preset, gpu_memory_gb=80)
+
+
+def test_first_blocks_file_keeps_what_a_shallower_dit_has_in_every_key_format(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from diffsynth_qie.lora.frozen import first_blocks_copy
+    from diffsynth_qie.preflight.lora_files import first_blocks_file
 
     keys = ["transformer_blocks.0.attn.to_q.lora_A.weight", "transformer_blocks.1.attn.to_q.lora_A.weight",
             "transformer_blocks.12.attn.to_q.lora_A.weight", "diffusion_model.transformer_blocks.2.img_mlp.lora_B.weight",
@@ -223,7 +248,7 @@ def test_first_blocks_copy_keeps_what_a_shallower_dit_has_in_every_key_format(tm
     save_file({k: torch.full((2, 2), float(i)) for i, k in enumerate(keys)}, str(tmp_path / "l.safetensors"),
               metadata={"qie_schedule": "{}"})
     (tmp_path / "out").mkdir()
-    out = first_blocks_copy(tmp_path / "l.safetensors", 2, tmp_path / "out")
+    out = first_blocks_file(tmp_path / "l.safetensors", 2, tmp_path / "out")
     kept = load_file(str(out))
     assert sorted(kept) == sorted([keys[0], keys[1], keys[4], keys[6]])
     assert float(kept[keys[4]][0, 0]) == 4.0
@@ -231,3 +256,11 @@ def test_first_blocks_copy_keeps_what_a_shallower_dit_has_in_every_key_format(tm
 
     with safe_open(str(out), framework="pt") as f:
         assert f.metadata() == {"qie_schedule": "{}"}
+    # a LoRA of later blocks only: its first two blocks become the two built, in order; a torch state dict too
+    late = {"transformer_blocks.31.attn.to_q.lora_A.weight": torch.ones(2, 2),
+            "lora_unet_transformer_blocks_30_attn_to_q.lora_down.weight": torch.zeros(2, 2),
+            "transformer_blocks.45.attn.to_q.lora_A.weight": torch.ones(2, 2)}
+    torch.save(late, tmp_path / "late.pt")
+    kept = load_file(str(first_blocks_file(tmp_path / "late.pt", 2, tmp_path / "out")))
+    assert sorted(kept) == ["lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight",
+                            "transformer_blocks.1.attn.to_q.lora_A.weight"]

@@ -28,8 +28,20 @@ def _choices(argv_command: str, dest: str = "loss") -> list[str]:
     return list(next(a for a in sub._actions if a.dest == dest).choices)
 
 
+
+def _teacher_file() -> str:
+    """An empty LoRA file of the tiny preset: what --loss dmd's check reads before anything loads."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    path = tempfile.mkdtemp(prefix="qie-test-teacher-") + "/teacher.safetensors"
+    save_file({}, path, metadata={"preset": "tiny"})
+    return path
+
+
 # what a loss's own check requires to be given (its flags without a usable default)
-REQUIRED = {"nft": {"reward": "preserve"}}
+REQUIRED = {"nft": {"reward": "preserve"}, "dmd": {"teacher_lora": _teacher_file()}}
 
 
 def _config(loss: str, **timesteps) -> RunConfig:

@@ -79,3 +79,18 @@ def test_the_web_ui_passes_the_strength_slider(tiny_model_dir, tmp_path):
                                            prompt="make it blue", steps=2, cfg=1.0, strength=0.0))
     source = handlers.editor()._encode_images([Image.fromarray(image)])[0].float()
     assert torch.equal(out.result.latents[0], source) and "strength 0" in out.status
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.6])
+def test_a_one_step_schedule_starts_where_two_steps_start_and_denoises_fully(strength):
+    """DiffSynth's terminal stretch divides by 1 - σ_last, 0 for one step: the schedule was NaN (an empty edit)."""
+    import torch
+
+    from diffsynth_qie.models.samplers.schedules import flow_match_scheduler
+
+    one, two = flow_match_scheduler(1, 4096, strength), flow_match_scheduler(2, 4096, strength)
+    assert one.sigmas.shape == (1,) and torch.isfinite(one.sigmas).all()
+    assert float(one.sigmas[0]) == float(two.sigmas[0]) and float(one.timesteps[0]) == float(two.timesteps[0])
+    x, v = torch.randn(1, 4, 2, 2), torch.randn(1, 4, 2, 2)
+    out = one.step(v, one.timesteps[0], x)  # the only step reaches σ = 0
+    torch.testing.assert_close(out, x - float(one.sigmas[0]) * v)

@@ -387,6 +387,29 @@ def test_switching_lora_keeps_the_base_model_loaded(ui):
     assert [(p.name, s) for p, s in ui.editor().active_loras] == [("a.safetensors", 0.5)]
 
 
+def test_a_lora_branch_off_its_layers_device_is_refused_after_the_switch(ui, monkeypatch):
+    """The UI's LoRA switch (`Editor.set_loras`, as `qie edit`'s preflight runs it on the fake GPU) is checked on the
+    real model: a branch left off its layer's device (planted: on the meta device, standing in for the host beside a
+    GPU weight on this CPU-only machine) stops the generation before the edit, as a bug, with the module named."""
+    import sys
+
+    from diffsynth_qie.lora import branch, manager
+
+    sys.path.insert(0, str(Path(__file__).parent / "memory"))
+    from edit_planting import plant
+
+    ui.generate(_inputs(lora=NO_LORA))  # loaded, no LoRA
+    plant(monkeypatch, branch, "attach", "lora.A.to(device=weight.device, dtype=dtype)",
+          "lora.A.to(device='meta', dtype=dtype)", also=(manager,))
+    try:
+        with pytest.raises(RuntimeError, match=r"LoRA branch off its layer's device: Editor\.set_loras left the "
+                                               r"branch of transformer_blocks\.\d+\.\S+ \(\(\d+, \d+\), float32\) on "
+                                               r"meta while the layer's weight is on cpu"):
+            ui.generate(_inputs(lora="run1/a.safetensors", lora_scale=1.0))
+    finally:
+        ui.editor().set_loras([])
+
+
 def test_generate_errors_are_user_messages(ui):
     with pytest.raises(UIError, match="type a prompt"):
         ui.generate(_inputs(prompt="  "))

@@ -201,7 +201,7 @@ def sub_path(out: str | Path) -> Path:
 
 
 def edit_load(args: argparse.Namespace, loras: list[tuple[str, float]]):
-    """The load options of ``args`` as the preflight repeats them (each LoRA's rank read from its header)."""
+    """The load options of ``args`` as the preflight repeats them (each LoRA file, and its rank from its header)."""
     from ..inference.devices import parse_dtype
     from ..preflight.edit_step import EditLoad
     from ..preflight.edit_standins import lora_rank_of
@@ -209,6 +209,7 @@ def edit_load(args: argparse.Namespace, loras: list[tuple[str, float]]):
     return EditLoad(fp8_base=args.fp8_base or args.fp8_compute, fp8_compute=args.fp8_compute,
                     blocks_to_swap=args.blocks_to_swap,
                     lora_ranks=tuple(lora_rank_of(p) for p, _ in loras), lora_scales=tuple(s for _, s in loras),
+                    lora_paths=tuple(str(p) for p, _ in loras),
                     lora_merge=args.lora_merge, compile=args.compile, zero_cond_t=args.zero_cond_t,
                     dtype=parse_dtype(args.dtype), one_gpu=one_gpu(args))
 

@@ -173,7 +173,8 @@ def options_of(args):
                        ema=args.ema_decay > 0, validate_with=args.validate_with, loras=tuple(args.loras or ()),
                        compute_precision=args.compute_precision,
                        kv_cache=args.kv_cache, pairs=args.task == "train" and loss_spec(args.loss).preference,
-                       rollouts=args.nft_group_size if args.task == "train" and loss_spec(args.loss).needs_rollouts else 0)
+                       rollouts=args.nft_group_size if args.task == "train" and loss_spec(args.loss).needs_rollouts else 0,
+                       distill=args.task == "train" and loss_spec(args.loss).distills)
 
 
 def _census(args):

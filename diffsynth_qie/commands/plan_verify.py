@@ -39,6 +39,7 @@ def train_config(args, options):
     """The resolved :class:`RunConfig` a ``qie train`` with the plan's options would run."""
     from ..models.presets import get_preset
     from ..training.config import RunConfig
+    from ..training.losses.registry import loss_spec
 
     preset = get_preset(args.model)
     cfg = RunConfig()
@@ -57,6 +58,15 @@ def train_config(args, options):
     if options.rollouts:  # --loss nft: K rollouts; the fake run's reward is a stand-in (preflight/train_extras.py)
         cfg = dataclasses.replace(cfg, nft=dataclasses.replace(cfg.nft, reward="preserve",
                                                                nft_group_size=options.rollouts))
+    spec = loss_spec(args.loss)
+    if spec.stand_in is not None:  # --loss dmd: a teacher LoRA of the run's rank, in a folder removed at exit
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="qie-plan-")
+        atexit.register(shutil.rmtree, folder, True)
+        cfg = spec.stand_in(cfg, preset, args.verify_blocks, folder)
     if options.on_the_fly:
         cfg = dataclasses.replace(
             cfg, train=dataclasses.replace(cfg.train, cache_dir=None),

@@ -160,7 +160,9 @@ def _measure(out: RowCheck, row: dict, cfg: CheckConfig) -> None:
              f"the mask ({mask.width}x{mask.height}) was made for another image than the target "
              f"({target.width}x{target.height})")
         mask = None  # (made for another image: not stretched to measure it)
-    inside = None if mask is None else np.asarray(mask.resize(t_work.size, Image.Resampling.NEAREST)) > 127
+    if mask is not None and mask.size != t_work.size:
+        mask = mask.resize(t_work.size, Image.Resampling.NEAREST)
+    inside = None if mask is None else np.asarray(mask) > 127
     px = target.width / t_work.width
     del target, source
     t = np.asarray(t_work, np.float32) / 255.0

@@ -55,7 +55,7 @@ def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None) ->
     gy, gx = (g.ravel() for g in np.meshgrid(np.arange(len(ys)), np.arange(len(xs)), indexing="ij"))
     # (a few blocks at a time: each block's numbers are the same, and the transforms' arrays stay small enough for
     # the allocator to reuse; a 49-block rfft2 alone took 2.1 ms with its fresh pages faulted in, 0.75 ms in chunks)
-    step = max(1, BLOCK_CHUNK // (b * b))
+    step = max(1, BLOCK_CHUNK // (2 * b * b))  # (a step transforms its source and target blocks together)
     parts = [_phase_peaks(vs[gy[i:i + step], gx[i:i + step]], vt[gy[i:i + step], gx[i:i + step]], b)
              for i in range(0, len(gy), step)]
     dy, dx, peak, texture = (np.concatenate(p) for p in zip(*parts))
@@ -64,29 +64,31 @@ def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None) ->
             "texture": texture, "block": b, "starts": (ys, xs)}
 
 
-BLOCK_CHUNK = 16 * 32 * 32  # pixels of the blocks :func:`block_motion` transforms at once
+BLOCK_CHUNK = 16 * 32 * 32  # pixels of the blocks (source and target) :func:`block_motion` transforms at once
 
 
 def _phase_peaks(bs: np.ndarray, bt: np.ndarray, b: int) -> tuple[np.ndarray, ...]:
     """``dy``, ``dx``, ``peak`` and ``texture`` of :func:`block_motion` for the ``[n, b, b]`` blocks ``bs``, ``bt``."""
-    texture = np.minimum(bs.std(axis=(1, 2)), bt.std(axis=(1, 2)))
-    window = _hann2(b)
-    fa = np.fft.rfft2((bs - bs.mean(axis=(1, 2), keepdims=True)) * window)
-    fb = np.fft.rfft2((bt - bt.mean(axis=(1, 2), keepdims=True)) * window)
+    n = len(bs)
+    both = np.concatenate([bs, bt])  # (one call per step for the two sides: each block's numbers are its own)
+    sd = both.std(axis=(1, 2))
+    texture = np.minimum(sd[:n], sd[n:])
+    f = np.fft.rfft2((both - both.mean(axis=(1, 2), keepdims=True)) * _hann2(b))
+    fa, fb = f[:n], f[n:]
     cross = fb * np.conj(fa)
     corr = np.fft.irfft2(cross / np.maximum(np.abs(cross), 1e-9), s=(b, b))
     flat = corr.reshape(len(corr), -1)
     idx = flat.argmax(1)
     py, px = np.divmod(idx, b)
-    n = np.arange(len(corr))
-    peak = flat[n, idx]
+    rows = np.arange(n)
+    peak = flat[rows, idx]
 
     def sub(c_minus, c_plus):
         den = c_minus - 2 * peak + c_plus
         return np.clip(np.where(np.abs(den) > 1e-9, 0.5 * (c_minus - c_plus) / np.where(den == 0, 1, den), 0), -.5, .5)
 
-    dy = ((py + b // 2) % b - b // 2) + sub(corr[n, (py - 1) % b, px], corr[n, (py + 1) % b, px])
-    dx = ((px + b // 2) % b - b // 2) + sub(corr[n, py, (px - 1) % b], corr[n, py, (px + 1) % b])
+    dy = ((py + b // 2) % b - b // 2) + sub(corr[rows, (py - 1) % b, px], corr[rows, (py + 1) % b, px])
+    dx = ((px + b // 2) % b - b // 2) + sub(corr[rows, py, (px - 1) % b], corr[rows, py, (px + 1) % b])
     return dy, dx, peak, texture
 
 
@@ -170,9 +172,10 @@ def block_keep(m: dict, inside: np.ndarray, limit: float = 0.25) -> np.ndarray:
     """Blocks of ``m``'s grid with at most ``limit`` of their pixels inside ``inside`` (bool, image size)."""
     b = m["block"]
     ys, xs = m["starts"]
-    integral = np.pad(inside.astype(np.int32).cumsum(0).cumsum(1), ((1, 0), (1, 0)))
-    y0, x0 = np.meshgrid(ys, xs, indexing="ij")
-    cover = integral[y0 + b, x0 + b] - integral[y0, x0 + b] - integral[y0 + b, x0] + integral[y0, x0]
+    q = b // 2  # (the grid's step: a block is 2x2 tiles of q x q pixels, the tiles reach (n + 1)·q <= the side)
+    tiles = inside[:(len(ys) + 1) * q, :(len(xs) + 1) * q].reshape(len(ys) + 1, q, len(xs) + 1, q).sum(
+        (1, 3), dtype=np.int32)
+    cover = tiles[:-1, :-1] + tiles[1:, :-1] + tiles[:-1, 1:] + tiles[1:, 1:]
     return cover.ravel() <= limit * b * b
 
 
@@ -225,19 +228,23 @@ def structure(gs: np.ndarray, gt: np.ndarray) -> float:
 
 def dhash(im: Image.Image) -> int:
     """64-bit difference hash (9x8 grayscale, left-right gradients)."""
-    g = np.asarray(im.convert("L").resize((9, 8), Image.Resampling.BILINEAR), dtype=np.int16)
+    g = np.asarray(_grey(im).resize((9, 8), Image.Resampling.BILINEAR), dtype=np.int16)
     return int.from_bytes(np.packbits((g[:, 1:] > g[:, :-1]).ravel(), bitorder="little").tobytes(), "little")
 
 
 def thumb(im: Image.Image) -> bytes:
     """A 16x16 grey thumbnail (box filter), the duplicate pass's check of a hash match."""
-    return im.convert("L").resize((THUMB_SIDE, THUMB_SIDE), Image.Resampling.BOX).tobytes()
+    return _grey(im).resize((THUMB_SIDE, THUMB_SIDE), Image.Resampling.BOX).tobytes()
 
 
 def hash_and_thumb(im: Image.Image) -> tuple[int, bytes]:
     """:func:`dhash` and :func:`thumb` of ``im``, from one grey conversion."""
-    grey = im.convert("L")
+    grey = _grey(im)
     return dhash(grey), thumb(grey)
+
+
+def _grey(im: Image.Image) -> Image.Image:
+    return im if im.mode == "L" else im.convert("L")
 
 
 def coarse_change(s: np.ndarray, t: np.ndarray, threshold: float = 0.1) -> float:

@@ -65,6 +65,11 @@ def check_pixels(width: int, height: int, name: str, max_pixels: int | None = No
                             f"limit of {limit / 1e6:.1f} MP; downscale it before use")
 
 
+_ORIENTATION = 0x0112                  # the EXIF orientation tag
+_TRANSPOSES = {2, 3, 4, 5, 6, 7, 8}    # its values that flip or rotate the stored pixels
+_SWAPS_SIDES = {5, 6, 7, 8}            # those that rotate by 90 degrees
+
+
 def open_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.Image:
     """Open and fully decode ``path`` with EXIF orientation applied, in its own mode.
 
@@ -83,9 +88,9 @@ def open_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit applies
             with Image.open(path) as im:
                 check_pixels(*im.size, f"image {path}", max_pixels)  # header only: nothing decoded yet
-                im.load()  # full decode: raises on truncated data
-                im = ImageOps.exif_transpose(im)
-                im.load()
+                im.load()  # full decode (once): raises on truncated data
+                if im.getexif().get(_ORIENTATION, 1) in _TRANSPOSES:  # (else the decoded image is already upright)
+                    im = ImageOps.exif_transpose(im)
     except Image.DecompressionBombError as e:  # beyond PIL's own hard limit, refused in Image.open
         raise ImageTooLarge(f"image {path} has too many pixels ({e}); downscale it before use") from e
     except ValueError:
@@ -96,15 +101,12 @@ def open_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.
     return im
 
 
-_SWAPS_SIDES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
-
-
 def image_size(path: str | os.PathLike) -> tuple[int, int]:
     """``(width, height)`` of an image as :func:`open_image` returns it (EXIF orientation applied), read from
     the header alone: nothing is decoded."""
     with Image.open(path) as im:
         width, height = im.size
-        orientation = im.getexif().get(0x0112, 1)
+        orientation = im.getexif().get(_ORIENTATION, 1)
     return (height, width) if orientation in _SWAPS_SIDES else (width, height)
 
 
@@ -162,8 +164,10 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
 def binarize_mask(mask: Image.Image) -> Image.Image:
     """Threshold an "L" image at MASK_THRESHOLD to exactly {0, 255}."""
     assert mask.mode == "L", mask.mode
-    arr = np.asarray(mask)
-    return Image.fromarray(np.where(arr >= MASK_THRESHOLD, 255, 0).astype(np.uint8), mode="L")
+    return mask.point(_BINARY)
+
+
+_BINARY = [255 if v >= MASK_THRESHOLD else 0 for v in range(256)]  # binarize_mask's lookup table
 
 
 def to_mask(im: Image.Image) -> Image.Image:
@@ -182,7 +186,7 @@ def to_mask(im: Image.Image) -> Image.Image:
     if im.mode in _SIXTEEN_BIT_MODES or im.mode == "F":
         gray = _to_8bit_gray(im)
     else:
-        gray = im.convert("L")
+        gray = im if im.mode == "L" else im.convert("L")
     return binarize_mask(gray)
 
 

@@ -109,6 +109,10 @@ class DeviceMemory:
     def reset_peak(self) -> None:
         self.peak = self.current
 
+    def snapshot(self) -> "Held":
+        """What is live now: the bytes per allocating frame and the storages (two compared: :func:`grown`)."""
+        return Held(dict(self.by_where), frozenset(self.live))
+
     def top_holders(self, n: int = 5) -> list[tuple[str, int]]:
         """The ``n`` frames holding the most live bytes at the session's highest moment, largest first."""
         return sorted(self._top_where.items(), key=lambda kv: -kv[1])[:n]
@@ -116,6 +120,25 @@ class DeviceMemory:
     def bytes_from(self, path_part: str) -> int:
         """Live bytes at the highest moment allocated in files whose path contains ``path_part``."""
         return sum(b for where, b in self._top_where.items() if path_part in where.split(":")[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A :meth:`DeviceMemory.snapshot`: live bytes per allocating frame, and the ids of the live storages."""
+
+    by_where: dict
+    storages: frozenset
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_where.values())
+
+
+def grown(before: Held, after: Held) -> list[tuple[str, int]]:
+    """The frames holding more live bytes in the snapshot ``after`` than in ``before``, most first."""
+    was = before.by_where
+    more = [(where, b - was.get(where, 0)) for where, b in after.by_where.items() if b > was.get(where, 0)]
+    return sorted(more, key=lambda kv: -kv[1])
 
 
 @contextlib.contextmanager
@@ -132,17 +155,17 @@ def recorded_sessions() -> Iterator[list]:
 
 _OTHERS = tuple(os.path.join(p, "") for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
                                               sysconfig.get_paths()["platlib"], os.path.dirname(torch.__file__)})
-_ours_cache: dict[str, bool] = {}
+_ours_cache: dict[str, Optional[str]] = {}
 
 
-def _is_ours(filename: str) -> bool:
-    ours = _ours_cache.get(filename)
-    if ours is None:
+def _ours(filename: str) -> Optional[str]:
+    """``filename`` relative to the project when it is our code (not the fake device's own modules), else None."""
+    if filename not in _ours_cache:
         ours = (filename.startswith(PROJECT_DIR) and not filename.startswith(_OTHERS)
                 and not any(os.sep + d + os.sep in filename for d in ("diffsynth", ".venv", "site-packages"))
                 and not filename.endswith(FAKE_DEVICE_FILES))
-        _ours_cache[filename] = ours
-    return ours
+        _ours_cache[filename] = os.path.relpath(filename, PROJECT_DIR) if ours else None
+    return _ours_cache[filename]
 
 
 def allocating_frame() -> str:
@@ -150,8 +173,8 @@ def allocating_frame() -> str:
     the interpreter's frames (cheap enough for every allocation, unlike ``traceback.extract_stack``)."""
     frame = sys._getframe(1)
     while frame is not None:
-        name = frame.f_code.co_filename
-        if _is_ours(name):
-            return f"{os.path.relpath(name, PROJECT_DIR)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        name = _ours(frame.f_code.co_filename)
+        if name is not None:
+            return f"{name}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "(outside our code)"

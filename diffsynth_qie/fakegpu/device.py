@@ -51,6 +51,20 @@ from .streams import modelled_cuda_calls
 __all__ = ["FakeCuda", "FakeRunError", "PhasePeak", "backward"]
 
 
+class _FakeMode(FakeTensorMode):
+    """PyTorch's fake mode with ``avoid_device_init`` read once per session: PyTorch asks it on every operator,
+    and each answer is a ``torch.cuda.is_available()``, which with DeepSpeed imported (it sets
+    ``PYTORCH_NVML_BASED_CUDA_CHECK``) loads and initialises NVML every time."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._avoid_device_init = FakeTensorMode.avoid_device_init.fget(self)
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return self._avoid_device_init
+
+
 class FakeCuda:
     """The fake device session: ``with FakeCuda() as fc:`` ... ``with fc.phase("forward"):`` ...
 
@@ -72,7 +86,7 @@ class FakeCuda:
     def __enter__(self) -> "FakeCuda":
         self._stack = contextlib.ExitStack()
         streams = self._stack.enter_context(modelled_cuda_calls())
-        self._stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        self._stack.enter_context(_FakeMode(allow_non_fake_inputs=True))
         self._ops = self._stack.enter_context(HostRealDeviceFake(self.memory, streams))
         self._ops.counter = self.costs
         self._stack.enter_context(cuda_looks_available())
@@ -131,6 +145,15 @@ class FakeCuda:
         finally:
             self._ops.phase, self._ops.sync = saved
             self.phases.append(PhasePeak(name, start, self.memory.peak, self.memory.current))
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Kernels run inside are not counted in :attr:`costs` (work repeated to check memory, not to time it)."""
+        saved, self._ops.counter = self._ops.counter, None
+        try:
+            yield
+        finally:
+            self._ops.counter = saved
 
     @property
     def current_bytes(self) -> int:

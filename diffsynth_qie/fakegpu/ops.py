@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
+import sys
 from typing import Iterator, Optional
 
 import torch
@@ -89,15 +89,18 @@ def compiled_frame_error(exc: BaseException) -> Optional[FakeRunError]:
 
 def our_frame() -> str:
     """``file:line (function)`` of the innermost frame in this package outside the fake device's modules,
-    else the innermost frame outside torch (a caller's own code)."""
-    stack = list(reversed(traceback.extract_stack()))
-    for frame in stack:
-        if frame.filename.startswith(PACKAGE_DIR) and not frame.filename.endswith(FAKE_DEVICE_FILES):
-            return f"{os.path.relpath(frame.filename, os.path.dirname(PACKAGE_DIR))}:{frame.lineno} ({frame.name})"
+    else the innermost frame outside torch (a caller's own code). The interpreter's frames are walked (no source
+    lines read: it runs on every device copy)."""
     torch_dir = os.path.dirname(torch.__file__)
-    for frame in stack:
-        if not frame.filename.startswith(torch_dir) and not frame.filename.endswith(FAKE_DEVICE_FILES):
-            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    for ours in (True, False):  # (no list of frames kept: it would hold their tensors in a reference cycle)
+        frame = sys._getframe(1)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if not name.endswith(FAKE_DEVICE_FILES) and (name.startswith(PACKAGE_DIR) if ours
+                                                        else not name.startswith(torch_dir)):
+                where = os.path.relpath(name, os.path.dirname(PACKAGE_DIR)) if ours else name
+                return f"{where}:{frame.f_lineno} ({frame.f_code.co_name})"
+            frame = frame.f_back
     return "(unknown)"
 
 

@@ -65,13 +65,16 @@ def vision_grid(size: tuple[int, int]) -> tuple[int, int, int]:
 
 
 def encode_prompt_standin(text_encoder, family, tokens: int, refs: Sequence, ref_latents: Sequence[torch.Tensor],
-                          device, dtype: torch.dtype):
+                          device, dtype: torch.dtype, run: bool = True):
     """(the prompt's embedding ``[L, D]`` on ``device``, its extra tensors) of a ``tokens``-token prompt with
-    ``refs``, from ``text_encoder``'s language model run over the whole encoded length (no grad)."""
+    ``refs``, from ``text_encoder``'s language model run over the whole encoded length (no grad). ``run=False``:
+    the embedding of that shape without the language model's pass (whose transient an earlier pass showed)."""
     length, drop, extras = prompt_layout(family, refs, ref_latents, tokens)
     lm = language_model(text_encoder)
     with torch.no_grad():
         embeds = torch.empty(1, length, lm.config.hidden_size, device=device, dtype=dtype)
+        if not run:
+            return embeds[0, drop:], extras
         positions = torch.arange(length, device=device).view(1, 1, -1).expand(3, 1, -1)
         hidden = lm(inputs_embeds=embeds, position_ids=positions).last_hidden_state
     return hidden[0, drop:], extras

@@ -104,6 +104,22 @@ def branch_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [getattr(module, f"{a.key}_{s}") for a in _adapters(module) for s in ("A", "B")]
 
 
+def misplaced_branch(model: torch.nn.Module, what: str) -> str | None:
+    """One line about the first branch of ``model`` that is not on the device of its layer's weight (``what``:
+    who attached the branches, for the line), or None when every branch sits with its weight. A branch left on
+    the host while the weight is on the GPU is copied to the GPU by :func:`_branch_hook` at every forward."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        for tensor in branch_tensors(module):
+            if isinstance(weight, torch.Tensor) and tensor.device != weight.device:
+                return (f"LoRA branch off its layer's device: {what} left the branch of {name} "
+                        f"({tuple(tensor.shape)}, {str(tensor.dtype).replace('torch.', '')}) on {tensor.device} while "
+                        f"the layer's weight is on {weight.device}: on a GPU every forward copies it to the device "
+                        "again, or fails on a device mismatch where nothing moves it; register the branch where the "
+                        "weight is (lora.branch.attach)")
+    return None
+
+
 # --- memory ---------------------------------------------------------------------------
 def matches_target(name: str, targets: Iterable[str]) -> bool:
     """PEFT's ``target_modules`` rule: the module path equals a target or ends with ``.target``."""

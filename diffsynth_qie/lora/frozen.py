@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -83,25 +82,6 @@ def attach_frozen(model: torch.nn.Module, path: str | os.PathLike, scale: float 
     log.info("frozen LoRA %s attached unmerged at scale %g (%d modules%s)", path, scale, len(state.modules),
              f"; its schedule from {where}: {schedule.describe()}" if schedule else "")
     return FrozenLora(path=path, scale=float(scale), sha256=file_sha256(path), schedule=schedule)
-
-
-_BLOCK = re.compile(r"transformer_blocks[._](\d+)[._]")
-
-
-def first_blocks_copy(path: str | os.PathLike, blocks: int, out_dir: str | os.PathLike) -> Path:
-    """A copy of the LoRA file ``path`` in ``out_dir`` holding only what adapts the first ``blocks`` transformer
-    blocks (and every tensor outside them), with the same metadata: what a shallower copy of the DiT (the
-    preflight's) can attach. Key names of every format carry ``transformer_blocks.N`` or ``_N_``."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-        kept = {k: f.get_tensor(k) for k in f.keys()
-                if (m := _BLOCK.search(k)) is None or int(m.group(1)) < blocks}
-    out = Path(out_dir) / Path(path).name
-    save_file(kept, str(out), metadata=metadata)
-    return out
 
 
 def trained_on(metadata: Mapping[str, str]) -> Optional[dict]:

@@ -44,6 +44,7 @@ from .swap_transport import PINNED_EXACT_ABOVE_MB, pinned_allocation_bytes
 
 GiB = 1024 ** 3
 
+from .plan_distill import distill_terms
 from .plan_rollouts import rollout_terms
 from .plan_terms import (  # noqa: F401 (the constants and per-token terms, public here)
     AUTOCAST_CALIBRATION, CALIBRATION, GPU_CHECKPOINTED_ACTIVATION_SCALE, VAE_BYTES_PER_PIXEL, activation_bytes,
@@ -86,6 +87,7 @@ class PlanOptions:
     dtype_bytes: int = 2  # bf16 on GPUs; the CPU calibration runs fp32 (4)
     pairs: bool = False  # train, a preference loss (--loss dpo): chosen + rejected per row, and a reference pass
     rollouts: int = 0  # train, --loss nft: K rollouts per source trained on (memory/plan_rollouts.py)
+    distill: bool = False  # train, --loss dmd: teacher branches, the fake score and its step (memory/plan_distill.py)
     overhead_bytes: int = CUDA_OVERHEAD
 
     def __post_init__(self):
@@ -194,6 +196,8 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
                                                              * o.dtype_bytes)
         if o.rollouts:  # --loss nft
             rollout_terms(plan, c, o)
+        if o.distill:  # --loss dmd
+            distill_terms(plan, c, o)
         if o.ema:
             plan.gpu["EMA shadow (fp32)"] = 4 * c.lora_params(o.lora_rank) // (o.num_gpus if o.zero_stage == 3 else 1)
             if o.validate_with != "raw":  # LoraEMA.applied: the live weights' copy while the average is in

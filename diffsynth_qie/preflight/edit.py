@@ -2,10 +2,13 @@
 memory verdict.
 
 The edit runs as ``qie edit`` would run it (``edit_step.verify_edit`` with the user's :class:`EditRequest` and
-:class:`~.verify.EditLoad`: references and mask at their real sizes, strength, schedule, CFG, LBM, every LoRA,
-FP8, block swapping, ``--compile``) on a DiT of :data:`PREFLIGHT_BLOCKS` full-width blocks. A device or dtype
-mismatch, or a host read inside the sampling loop, raises ``ValueError`` naming our file:line in seconds instead
-of after the load. Every block runs the same code and holds the same, so the peak of the whole DiT is the run's
+:class:`~.edit_step.EditLoad`: references and mask at their real sizes, strength, schedule, CFG, LBM, FP8, block
+swapping, ``--compile``, and every ``--lora`` file read on the host and attached by the LoRA manager) on a DiT of
+:data:`PREFLIGHT_BLOCKS` full-width blocks, then again as the UI's loop runs it: the LoRAs switched to other files
+and a second edit with the next seed (``edit_again.py``). A device or dtype mismatch, a host read inside the
+sampling loop, a LoRA branch off its layer's device, or device memory still held after the second edit beyond
+the first's, raises ``ValueError`` naming our file:line in seconds instead of after the load. Every block runs
+the same code and holds the same, so the peak of the whole DiT is the run's
 peak plus the resident blocks it did not build (their weights and LoRA branches, and their share of a prefix KV
 cache); the verdict (``fakegpu/verdict.py``) judges that scaled peak against the GPU and says it was scaled.
 """
@@ -54,13 +57,14 @@ def preflight(model: str, request: Optional[EditRequest] = None, load: Optional[
     try:
         report = verify_edit(run_preset, prompt_tokens=estimated_tokens(request), num_layers=PREFLIGHT_BLOCKS,
                              request=dataclasses.replace(request, steps=steps),
-                             load=dataclasses.replace(load, blocks_to_swap=swapped))
+                             load=dataclasses.replace(load, blocks_to_swap=swapped), again=True)
     except FakeRunError as e:
-        raise ValueError(f"preflight (one edit on a fake CUDA device, before loading {preset.name}): {e}; "
+        raise ValueError(f"preflight (two edits on a fake CUDA device, before loading {preset.name}): {e}; "
                          "pass --no_preflight to skip the check") from None
     line = check_memory(edit_verdict(report, full_blocks(preset), load.blocks_to_swap, swapped, gpu_bytes))
-    log.info("preflight: one edit of %s (full width, %d blocks) on a fake CUDA device passed in %.1f s; %s%s",
-             preset.name, PREFLIGHT_BLOCKS, report.seconds, line,
+    log.info("preflight: %s of %s (full width, %d blocks) on a fake CUDA device passed in %.1f s; %s%s",
+             "two edits (a LoRA switch between them)" if load.lora_paths else "two edits", preset.name,
+             PREFLIGHT_BLOCKS, report.seconds, line,
              "" if load.one_gpu else " (memory not judged: the components are placed on several devices)")
     return report
 

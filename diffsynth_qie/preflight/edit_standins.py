@@ -36,11 +36,13 @@ def family_standin(family):
 class FakeEditor(Editor):
     """The editor with the host-side stand-ins of the module docstring."""
 
+    language_model_runs = True  # False: the prompt stand-in makes its embedding without the language model's pass
+
     def _encode_prompt(self, prompt, refs, ref_latents, max_tokens):
         tokens = len(self.pipe.tokenizer(prompt)["input_ids"])
         with self._running("text_encoder"):
             emb, extras = encode_prompt_standin(self.pipe.text_encoder, self.family, tokens, refs, ref_latents,
-                                                DEVICE, self.dtype)
+                                                DEVICE, self.dtype, run=self.language_model_runs)
         return self.ops.join_prompt(emb, extras)
 
     def _swap_blocks(self, blocks_to_swap):

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -26,6 +28,7 @@ from PIL import Image
 
 from ..fakegpu.device import FakeCuda
 from ..inference.editor import EditRequest
+from .edit_again import edit_again, lora_pairs, set_loras
 from .edit_standins import DEVICE, FakeEditor, FakeTokenizer, attach_loras, family_standin
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class EditLoad:
     fp8_compute: bool = False                # the FP8 layers multiply in FP8 (torch._scaled_mm); implies fp8_base
     blocks_to_swap: int = 0
     lora_ranks: Sequence[int] = ()           # one per --lora, in order
+    lora_paths: Sequence[str] = ()           # the --lora files themselves: attached as qie edit attaches them
     lora_scales: Sequence[float] = ()        # one per --lora (default 1.0 each)
     lora_merge: bool = False                 # merged LoRAs hold no device memory of their own
     compile: bool = False                    # torch.compile of each block (the eager backend here)
@@ -59,6 +63,7 @@ class EditVerifyReport:
     block_bytes: int = 0      # one resident block's weights and LoRA branches (to scale a few blocks up)
     kv_cache: int = 0         # prefix KV caches held after the denoising steps (Qwen-Image-2.1)
     lora_branches: int = 0    # unmerged LoRA branches attached (all LoRAs together)
+    edits: int = 0            # edits run in the one session (the preflight: two, a LoRA switch between them)
     compiled_blocks: int = 0  # blocks run through torch.compile
     compile_counts: dict = field(default_factory=dict)  # graphs and recompiles of the compiled blocks
     costs: object = None      # with costs=True: the counted kernels (fakegpu.costs.Profile), by phase
@@ -78,14 +83,16 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
                 lbm_steps: Optional[int] = None, num_layers: Optional[int] = None, *, kv_cache: bool = True,
                 cache: str = "off", cache_method: Optional[str] = None, cache_threshold: Optional[float] = None,
                 request: Optional[EditRequest] = None, load: Optional[EditLoad] = None,
-                costs: bool = False) -> EditVerifyReport:
+                costs: bool = False, again: bool = False) -> EditVerifyReport:
     """Run one edit on the fake device; the peak of live device bytes per phase. ``steps`` denoising steps
     (every step has the same peak; 2 shows it), ``num_layers`` a shallower DiT (the preflight, tests).
 
     ``request`` / ``load``: the user's whole edit and load options (``qie edit``'s preflight); without them, a
     ``resolution``² edit of ``ref_images`` grey references with the other arguments (``qie plan --verify``).
     ``costs``: count each kernel's cost (``report.costs``, sections encode, denoise (the first step),
-    denoise_next (the steps after it) and decode)."""
+    denoise_next (the steps after it) and decode). ``again``: the UI's loop, after the edit: the LoRAs switched
+    to other files (copies of the same) and a second edit with the next seed, whose device memory still held
+    after it must not exceed the first's (``edit_again.py``)."""
     if request is None:
         image = Image.new("RGB", (resolution, resolution), (128, 128, 128))
         request = EditRequest(images=[image] * max(1, ref_images), prompt="edit", steps=steps, cfg=cfg,
@@ -94,11 +101,13 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
                               cache_method=cache_method, cache_threshold=cache_threshold)
     if load is None:
         load = EditLoad(fp8_base=fp8_base, blocks_to_swap=blocks_to_swap, lora_ranks=(lora_rank,) if lora_rank else ())
-    return _run(preset, dataclasses.replace(request, progress=None), load, prompt_tokens, num_layers, costs)
+    with tempfile.TemporaryDirectory(prefix="qie-preflight-") as tmp:
+        return _run(preset, dataclasses.replace(request, progress=None), load, prompt_tokens, num_layers, costs,
+                    again, Path(tmp))
 
 
 def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
-         num_layers: Optional[int], costs: bool = False) -> EditVerifyReport:
+         num_layers: Optional[int], costs: bool, again: bool, tmp: Path) -> EditVerifyReport:
     from ..memory.census import build_dit
     from ..fakegpu.standin_vl import build_encoders
     from ..models.presets import family_of
@@ -127,13 +136,16 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
         fc.register(te), fc.register(vae), fc.register(pipe.dit)  # before the swapper evicts blocks
         editor = FakeEditor(pipe, blocks_to_swap=load.blocks_to_swap, zero_cond_t=load.zero_cond_t,
                             lora_merge=load.lora_merge)
-        if load.lora_ranks and not load.lora_merge:
-            scales = list(load.lora_scales) or [1.0] * len(load.lora_ranks)
-            report.lora_branches = attach_loras(pipe.dit, preset.lora_target_modules, load.lora_ranks, scales, dtype)
-        if load.compile:
+        if load.compile:  # (qie edit compiles the blocks before it attaches the LoRAs)
             from ..models.load.compile import compile_blocks
 
             report.compiled_blocks = compile_blocks(pipe.dit, backend="eager")
+        loras = lora_pairs(load, len(pipe.dit.transformer_blocks), tmp / "first")
+        if loras:  # the user's files, read on the host and attached by the LoRA manager, as qie edit does
+            report.lora_branches = set_loras(editor, loras)
+        elif load.lora_ranks and not load.lora_merge:
+            scales = list(load.lora_scales) or [1.0] * len(load.lora_ranks)
+            report.lora_branches = attach_loras(pipe.dit, preset.lora_target_modules, load.lora_ranks, scales, dtype)
         report.weights = fc.current_bytes
         report.blocks = len(pipe.dit.transformer_blocks)
         report.block_bytes = _resident_bytes(pipe.dit.transformer_blocks[0])
@@ -144,6 +156,9 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
             request = dataclasses.replace(request, progress=lambda step, total: _section(fc, "denoise_next"))
         with fc.phase("edit"):
             _run_phased(editor, request, fc, marks)
+        report.edits = 1
+        if again:
+            report.edits = edit_again(editor, request, loras, fc, tmp / "switched")
         report.encode_peak, report.denoise_peak, report.decode_peak = (marks.get(k, 0) for k in
                                                                        ("encode", "denoise", "decode"))
         report.kv_cache = marks.get("kv_cache", 0)

@@ -9,6 +9,11 @@ and saved activations); :func:`scaled_verdict` scales it to the whole DiT (the b
 keeps in host memory excepted; with ``--on_the_fly`` the encoders and one encode run in the deeper run only,
 and are added once) and judges the result against ``--gpu_memory_gb`` (default: the visible GPU),
 ``fakegpu/verdict.py``: one line, exit code 2, when it does not fit.
+
+One of the two runs goes on for :data:`GROWTH_STEPS` steps on other samples (the shallower one; with
+``--on_the_fly`` the one that encodes, each step's sample encoded first): device memory still held after the last
+beyond the one before fails the check with the lines that allocated it (``train_growth.py``); the frozen LoRA's
+branches must sit where their layers' weights are.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from .train_batch import batch_shapes
 log = logging.getLogger(__name__)
 
 PREFLIGHT_BLOCKS = 2  # the deeper of the two runs (one block to hand over to the next)
+GROWTH_STEPS = 3  # steps of one run: from the second on the optimizer's state exists, so the third must add nothing
 RESOLUTION = 1024  # a cache's samples are not read before the load; --on_the_fly: its --max_pixels
 
 
@@ -76,11 +82,13 @@ def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
     if t.blocks_to_swap:  # the last of the check's blocks is swapped (the first ones hand over to it)
         depths = (PREFLIGHT_BLOCKS, PREFLIGHT_BLOCKS + 1)
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=1))
-    where = f"one training step on a fake CUDA device, before loading {preset.name}"
+    where = f"training steps on a fake CUDA device, before loading {preset.name}"
     try:
-        # --on_the_fly: the encoders and their encode run once, in the deeper run (the same in both)
-        shallow, deep = (verify_train_step(run_cfg, preset, shapes, num_layers=n, encode=n == depths[1], costs=True)
-                         for n in depths)
+        # --on_the_fly: the encoders and their encode run once, in the deeper run (the same in both), which then
+        # also runs the later steps (each encodes its sample); else the cheaper shallower run does
+        growth = depths[1] if cfg.onthefly.on_the_fly else depths[0]
+        shallow, deep = (verify_train_step(run_cfg, preset, shapes, num_layers=n, encode=n == depths[1], costs=True,
+                                           steps=GROWTH_STEPS if n == growth else 1) for n in depths)
     except FakeRunError as e:
         raise ValueError(f"preflight ({where}): {e}; pass --no_preflight to skip the check") from None
     blocks = full_depth(preset)
@@ -90,8 +98,9 @@ def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
         line = check_memory(verdict)
     except MemoryVerdictError as e:
         raise MemoryVerdictError(f"preflight ({where}): {e}") from None
-    log.info("preflight: one training step of %s (full width) on a fake CUDA device passed in %.1f s; %s",
-             preset.name, shallow.seconds + deep.seconds, line)
+    log.info("preflight: training steps of %s (full width; %d steps on other samples, no memory held beyond the "
+             "step before) on a fake CUDA device passed in %.1f s; %s", preset.name, GROWTH_STEPS,
+             shallow.seconds + deep.seconds, line)
     deep.prediction = predict_train(cfg, preset, shapes, reports=(shallow, deep), depths=depths)
     log.info("preflight: %s", deep.prediction.line(cfg.train.max_steps, cfg.train.gradient_accumulation_steps))
     return deep

@@ -46,6 +46,21 @@ def batch_shapes(resolution: int, ref_images: int, prompt_tokens: int, batch_siz
     return tuple(out)
 
 
+def step_rows(shapes: Sequence[SampleShape], step: int, multiple: int = 16) -> tuple[SampleShape, ...]:
+    """The samples of step ``step`` (0 is the first: ``shapes``): other rows of the data. On odd steps each sample
+    is turned 4:3 the other way (about its pixel count, sides in multiples of ``multiple``) with a prompt 30 %
+    shorter; even steps take ``shapes``' sizes again, so every size a later step takes an earlier one took (a
+    cache per size fills once; one per sample grows)."""
+    if step % 2 == 0:
+        return tuple(shapes)
+
+    def turned(h: int, w: int) -> tuple[int, int]:
+        return _snap(h * 0.866, multiple), _snap(w * 1.155, multiple)
+
+    return tuple(SampleShape(*turned(s.height, s.width), tuple(turned(h, w) for h, w in s.refs),
+                             max(1, int(s.prompt_tokens * 0.7))) for s in shapes)
+
+
 def _snap(x: float, multiple: int = 16) -> int:
     return max(multiple, int(round(x / multiple)) * multiple)
 
@@ -56,8 +71,9 @@ def text_dim(dit: torch.nn.Module) -> int:
 
 
 def fake_batch(shapes: Sequence[SampleShape], family, dim: int, *, lbm: bool, masks: bool,
-               dtype: torch.dtype, pairs: bool = False) -> dict:
-    """A collated batch on the fake device for ``family`` (a ``models.family.Family``)."""
+               dtype: torch.dtype, pairs: bool = False, negatives: bool = False) -> dict:
+    """A collated batch on the fake device for ``family`` (a ``models.family.Family``); ``negatives``: with the
+    empty prompt's embedding (and its extras) a CFG pass reads (``LossSpec.cfg_pass``)."""
     from ..fakegpu.standin21 import slot_mask21
 
     def lat(h: int, w: int, channels: int = family.latent_channels) -> torch.Tensor:
@@ -83,4 +99,11 @@ def fake_batch(shapes: Sequence[SampleShape], family, dim: int, *, lbm: bool, ma
         batch["sub_noise"] = [lat(s.height, s.width) for s in shapes]
     if pairs:  # a preference row's rejected output, at its target's size
         batch["rejected_latents"] = [lat(s.height, s.width) for s in shapes]
+    if negatives:  # the cached empty prompt: the template's tokens around no instruction
+        empty = [max(1, s.prompt_tokens // 2) for s in shapes]
+        if extras is not None:
+            batch["empty_prompt_extras"] = [{"pad": slot_mask21([family.latent_size(h, w) for h, w in s.refs], n)}
+                                            for s, n in zip(shapes, empty)]
+            empty = [len(e["pad"]) for e in batch["empty_prompt_extras"]]
+        batch["empty_prompt_emb"] = [torch.empty(n, dim, device=DEVICE, dtype=dtype) for n in empty]
     return batch

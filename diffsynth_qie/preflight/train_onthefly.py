@@ -35,7 +35,7 @@ def elsewhere(cfg) -> list[str]:
     return out
 
 
-def _row(folder: Path, shape: SampleShape, masked: bool):
+def _row(folder: Path, shape: SampleShape, masked: bool, row_id: str = "check"):
     """One dataset row of ``shape``: grey target and references, a mask when the loss weighs with it."""
     from ..data.rows import EditRow
 
@@ -47,7 +47,7 @@ def _row(folder: Path, shape: SampleShape, masked: bool):
     target = png("target.png", (shape.width, shape.height))
     refs = [png(f"ref{i}.png", (w, h)) for i, (h, w) in enumerate(shape.refs)]
     mask = png("mask.png", (shape.width, shape.height), "L") if masked else None
-    return EditRow(row_id="check", prompts=["edit"], target=target, edit_images=refs, back_mask=mask)
+    return EditRow(row_id=row_id, prompts=["edit"], target=target, edit_images=refs, back_mask=mask)
 
 
 def _store(cfg, preset, pipe, row):
@@ -69,9 +69,31 @@ def _store(cfg, preset, pipe, row):
     return CheckStore()
 
 
+class Encoders:
+    """The on-the-fly encoders on the device and the store that encodes through them, kept beside the steps."""
+
+    def __init__(self, cfg, preset, pipe):
+        self.cfg, self.preset, self.pipe = cfg, preset, pipe
+        self.store = None
+
+    def encode(self, fc, shape: SampleShape) -> None:
+        """Encode the store's next row, of ``shape``, in the phase "on-the-fly encode" (the entry is then dropped,
+        as the loop drops a batch after its step)."""
+        with tempfile.TemporaryDirectory(prefix="qie-check-") as folder:
+            masked = self.cfg.loss.mask_loss_weights is not None
+            row = _row(Path(folder), shape, masked, row_id=f"check{0 if self.store is None else len(self.store.rows)}")
+            if self.store is None:
+                self.store = _store(self.cfg, self.preset, self.pipe, row)
+            else:
+                self.store.rows.append(row)
+            with fc.phase("on-the-fly encode", host_syncs=True):
+                entry = self.store.load(len(self.store.rows) - 1, epoch=0)
+            del entry
+
+
 def encode_once(fc, cfg, preset, family, shape: SampleShape, prompt_tokens: int, dtype: torch.dtype):
     """Build the encoders on the fake device and encode one row of ``shape`` in the phase "on-the-fly encode";
-    returns (the encoder pipeline, kept alive beside the step, its weights' bytes), or (None, 0) when an
+    returns (the :class:`Encoders`, kept alive beside the step, its weights' bytes), or (None, 0) when an
     encoder is placed elsewhere."""
     from ..fakegpu.standin_vl import FakeTokenizer, build_encoders
 
@@ -84,26 +106,23 @@ def encode_once(fc, cfg, preset, family, shape: SampleShape, prompt_tokens: int,
     pipe = family.pipeline_type()(device=DEVICE, torch_dtype=dtype)
     pipe.text_encoder, pipe.vae, pipe.tokenizer = te, vae, FakeTokenizer(prompt_tokens)
     weights = fc.current_bytes - before
-    with tempfile.TemporaryDirectory(prefix="qie-check-") as folder:
-        store = _store(cfg, preset, pipe, _row(Path(folder), shape, cfg.loss.mask_loss_weights is not None))
-        with fc.phase("on-the-fly encode", host_syncs=True):
-            entry = store.load(0, epoch=0)
-        del entry, store
-    return pipe, weights
+    encoders = Encoders(cfg, preset, pipe)
+    encoders.encode(fc, shape)
+    return encoders, weights
 
 
 def on_the_fly(fc, cfg, preset, family, shape: SampleShape, report, encode: bool,
                dtype: torch.dtype = torch.bfloat16):
     """``--on_the_fly``'s encoders and one encode (with ``encode``), recorded in ``report`` (``encoder_weights``,
-    ``encode_transient``, notes); returns the encoder pipeline for the caller to keep until the step is done
-    (None without)."""
+    ``encode_transient``, notes); returns the :class:`Encoders` for the caller to keep until the steps are done
+    (and to encode a later step's sample with), None without."""
     if not (cfg.onthefly.on_the_fly and encode):
         return None
     if elsewhere(cfg):
         report.notes.append(f"--on_the_fly: {', '.join(elsewhere(cfg))}: those encoders are not on the training "
                             "GPU; the encode is not run here")
         return None
-    pipe, report.encoder_weights = encode_once(fc, cfg, preset, family, shape, shape.prompt_tokens, dtype)
+    encoders, report.encoder_weights = encode_once(fc, cfg, preset, family, shape, shape.prompt_tokens, dtype)
     phase = fc.phases[-1]
     report.encode_transient = max(0, phase.peak_bytes - phase.start_bytes)
-    return pipe
+    return encoders

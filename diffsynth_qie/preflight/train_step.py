@@ -17,11 +17,14 @@ dict) and DeepSpeed (the engine needs a process group; ZeRO-2/3 shard what this 
 With ``--on_the_fly`` the family's text encoder and VAE are built on the fake device beside the DiT and one
 sample is encoded through the real on-the-fly path before the step (``train_onthefly.py``); its transient
 counts on top of the step's peak (the encode thread runs beside the step). The batch is
-``train_batch.fake_batch``; ``qie train``'s preflight is ``train.py``.
+``train_batch.fake_batch``; ``qie train``'s preflight is ``train.py``. With ``steps`` > 1 (the preflight) more steps
+follow on other samples, and memory still held after the last beyond the one before is an error
+(``train_growth.py``, which also checks where ``--frozen_lora``'s branches sit).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import tempfile
 import time
@@ -34,6 +37,7 @@ from ..fakegpu.device import FakeCuda, backward
 from .train_batch import DEVICE, SampleShape, batch_shapes, fake_batch, text_dim  # noqa: F401 (public here)
 from .train_extras import (build_ema, compiled, library_host_reads, rollout_state, validate_once,
                             validation_entry)
+from .train_growth import later_steps
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,7 @@ class StepReport:
     verdict: object = None      # the preflight's fakegpu.verdict.MemoryVerdict, scaled to the whole DiT
     costs: object = None        # with costs=True: the step's counted kernels (fakegpu.costs.Profile)
     prediction: object = None   # the preflight's predicted step time (preflight.timing.TimePrediction)
+    steps: int = 1              # optimizer steps run in the session (the preflight: 3, on other samples)
 
     @property
     def peak(self) -> int:
@@ -80,26 +85,28 @@ STEP_SECTIONS = ("forward", "backward", "optimizer step")  # the counted kernels
 
 def verify_train_step(cfg, preset, shapes: Sequence[SampleShape], num_layers: Optional[int] = None,
                       dtype: torch.dtype = torch.bfloat16, encode: bool = True, costs: bool = False,
-                      trace: bool = True) -> StepReport:
+                      steps: int = 1, trace: bool = True) -> StepReport:
     """Run one optimizer step of ``cfg`` (a resolved ``RunConfig``) on ``preset``'s DiT on the fake device.
 
     Raises :class:`~..fakegpu.device.FakeRunError` where a GPU run would fail (a device or dtype
     mismatch) or stall (a host read of a device tensor). ``num_layers`` builds a shallower DiT (tests);
     ``encode=False`` leaves ``--on_the_fly``'s encoders out (the preflight builds them in one of its two runs).
     ``costs``: count each kernel's cost (``report.costs``: sections :data:`STEP_SECTIONS` and validation).
+    ``steps``: optimizer steps to run, each after the first on other samples and not counted; a
+    :class:`~..fakegpu.device.FakeRunError` when the last leaves more device memory held than the one before.
     ``trace=False``: with ``--compile``, the blocks run as compiled ones without being traced (a timing run).
     """
-    from ..lora.frozen import first_blocks_copy
+    from .lora_files import first_blocks_file
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qie-verify-") as tmp:
         if cfg.lora.frozen_lora and num_layers is not None:  # the shallower DiT attaches its first blocks' part
             cfg = dataclasses.replace(cfg, lora=dataclasses.replace(
-                cfg.lora, frozen_lora=str(first_blocks_copy(cfg.lora.frozen_lora, num_layers, tmp))))
-        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs, trace)
+                cfg.lora, frozen_lora=str(first_blocks_file(cfg.lora.frozen_lora, num_layers, tmp))))
+        return _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs, steps, trace)
 
 
-def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs=False,
+def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs=False, steps=1,
                        trace: bool = True) -> StepReport:
     from ..memory.block_swap import BlockSwapper
     from ..memory.census import build_dit
@@ -127,12 +134,18 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
         optimizer = build_optimizer(module.trainable_modules(), cfg.optim)
         if spec.needs_rollouts:  # --loss nft: the VAE and the old policy, as its set-up gives them
             module.loss_extras["nft"] = rollout_state(fc, cfg, preset, family, module, dtype)
+        elif spec.setup is not None and spec.setup_loads_nothing:  # --loss dmd: the fake score's adapter
+            spec.setup(module, cfg, preset, DEVICE, dtype, None)
+            for state in module.loss_extras.values():  # a backward pass of the loss's own (the fake score's step)
+                if hasattr(state, "backward"):
+                    state.backward = backward
         ema = build_ema(cfg, module)  # (built after the optimizer, as qie train builds it)
         encoders = on_the_fly(fc, cfg, preset, family, shapes[0], report, encode, dtype)  # (kept to the end)
         report.weights = fc.current_bytes
         dim = text_dim(module.dit)
         masks = cfg.loss.mask_loss_weights is not None  # the masked samples' path (every sample has a mask)
-        batch = fake_batch(shapes, family, dim, lbm=lbm, masks=masks, dtype=dtype, pairs=spec.preference)
+        batch = fake_batch(shapes, family, dim, lbm=lbm, masks=masks, dtype=dtype, pairs=spec.preference,
+                           negatives=spec.cfg_pass)
         generator = torch.Generator().manual_seed(t.seed)
         with compiled(cfg, module, trace):
             if t.compile and fc.costs is not None:  # inductor fuses the blocks' elementwise work
@@ -158,6 +171,9 @@ def _verify_train_step(cfg, preset, shapes, num_layers, dtype, encode, t0, costs
                 with fc.phase("validation"):
                     validate_once(cfg, preset, module, optimizer, ema, entry)
                 report.validation_peak = fc.phases[-1].peak_bytes
+            report.steps = later_steps(fc, steps, module, optimizer, ema, encoders, shapes, family.size_divisor,
+                                       functools.partial(fake_batch, family=family, dim=dim, lbm=lbm, masks=masks,
+                                                         dtype=dtype, pairs=spec.preference), generator)
         del module, optimizer, dit, ema, encoders
         report.costs = fc.costs.profile if fc.costs is not None else None
     report.seconds = time.perf_counter() - t0

@@ -4,7 +4,7 @@
 that depend on other choices (the optimizer's learning rate, the preset's LoRA targets and ``zero_cond_t``)
 default to ``None`` and are filled in by :meth:`RunConfig.resolved`; nothing is read back from the cache except
 tensors. :attr:`LossConfig.loss` picks a loss from ``losses/registry.py``: its :class:`~.losses.spec.LossSpec`
-carries its capabilities and its own config, held by ``RunConfig.<name>`` (``sft``, ``lbm``, ``dpo``, ``nft``).
+carries its capabilities and its own config, held by ``RunConfig.<name>`` (``sft``, ``lbm``, ``dpo``, ``nft``, ``dmd``).
 The losses import no torch at import time (cheap flags). The flags are checked together, and the defaults that
 depend on other choices filled in, by ``config_checks.py``.
 """
@@ -21,6 +21,7 @@ from ..metrics.judge_spec import VAL_JUDGE_HELP, judge_spec_type
 from ..models.preset_flags import preset_help, preset_list, preset_type
 from ..utils.cli_checks import INT64_MAX
 from ..utils.config_cli import cli_help as _help
+from .losses.dmd import DMDConfig
 from .losses.dpo import DPOConfig
 from .losses.lbm import LBMConfig
 from .losses.nft import NFTConfig
@@ -231,6 +232,7 @@ class RunConfig:
     lbm: LBMConfig = field(default_factory=LBMConfig)  # used with --loss lbm
     dpo: DPOConfig = field(default_factory=DPOConfig)  # used with --loss dpo
     nft: NFTConfig = field(default_factory=NFTConfig)  # used with --loss nft
+    dmd: DMDConfig = field(default_factory=DMDConfig)  # used with --loss dmd
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # how --val_judge and --reward_judge are asked
     onthefly: OnTheFlyConfig = field(default_factory=OnTheFlyConfig)  # --on_the_fly, with the two below
     dataset: DatasetConfig = field(default_factory=DatasetConfig)

@@ -53,6 +53,8 @@ def resolve(cfg, preset=None):
     if lora.lora_alpha is None:
         lora = dataclasses.replace(lora, lora_alpha=float(lora.lora_rank))
     optim = cfg.optim
+    if loss_spec(cfg.loss.loss).resolve is not None:  # what the loss decides for the other areas (dmd: the teacher)
+        lora = loss_spec(cfg.loss.loss).resolve(dataclasses.replace(cfg, lora=lora)).lora
     if optim.optimizer is None:  # the loss's own default (LBM: ProdigyPlusScheduleFree)
         optim = dataclasses.replace(optim, optimizer=loss_spec(cfg.loss.loss).default_optimizer)
     return dataclasses.replace(cfg, train=train, lora=lora, optim=optim.resolved(), sampling=sampling)

@@ -149,6 +149,7 @@ class CacheDataset(torch.utils.data.Dataset):
             "prompt_text": prompt_text(part.store, store_index, prompt_index),  # (a reward's instruction)
             "prompt_extras": entry.extras_of(prompt_index),  # the family's prompt tensors (Family.prompt_tensors)
             "empty_prompt_emb": entry.empty_prompt_emb,
+            "empty_prompt_extras": entry.extras_of(-1),  # (a CFG pass's negative: --loss dmd's teacher)
             "target_latents": entry.target_latents,
             "edit_latents": list(entry.edit_latents),
             "back_mask": entry.back_mask,

@@ -38,6 +38,7 @@ from typing import Callable, Optional
 import torch
 
 from .config import RunConfig
+from .losses.registry import loss_spec
 from .run_setup import Run, setup
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,9 @@ def run_loop(run: Run, hooks: Hooks) -> TrainResult:
             from .exports import write_exports
 
             write_exports(run.cfg, result.lora_path)
+        finish = loss_spec(run.cfg.loss.loss).finish
+        if finish is not None and acc.is_main_process:  # the loss's own files beside it (dmd: --merge_teacher)
+            finish(run.cfg, result.lora_path)
         if run.ema is not None:  # lora_ema.safetensors beside it
             run.ema.save(acc, run.module, t.output_dir, {"step": state.step})
         elif acc.is_main_process:  # (an earlier run's average is not this LoRA's)

@@ -190,7 +190,14 @@ class QIETrainingModule(DiffusionTrainingModule):
 
     @property
     def frozen_schedule(self):
-        """The schedule validation samples with when it is not the model's own: the frozen LoRA's declared one."""
+        """The schedule validation samples with when it is not the model's own: the loss's own (``--loss dmd``: the
+        student's), else the frozen LoRA's declared one."""
+        from ..models.presets import PRESETS, family_of
+        from .losses.registry import loss_spec
+
+        spec = loss_spec(self.config.loss.loss)
+        if spec.schedule is not None and self.preset_name in PRESETS:
+            return spec.schedule(self.config, family_of(self.preset_name).name)
         return None if self.frozen is None else self.frozen.schedule
 
     def lora_metadata(self) -> dict:
@@ -207,8 +214,9 @@ class QIETrainingModule(DiffusionTrainingModule):
         return {**meta, **(schedule.to_metadata() if schedule is not None else {})}
 
     def declared_schedule(self):
-        """The schedule this run's LoRA declares (``models/samplers/declared.py``): the frozen LoRA's, or a
-        fixed-grid preset's (2.1-turbo) at CFG 1; None for the model's own schedule (nothing to declare)."""
+        """The schedule this run's LoRA declares (``models/samplers/declared.py``): the loss's own (``--loss dmd``:
+        the student's), the frozen LoRA's, or a fixed-grid preset's (2.1-turbo) at CFG 1; None for the model's own
+        schedule (nothing to declare)."""
         from ..models.presets import PRESETS
         from ..models.samplers.declared import DeclaredSchedule
 

@@ -189,6 +189,8 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
         check_fp8_gpu(accelerator.device)
     check_block_swap(cfg, ds_config)  # all before the (long) load
     check_checkpoint_policy(t)
+    if loss_spec(cfg.loss.loss).check_launch is not None:  # the loss's own refusals of the launch (dmd: ZeRO-3)
+        loss_spec(cfg.loss.loss).check_launch(cfg, ds_config)
     if preflight is not None and not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:
         preflight(cfg, preset)  # seconds on a fake device, before a 41 GB load
         set_seed(t.seed)

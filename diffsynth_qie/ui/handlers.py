@@ -43,6 +43,18 @@ if TYPE_CHECKING:  # heavy imports (torch, diffsynth) stay out of `app_gradio.py
 log = logging.getLogger(__name__)
 
 
+def check_branches(editor) -> None:
+    """After a LoRA switch: every unmerged branch must sit where its layer's weight is (one on the host while the
+    weight is on the GPU is copied at every forward, or fails; ``qie edit``'s preflight checks the same switch on
+    the fake device). A ``RuntimeError`` (a bug, not the user's) before the edit runs."""
+    from ..lora.branch import misplaced_branch
+
+    dit = getattr(getattr(editor, "pipe", None), "dit", None)
+    line = misplaced_branch(dit, "Editor.set_loras") if dit is not None else None
+    if line is not None:
+        raise RuntimeError(line)
+
+
 class UIHandlers(ModelHolder, TabSessions, LoraChoices):
     """State behind one UI: the lazily loaded :class:`Editor` (``ui/model_holder.py``), each tab's files and Stop
     (``ui/sessions.py``) and the LoRA folder (``ui/lora_state.py``).
@@ -127,6 +139,7 @@ class UIHandlers(ModelHolder, TabSessions, LoraChoices):
             editor = self.editor()
             self.check_model_fit(job)
             editor.set_loras(job.loras)
+            check_branches(editor)
             t0 = time.perf_counter()
             self.where = Where(total=len(job.seeds), steps=s.lbm_steps if lbm else s.steps)
             try:

@@ -1,5 +1,6 @@
 """No false alarms: every ``qie edit`` example of the README passes its preflight with its real preset and flags
-(its files stood in by blank images and LoRA headers of the real ranks), the memory verdict on an 80 GB GPU."""
+(its files stood in by blank images and LoRA files shaped as real ones of the preset: two full-width blocks' keys at
+rank 32, read and attached by the LoRA manager, then switched), the memory verdict on an 80 GB GPU."""
 from __future__ import annotations
 
 import re
@@ -7,7 +8,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-import torch
 from PIL import Image
 
 from edit_planting import qwen21_verified
@@ -31,9 +31,12 @@ class Loaded(Exception):
 
 
 def stand_in_files(argv: list[str], tmp: Path) -> list[str]:
-    """``argv`` with its files made in ``tmp``: a 1024x768 image, a mask, a rank-32 LoRA header, outputs."""
-    from safetensors.torch import save_file
+    """``argv`` with its files made in ``tmp``: a 1024x768 image, a mask, a rank-32 LoRA of the ``--model`` preset
+    shaped as a real one (its first two blocks: what the preflight attaches), outputs."""
+    from diffsynth_qie.models.presets import get_preset
+    from diffsynth_qie.preflight.lora_files import standin_lora_file
 
+    model = argv[argv.index("--model") + 1] if "--model" in argv else "tiny"
     out, flags = [], iter(argv)
     for word in flags:
         out.append(word)
@@ -44,7 +47,7 @@ def stand_in_files(argv: list[str], tmp: Path) -> list[str]:
             elif word == "--mask":
                 Image.new("L", (1024, 768), 255).save(path)
             elif word == "--lora":
-                save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(32, 8)}, str(path))
+                standin_lora_file(get_preset(model), path, rank=32, blocks=2)
             out.append(str(path))
     return out
 

@@ -57,7 +57,11 @@ def flow_match_scheduler(steps: int, image_tokens: int, strength: float = 1.0,
                          sigmas: Optional[Sequence[float]] = None):
     """DiffSynth's Qwen-Image scheduler as the pipelines set it up: shifted by the image's token count
     (``dynamic_shift_len``: each family counts its own tokens), ``strength`` < 1 its ``denoising_strength``; or a
-    fixed grid of ``sigmas`` (DiffSynth applies no shift to a grid)."""
+    fixed grid of ``sigmas`` (DiffSynth applies no shift to a grid).
+
+    One step: DiffSynth stretches the shifted grid so that its last σ is 0.02 (``shift_terminal``), dividing by
+    1 − σ_last, which is 0 for a one-step grid (σ = NaN, an empty edit). A one-step edit starts where the two-step
+    schedule starts (σ = 1 at full strength) and jumps to 0."""
     from diffsynth.diffusion import FlowMatchScheduler
 
     if steps < 1:
@@ -71,7 +75,9 @@ def flow_match_scheduler(steps: int, image_tokens: int, strength: float = 1.0,
     if sigmas is not None:
         scheduler.set_timesteps(steps, sigmas=list(sigmas))
         return scheduler
-    scheduler.set_timesteps(steps, denoising_strength=strength, dynamic_shift_len=image_tokens)
+    scheduler.set_timesteps(max(steps, 2), denoising_strength=strength, dynamic_shift_len=image_tokens)
+    if steps == 1:
+        scheduler.set_timesteps(1, sigmas=[float(scheduler.sigmas[0])])
     return scheduler
 
 

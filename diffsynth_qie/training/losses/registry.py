@@ -7,10 +7,10 @@ Torch-free at import (the losses import torch when called).
 """
 from __future__ import annotations
 
-from . import dpo, lbm, nft, sft
+from . import dmd, dpo, lbm, nft, sft
 from .spec import LossSpec
 
-LOSSES: dict[str, LossSpec] = {spec.name: spec for spec in (sft.SPEC, lbm.SPEC, dpo.SPEC, nft.SPEC)}
+LOSSES: dict[str, LossSpec] = {spec.name: spec for spec in (sft.SPEC, lbm.SPEC, dpo.SPEC, nft.SPEC, dmd.SPEC)}
 
 
 def register(spec: LossSpec) -> LossSpec:

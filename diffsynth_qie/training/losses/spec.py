@@ -41,6 +41,20 @@ class LossSpec:
     #                                                   the DiT loads: ValueError naming the rows and the fix
     setup: Optional[Callable[..., None]] = None  # setup(module, cfg, preset, device, dtype, ds_config) after the
     #                                              module is built (e.g. LBM's pixel critic); None: nothing
+    cfg_pass: bool = False                # runs a CFG pass with the cached empty prompt (dmd's teacher): qie plan
+    #                                       counts it, the fake-device batch carries the negative
+    distills: bool = False                # distils a frozen teacher LoRA with a second adapter (the fake score) and
+    #                                       its own optimizer: qie plan counts them (memory/plan_distill.py)
+    stand_in: Optional[Callable[..., Any]] = None  # stand_in(run_config, preset, blocks, folder) -> run_config:
+    #                                                what qie plan --verify gives the loss in place of its files
+    setup_loads_nothing: bool = False     # its setup reads no file: the fake-device verify runs it as is
+    resolve: Optional[Callable[..., Any]] = None  # resolve(run_config) -> run_config: values the loss decides for
+    #                                               the other areas (--loss dmd: its teacher as the frozen LoRA)
+    check_launch: Optional[Callable[..., None]] = None  # check_launch(run_config, ds_config) before the DiT loads
+    finish: Optional[Callable[..., None]] = None  # finish(run_config, lora_path) on the main process once the final
+    #                                              LoRA is written (--loss dmd --merge_teacher: the stacked file)
+    schedule: Optional[Callable[..., Any]] = None  # schedule(run_config, family) -> the DeclaredSchedule the
+    #                                                trained LoRA declares (--loss dmd: the student's), or None
 
     def __post_init__(self):
         if not self.name or not self.name.replace("_", "").isalnum():
