@@ -278,3 +278,16 @@ def test_qie_plan_counts_the_teacher_the_fake_score_and_its_step():
     assert extra["fake score LoRA + its AdamW state (fp32)"] == 12 * n
     assert extra["fake score gradients (its own step)"] == 4 * n
     assert sum(dmd.gpu.values()) - sum(sft.gpu.values()) == sum(extra.values())
+
+
+def test_export_lora_states_the_students_schedule_in_its_log(tmp_path, capfd):
+    from diffsynth_qie.cli import main
+
+    schedule = {"version": 1, "steps": 2, "cfg": 1.0, "sigmas": [1.0, 0.5]}
+    student = _teacher(tmp_path / "student.safetensors", schedule=schedule)
+    assert main(["export-lora", "--format", "comfyui", str(student), str(tmp_path / "out.safetensors")]) == 0
+    err = capfd.readouterr().err
+    assert "declares its sampling schedule (its metadata): 2 sigmas 1, 0.5, CFG 1. comfyui does not read it" in err, err
+    assert main(["export-lora", "--format", "comfyui", str(_teacher(tmp_path / "task.safetensors")),
+                 str(tmp_path / "out2.safetensors")]) == 0
+    assert "declares its sampling schedule" not in capfd.readouterr().err

@@ -41,4 +41,16 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.out_path, "OUT")
     export_lora(args.in_path, args.out_path, args.fmt, drop_full_weights=args.drop_full_weights,
                 drop_unsupported=args.drop_unsupported)
+    log_schedule(args.in_path, args.fmt)
     return 0
+
+
+def log_schedule(in_path: str, fmt: str) -> None:
+    """Say the sampling schedule the LoRA declares (a few-step LoRA of ``qie train --loss dmd``, a Lightning
+    line): our tools read it from the file's metadata, the runtimes do not, so their user sets it by hand."""
+    from ..models.samplers.declared import declared_schedule
+
+    schedule, where = declared_schedule(in_path)
+    if schedule is not None:
+        log.info("%s declares its sampling schedule (%s): %s. %s does not read it from the file: sample with these "
+                 "steps, CFG and sigmas there", in_path, where, schedule.describe(), fmt)
