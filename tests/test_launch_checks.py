@@ -13,10 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(tmp_path: Path, gpus: int, cwd: Path, stub_py: bool = True, **env_extra: str):
-    """Source the launcher library with `accelerate` (and the Python entry point) replaced by stubs that
-    print their arguments; returns the finished process."""
-    py = "echo" if stub_py else sys.executable
+def launch(tmp_path: Path, gpus: int, cwd: Path, stub_py: bool = True, py: str = sys.executable, **env_extra: str):
+    """Source the launcher library with `accelerate` (and, with ``stub_py``, the Python entry point ``py``)
+    replaced by stubs that print their arguments; returns the finished process."""
+    py = "echo" if stub_py else py
     text = f'''
 set -euo pipefail
 source "{ROOT}/scripts/launch_lib.sh"
@@ -70,12 +70,14 @@ def test_a_driver_too_old_for_torch_stops_with_the_fix(tmp_path):
     assert "accelerate" not in proc.stdout and "train" not in proc.stdout  # nothing launched
 
 
-def test_the_planner_picks_the_multi_gpu_default(tmp_path, capsys):
-    """The launcher runs `qie plan --distribution` (for real) and launches the config file it names: ZeRO-3 on
-    24 GiB GPUs. On 80 GiB GPUs the same command (in this process) names ZeRO-2."""
+def test_the_planner_picks_the_multi_gpu_default(tmp_path, capsys, warm_venv):
+    """The launcher runs `qie plan --distribution` (for real, in an already imported python: tests/warm_python.py)
+    and launches the config file it names: ZeRO-3 on 24 GiB GPUs. On 80 GiB GPUs the same command (in this
+    process) names ZeRO-2."""
     from diffsynth_qie.cli import main
 
-    proc = launch(tmp_path, 8, cwd=tmp_path, stub_py=False, DATASET_METADATA="m.json", QIE_GPU_MEMORY_GB="24")
+    proc = launch(tmp_path, 8, cwd=tmp_path, stub_py=False, py=str(warm_venv / "bin" / "python"),
+                  DATASET_METADATA="m.json", QIE_GPU_MEMORY_GB="24")
     assert proc.returncode == 0, proc.stderr
     assert f"--config_file {ROOT}/deepspeed_configs/zero3.yaml" in proc.stdout
     assert "ZeRO-3: the unsharded run needs" in proc.stderr

@@ -2,7 +2,8 @@
 
 Each script runs phase 1 (`qie cache`), phase 2 (`qie train`) and the after-training
 `qie edit` with the new LoRA, exactly as a user runs it, shortened by extra `qie train`
-flags (the scripts pass their arguments to phase 2 last, so they win).
+flags (the scripts pass their arguments to phase 2 last, so they win). Their Python
+processes start already imported (the `warm_venv` fixture, tests/warm_python.py).
 """
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--max_steps", "2", "--gradient_accumulation_steps", "1", "--save_every", "1", "--validate_every", "0"]
 
 
-def run_script(script: str, tmp_path: Path, demo_data_dir: Path, *args: str, **env_extra: str) -> Path:
+def run_script(script: str, tmp_path: Path, demo_data_dir: Path, venv: Path, *args: str, **env_extra: str) -> Path:
     out = tmp_path / "run"
     env = dict(os.environ, QIE_SKIP_SETUP="1", OUTPUT_DIR=str(out), CACHE_DIR=str(tmp_path / "cache"),
                DATASET_METADATA=str(Path(demo_data_dir) / "metadata.json"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               QIE_VENV=str(Path(sys.executable).parent.parent), **env_extra)
+               QIE_VENV=str(venv), **env_extra)
     env.pop("DS_CONFIG", None)
     proc = subprocess.run(["bash", str(ROOT / script), *SHORT, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -53,14 +54,14 @@ def check_common(out: Path, zero_cond_t: bool, loss: str) -> dict:
 
 
 @pytest.mark.slow
-def test_2511_script_trains_a_lora_with_zero_cond_t(tmp_path, demo_data_dir):
-    out = run_script("Qwen-Image-Edit-2511.sh", tmp_path, demo_data_dir)
+def test_2511_script_trains_a_lora_with_zero_cond_t(tmp_path, demo_data_dir, warm_venv):
+    out = run_script("Qwen-Image-Edit-2511.sh", tmp_path, demo_data_dir, warm_venv)
     check_common(out, zero_cond_t=True, loss="sft")
 
 
 @pytest.mark.slow
-def test_lbm_script_trains_and_writes_main_and_sub_images(tmp_path, demo_data_dir):
-    out = run_script("Qwen-Image-Edit-LBM.sh", tmp_path, demo_data_dir)
+def test_lbm_script_trains_and_writes_main_and_sub_images(tmp_path, demo_data_dir, warm_venv):
+    out = run_script("Qwen-Image-Edit-LBM.sh", tmp_path, demo_data_dir, warm_venv)
     check_common(out, zero_cond_t=True, loss="lbm")
     assert Image.open(out / "after_sub.png").size == Image.open(out / "after.png").size
 

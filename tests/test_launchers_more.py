@@ -48,16 +48,16 @@ source "{tmp_path}/s.sh"
 
 
 @pytest.mark.slow
-def test_21_lbm_script_trains_and_writes_main_and_sub_images(tmp_path, demo_data_dir):
-    out = run_script("Qwen-Image-2.1-LBM.sh", tmp_path, demo_data_dir)
+def test_21_lbm_script_trains_and_writes_main_and_sub_images(tmp_path, demo_data_dir, warm_venv):
+    out = run_script("Qwen-Image-2.1-LBM.sh", tmp_path, demo_data_dir, warm_venv)
     check_common(out, zero_cond_t=False, loss="lbm")
     assert Image.open(out / "after_sub.png").size == Image.open(out / "after.png").size
 
 
 @pytest.mark.slow
-def test_reward_script_trains_an_nft_lora(tmp_path, demo_data_dir):
+def test_reward_script_trains_an_nft_lora(tmp_path, demo_data_dir, warm_venv):
     # two rollouts of two steps per source: the launcher's wiring, not the demo's learning (test_nft.py)
-    out = run_script("Qwen-Image-Edit-Reward.sh", tmp_path, demo_data_dir, "--nft_group_size", "2",
+    out = run_script("Qwen-Image-Edit-Reward.sh", tmp_path, demo_data_dir, warm_venv, "--nft_group_size", "2",
                      "--nft_rollout_steps", "2")
     meta = check_common(out, zero_cond_t=True, loss="nft")
     assert meta  # the LoRA records its run
