@@ -9,8 +9,9 @@ runs the module or code as ``python`` would (``__main__``, ``sys.argv``, exit st
 Anything else (a script path, other interpreter flags) runs the real interpreter.
 
 What a fresh interpreter does and a fork would not, the child does: the caller's environment, directory and
-streams, Python's default logging and warning settings, no accelerate state, no exit handlers of the test process,
-freshly seeded random generators, default signal handlers.
+streams, Python's default logging, warning and exception hooks, no accelerate state, no exit handlers of the test
+process, freshly seeded random generators, default signal handlers. One difference remains: a run that ends
+without returning to Python (``os._exit``, a crash) exits with status 1 here, whatever its own status.
 """
 from __future__ import annotations
 
@@ -72,10 +73,15 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
 def _as_fresh_interpreter() -> None:
     """Once in the server: what the test process set up that a new interpreter would not have."""
     import atexit
+    import faulthandler
     import logging
+    import threading
     import warnings
 
     atexit._clear()  # the test process's exit handlers are not the child's
+    faulthandler.disable()  # pytest's writes to the test process's stderr
+    sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__
+    threading.excepthook = threading.__excepthook__
     root = logging.getLogger()
     root.handlers.clear()
     root.setLevel(logging.WARNING)
