@@ -144,7 +144,9 @@ def partial_variant(census, o, budget: float):
     if not o.gradient_checkpointing or o.checkpoint_blocks is not None or o.blocks_to_swap:
         return None
     n, _ = fewest_fitting(census, o, budget)
-    return None if n is None or n >= census.num_layers else dataclasses.replace(o, checkpoint_blocks=n)
+    if n is None or n >= census.num_layers:
+        return None  # (no block checkpointed: no policy, so one set for both)
+    return dataclasses.replace(o, checkpoint_blocks=n, checkpoint_policy=o.checkpoint_policy if n else "full")
 
 
 def fitting_options(census, base, budget: float) -> list:

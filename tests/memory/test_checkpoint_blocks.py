@@ -162,3 +162,14 @@ def test_the_flag_parses_a_count_or_auto():
         == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(base + ["--checkpoint_blocks", "-1"])
+
+
+def test_qie_plan_takes_the_count_and_auto(capfd, real):
+    from diffsynth_qie.cli import main
+    from diffsynth_qie.training.checkpoint_auto import fewest_fitting
+
+    assert main(["plan", "--checkpoint_blocks", "auto", "--gpu_memory_gb", "80", "--no_time"]) == 0
+    text = "".join(capfd.readouterr())
+    n, plan = fewest_fitting(real, PlanOptions(gradient_checkpointing=True), 80 * GiB)
+    assert f"auto: {n} of 60 blocks checkpointed, planned peak {plan.gpu_peak / GiB:.1f} GiB of 80.0 GiB" in text
+    assert f"activations ({n} of 60 blocks checkpointed)" in text and f"--checkpoint_blocks {n}" in text
