@@ -8,7 +8,8 @@ and holds the same, so the difference of the two peaks is one block's share (its
 and saved activations); :func:`scaled_verdict` scales it to the whole DiT (the blocks ``--blocks_to_swap``
 keeps in host memory excepted; with ``--on_the_fly`` the encoders and one encode run in the deeper run only,
 and are added once) and judges the result against ``--gpu_memory_gb`` (default: the visible GPU),
-``fakegpu/verdict.py``: one line, exit code 2, when it does not fit.
+``fakegpu/verdict.py``: one line, exit code 2, when it does not fit. With ``--checkpoint_blocks N`` (0 < N < L) a
+third run gives a plain block's share beside a checkpointed one's, mixed to N of L (``train_partial.py``).
 
 One of the two runs goes on for :data:`GROWTH_STEPS` steps on other samples (the shallower one; with
 ``--on_the_fly`` the one that encodes, each step's sample encoded first): device memory still held after the last
