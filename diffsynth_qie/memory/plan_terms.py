@@ -36,7 +36,8 @@ AUTOCAST_CALIBRATION = {"K_BLOCK": 40.05, "K_OUTSIDE": 19.75, "K_BOUNDARY": 1.0,
 # so a real step is predicted within +2 %/-0 % instead of +1 %/-5 %; the pure step takes the same factor until
 # it is measured. A partly checkpointed step (``--checkpoint_blocks``) takes it at its first recompute, not at the
 # start of its backward, which is a plain step's moment (unmeasured on a GPU, so unscaled as the plain step is: the
-# peak then falls with every block checkpointed, up to all but one). Without checkpointing our step ran out of 139 GiB (the plan: 160 GiB).
+# peak then falls with every block checkpointed, up to all but one). Without checkpointing our step ran out of
+# 139 GiB (the plan: 160 GiB).
 GPU_CHECKPOINTED_ACTIVATION_SCALE = 1.07
 # The VAE's working set while encoding a reference or decoding the result, bytes per output pixel (bf16).
 VAE_BYTES_PER_PIXEL = 1357

@@ -94,7 +94,10 @@ def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
                                  steps=GROWTH_STEPS if n == growth and grows else 1)
 
     try:
-        runs = run_three(run_cfg, depths, step) if partial else dict(zip(("c1", "c2"), (step(run_cfg, n) for n in depths)))
+        if partial:
+            runs = run_three(run_cfg, depths, step)
+        else:  # (the shallower and the deeper run)
+            runs = dict(zip(("c1", "c2"), (step(run_cfg, n) for n in depths)))
     except FakeRunError as e:
         raise ValueError(f"preflight ({where}): {e}; pass --no_preflight to skip the check") from None
     shallow, deep = runs["c1"], runs["m2" if partial else "c2"]
