@@ -173,3 +173,30 @@ def test_qie_plan_takes_the_count_and_auto(capfd, real):
     n, plan = fewest_fitting(real, PlanOptions(gradient_checkpointing=True), 80 * GiB)
     assert f"auto: {n} of 60 blocks checkpointed, planned peak {plan.gpu_peak / GiB:.1f} GiB of 80.0 GiB" in text
     assert f"activations ({n} of 60 blocks checkpointed)" in text and f"--checkpoint_blocks {n}" in text
+
+
+def test_the_blocks_checkpoint_as_counted_with_either_policy_and_compiled(monkeypatch):
+    """prepare_blocks: the default (full, eager, every block) stays DiffSynth's checkpoint around each block; a count
+    makes the first N blocks checkpoint themselves, with the policy, inside the compiled region with --compile."""
+    import torch
+
+    from diffsynth_qie.models.load import compile as compile_mod
+    from diffsynth_qie.models.load.block_checkpoint import owns_checkpointing
+    from diffsynth_qie.tiny.build import DIT_SIZES, TinyQwenImageDiT
+    from diffsynth_qie.training.block_setup import prepare_blocks
+
+    calls = []
+    monkeypatch.setattr(compile_mod, "compile_blocks", lambda dit, **kw: calls.append(kw))
+
+    def prepared(**train):
+        with torch.device("meta"):
+            dit = TinyQwenImageDiT(**{**DIT_SIZES, "num_layers": 3})
+        prepare_blocks(dit, run_config(**train).train)
+        return dit
+
+    assert not owns_checkpointing(prepared())  # unchanged default
+    assert owns_checkpointing(prepared(checkpoint_blocks=2))
+    prepared(checkpoint_blocks=1, compile=True, checkpoint_policy="selective")
+    prepared(checkpoint_blocks=0, compile=True)
+    assert calls == [{"backend": "inductor", "checkpointed": [True, False, False], "policy": "selective"},
+                     {"backend": "inductor", "checkpointed": [False, False, False], "policy": "full"}]
