@@ -20,7 +20,8 @@ log = logging.getLogger("fit_plan")
 GiB = 1024 ** 3
 
 
-def step_case(depth: int, checkpointing: bool, rank: int = 32, precision: str = "auto"):
+def step_case(depth: int, checkpointing: bool, rank: int = 32, precision: str = "auto", checkpoint_blocks=None,
+              policy: str = "full"):
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.training.config import RunConfig
     from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
@@ -29,7 +30,8 @@ def step_case(depth: int, checkpointing: bool, rank: int = 32, precision: str = 
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, model="2511", cache_dir="-", output_dir="-",
                                                              gradient_checkpointing=checkpointing,
-                                                             compute_precision=precision),
+                                                             compute_precision=precision, checkpoint_policy=policy,
+                                                             checkpoint_blocks=checkpoint_blocks),
                               lora=dataclasses.replace(cfg.lora, lora_rank=rank))
     return verify_train_step(cfg.resolved(preset), preset, batch_shapes(1024, 1, 300, 1), num_layers=depth)
 
@@ -42,10 +44,15 @@ def main() -> None:
     parser.add_argument("--skip_full", action="store_true", help="skip the 60-block check (about a minute)")
     parser.add_argument("--compute_precision", default="auto", choices=("auto", "pure", "autocast"),
                         help="the training step's --compute_precision (auto: pure bf16, the default)")
+    parser.add_argument("--partial", action="store_true",
+                        help="only check --checkpoint_blocks N: 4 blocks with N = 0..4, full and selective, against "
+                             "the plan (K_FIRST_PLAIN is the plain first block's deficit it measures)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     census = preset_census("2511", with_encoders=False)
     options = PlanOptions(lora_rank=32, compute_precision=args.compute_precision)
+    if args.partial:
+        return partial(options, args.compute_precision)
     tokens_width = options.tokens * census.dim * options.dtype_bytes
     lora_per_token = census.lora_token_targets * options.lora_rank / census.dim
     fitted = {}
@@ -85,6 +92,21 @@ def main() -> None:
     log.info("60 blocks, checkpointing: fake-device steady peak %.2f GiB, plan %.2f GiB (without the CUDA "
              "context), %+.1f %%; plan activations %.2f GiB", r.peak / GiB, predicted / GiB,
              100 * (predicted / r.peak - 1), activation_bytes(census, plan.options) / GiB)
+
+
+def partial(options, precision: str) -> None:
+    """4 full-width blocks with the first N checkpointed: the fake-device steady peak beside the plan's."""
+    from diffsynth_qie.memory.census import preset_census
+    from diffsynth_qie.memory.plan import predict
+
+    census = preset_census("2511", with_encoders=False, num_layers=4)
+    for policy in ("full", "selective"):
+        for n in range(0 if policy == "full" else 1, 5):  # (N = 0 has no policy)
+            r = step_case(4, True, precision=precision, checkpoint_blocks=n, policy=policy)
+            o = dataclasses.replace(options, gradient_checkpointing=True, checkpoint_blocks=n, checkpoint_policy=policy)
+            planned = predict(census, o).gpu_peak - o.overhead_bytes
+            log.info("%-9s %d of 4 checkpointed: fake-device steady peak %.3f GiB, plan %.3f GiB (%+.1f %%)", policy,
+                     n, r.peak / GiB, planned / GiB, 100 * (planned / r.peak - 1))
 
 
 if __name__ == "__main__":

@@ -145,13 +145,11 @@ def test_checkpoint_inside_the_compiled_blocks_keeps_the_numbers_and_one_graph()
     assert counts == {"graphs": 1, "recompiles": 0}, counts
 
 
-def test_selective_policy_keeps_the_gemms_and_gives_the_full_checkpoints_gradients():
-    """Eager, without compiling: the selective policy's backward recomputes no large GEMM and no attention (the full
-    policy recomputes every one), and its gradients equal the full checkpoint's bit for bit."""
+def _kept_counter():
+    """A dispatch mode counting the operators the selective policy keeps (large GEMMs, attention) as they run."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from diffsynth_qie.models.load.block_checkpoint import kept, own_checkpointing
-    from diffsynth_qie.models.qwen_image_edit.edit_ops import EditOps
+    from diffsynth_qie.models.load.block_checkpoint import kept
 
     class Kept(TorchDispatchMode):
         count = 0
@@ -160,6 +158,16 @@ def test_selective_policy_keeps_the_gemms_and_gives_the_full_checkpoints_gradien
             self.count += kept(func, args)
             return func(*args, **(kwargs or {}))
 
+    return Kept
+
+
+def test_selective_policy_keeps_the_gemms_and_gives_the_full_checkpoints_gradients():
+    """Eager, without compiling: the selective policy's backward recomputes no large GEMM and no attention (the full
+    policy recomputes every one), and its gradients equal the full checkpoint's bit for bit."""
+    from diffsynth_qie.models.load.block_checkpoint import own_checkpointing
+    from diffsynth_qie.models.qwen_image_edit.edit_ops import EditOps
+
+    Kept = _kept_counter()
     torch.manual_seed(0)
     base = _lora_like(TinyQwenImageDiT(**{**DIT_SIZES, "num_layers": 2}))
     g = torch.Generator().manual_seed(3)
@@ -175,6 +183,31 @@ def test_selective_policy_keeps_the_gemms_and_gives_the_full_checkpoints_gradien
         results[policy] = (mode.count, model.transformer_blocks[0].img_mlp.net[2].weight.grad)
     assert results["full"][0] > 0 and results["selective"][0] == 0
     assert torch.equal(results["full"][1], results["selective"][1])
+
+
+def test_partly_checkpointed_blocks_give_the_fully_checkpointed_gradients_and_recompute_only_theirs():
+    """--checkpoint_blocks: eager, the first of two blocks checkpointed gives the gradients of both checkpointed (and
+    of none) bit for bit, for every trainable weight; only the checkpointed block's forward runs again in backward."""
+    from diffsynth_qie.models.load.block_checkpoint import own_checkpointing, spread
+    from diffsynth_qie.models.qwen_image_edit.edit_ops import EditOps
+
+    Gemms = _kept_counter()
+    torch.manual_seed(0)
+    base = _lora_like(TinyQwenImageDiT(**{**DIT_SIZES, "num_layers": 2}))
+    g = torch.Generator().manual_seed(5)
+    x, emb = torch.randn(16, 8, 8, generator=g), torch.randn(7, DIT_SIZES["text_dim"], generator=g)
+    results = {}
+    for count in (0, 1, 2):
+        model = copy.deepcopy(base)
+        assert own_checkpointing(model, spread(count, 2), "full") == count
+        out = EditOps().forward(model, [x], torch.tensor([300.0]), [emb], [[x]], zero_cond_t=True,
+                                use_gradient_checkpointing=True)
+        with Gemms() as mode:
+            out[0].square().sum().backward()
+        results[count] = (mode.count, [b.img_mlp.net[2].weight.grad for b in model.transformer_blocks])
+    assert results[0][0] == 0 < results[1][0] and results[2][0] == 2 * results[1][0]
+    for count in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(results[count][1], results[2][1]))
 
 
 def test_fp8_compute_runs_inside_the_compiled_selectively_checkpointed_blocks():

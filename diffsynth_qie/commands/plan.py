@@ -14,6 +14,7 @@ import dataclasses
 import logging
 
 from ..models.preset_flags import preset_help, preset_type
+from ..training.block_setup import checkpoint_blocks_type
 from ..training.losses.registry import loss_names, loss_spec
 from ..utils.cli_checks import checked
 from .plan_time import gpu_choice
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint_policy", default="full", choices=("full", "selective"),
                         help="train: qie train --checkpoint_policy (selective keeps the GEMM and attention outputs: "
                              "more memory, less recompute)")
+    parser.add_argument("--checkpoint_blocks", type=checkpoint_blocks_type, default=None, metavar="N|auto",
+                        help="train: qie train --checkpoint_blocks (the first N blocks recompute, the others keep "
+                             "everything; auto: the fewest that fit --gpu_memory_gb / --gpu); default: all")
     parser.add_argument("--compile", action="store_true",
                         help="train: qie train --compile (the time model fuses the blocks' elementwise kernels; "
                              "--verify compiles them with the eager backend)")
@@ -123,7 +127,7 @@ def run(args) -> int:
     if not family.fullsize_verify:
         log.warning("%s: weights, LoRA and optimizer state are counted exactly; activations use the constants "
                     "fitted on Qwen-Image-Edit's blocks, an estimate for this family", family.label)
-    base = options_of(args)
+    base = auto_blocks(census, options_of(args), args)
     log.info("DiT: %.3f B parameters, %d blocks of %.3f B, width %d; LoRA rank %d: %.1f M parameters",
              census.params / 1e9, census.num_layers, census.block_params / 1e9, census.dim,
              base.lora_rank, census.lora_params(base.lora_rank) / 1e6)
@@ -166,6 +170,7 @@ def options_of(args):
                        prompt_tokens=args.prompt_tokens, batch_size=args.batch_size, lora_rank=args.lora_rank,
                        optimizer=args.optimizer or loss_spec(args.loss).default_optimizer, gradient_checkpointing=args.gradient_checkpointing,
                        checkpoint_policy=args.checkpoint_policy, compile=args.compile,
+                       checkpoint_blocks=None if args.checkpoint_blocks in (None, "auto") else args.checkpoint_blocks,
                        fp8_base=args.fp8_base or args.fp8_compute, fp8_compute=args.fp8_compute,
                        blocks_to_swap=args.blocks_to_swap, zero_stage=args.zero_stage,
                        num_gpus=args.num_gpus, cfg=not args.no_cfg, on_the_fly=args.on_the_fly,
@@ -175,6 +180,25 @@ def options_of(args):
                        kv_cache=args.kv_cache, pairs=args.task == "train" and loss_spec(args.loss).preference,
                        rollouts=args.nft_group_size if args.task == "train" and loss_spec(args.loss).needs_rollouts else 0,
                        distill=args.task == "train" and loss_spec(args.loss).distills)
+
+
+def auto_blocks(census, base, args):
+    """``--checkpoint_blocks auto``: ``base`` with the fewest checkpointed blocks that fit ``--gpu_memory_gb``
+    (as ``qie train`` chooses them; every block without a budget or when none fits)."""
+    from ..memory.plan import GiB
+    from ..training.checkpoint_auto import fewest_fitting
+
+    if args.checkpoint_blocks != "auto" or base.task != "train":
+        return base
+    if not base.gradient_checkpointing:
+        raise ValueError("--checkpoint_blocks auto counts checkpointed blocks; drop --no-gradient_checkpointing")
+    if args.gpu_memory_gb is None:
+        log.info("--checkpoint_blocks auto: no --gpu_memory_gb / --gpu: every block checkpoints")
+        return base
+    n, plan = fewest_fitting(census, base, args.gpu_memory_gb * GiB)
+    log.info("--checkpoint_blocks auto: %s of %d blocks checkpointed, planned peak %.1f GiB of %.1f GiB",
+             "none fits; all" if n is None else n, census.num_layers, plan.gpu_peak / GiB, args.gpu_memory_gb)
+    return dataclasses.replace(base, checkpoint_blocks=n)
 
 
 def _census(args):

@@ -97,9 +97,18 @@ def log_time(args, options, verified=None) -> None:
 def train_profile(args, options, shapes, counted=None):
     """The whole DiT's counted kernels of ``options``' training step (``counted``: a ``--verify`` run's), made once
     per ``qie plan`` for each kernel-distinct option set (``args`` keeps them)."""
-    from ..preflight.timing import full_depth, step_profile, timing_runs
+    from ..preflight.timing import full_depth, interpolated_profile, step_profile, timing_runs
     from .plan_verify import train_config
 
+    n = options.checkpoint_blocks
+    if options.gradient_checkpointing and n is not None:  # N of L: between every block plain and every one not
+        blocks = full_depth(train_config(args, options)[1])
+        if n < blocks:
+            every = dataclasses.replace(options, checkpoint_blocks=None)
+            plain = dataclasses.replace(every, gradient_checkpointing=False)
+            return interpolated_profile(train_profile(args, plain, shapes), train_profile(args, every, shapes),
+                                        blocks, n)
+        options = dataclasses.replace(options, checkpoint_blocks=None)
     known = vars(args).setdefault("counted_profiles", {})
     key = (dataclasses.replace(options, blocks_to_swap=0), tuple(map(repr, shapes)))
     if counted is not None:
@@ -123,18 +132,35 @@ def speed_variants(opts) -> list:
 
 def _kernels_key(o) -> tuple:
     """What changes the counted kernels (swapped blocks are counted without their copies)."""
-    return o.gradient_checkpointing, o.checkpoint_policy, o.compile, o.fp8_base, o.fp8_compute, o.zero_stage
+    return (o.gradient_checkpointing, o.checkpoint_policy, o.compile, o.fp8_base, o.fp8_compute, o.zero_stage,
+            o.checkpoint_blocks)
+
+
+def partial_variant(census, o, budget: float):
+    """``o`` (every block checkpointed, none swapped) with the fewest checkpointed blocks that fit ``budget``
+    (``--checkpoint_blocks N``, as ``--checkpoint_blocks auto`` picks it), or None where only all fit."""
+    from ..training.checkpoint_auto import fewest_fitting
+
+    if not o.gradient_checkpointing or o.checkpoint_blocks is not None or o.blocks_to_swap:
+        return None
+    n, _ = fewest_fitting(census, o, budget)
+    if n is None or n >= census.num_layers:
+        return None  # (no block checkpointed: no policy, so one set for both)
+    return dataclasses.replace(o, checkpoint_blocks=n, checkpoint_policy=o.checkpoint_policy if n else "full")
 
 
 def fitting_options(census, base, budget: float) -> list:
-    """Each kernel-distinct option set that fits ``budget`` bytes, with its fewest swapped blocks. A compiled one
+    """Each kernel-distinct option set that fits ``budget`` bytes, with its fewest swapped blocks, and each
+    checkpointed one without swapped blocks again with the fewest checkpointed blocks that fit. A compiled one
     on the FP8 base is left out where the same without FP8 fits with no more swapped blocks (it is slower and
     saves memory that is not needed)."""
     from ..memory.plan import candidates, predict
 
     fits = {}
     for opts in candidates(census, base):  # candidates come with the fewest swapped blocks first
-        for o in speed_variants(opts):
+        variants = speed_variants(opts)
+        variants += [p for p in (partial_variant(census, o, budget) for o in variants) if p is not None]
+        for o in variants:
             key = _kernels_key(o)
             if key in fits:
                 continue

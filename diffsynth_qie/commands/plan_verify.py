@@ -51,7 +51,8 @@ def train_config(args, options):
                                   fp8_base=options.fp8_base, fp8_compute=options.fp8_compute,
                                   blocks_to_swap=options.blocks_to_swap, ema_decay=ema_decay,
                                   validate_with=options.validate_with, compute_precision=options.compute_precision,
-                                  checkpoint_policy=options.checkpoint_policy, compile=options.compile),
+                                  checkpoint_policy=options.checkpoint_policy, compile=options.compile,
+                                  checkpoint_blocks=options.checkpoint_blocks),
         lora=dataclasses.replace(cfg.lora, lora_rank=options.lora_rank),
         optim=dataclasses.replace(cfg.optim, optimizer=options.optimizer),
         loss=dataclasses.replace(cfg.loss, loss=args.loss))
@@ -172,7 +173,9 @@ def _census_of(args, blocks: int):
 
 
 def _shallow(options, blocks: int):
-    return dataclasses.replace(options, blocks_to_swap=min(options.blocks_to_swap, blocks))
+    cb = options.checkpoint_blocks
+    return dataclasses.replace(options, blocks_to_swap=min(options.blocks_to_swap, blocks),
+                               checkpoint_blocks=None if cb is None else min(cb, blocks))
 
 
 def _run_train(args, options, family) -> FakeRun:

@@ -48,7 +48,7 @@ from .plan_distill import distill_terms
 from .plan_rollouts import rollout_terms
 from .plan_terms import (  # noqa: F401 (the constants and per-token terms, public here)
     AUTOCAST_CALIBRATION, CALIBRATION, GPU_CHECKPOINTED_ACTIVATION_SCALE, VAE_BYTES_PER_PIXEL, activation_bytes,
-    calibration, kv_cache_bytes,
+    calibration, checkpointed_label, kv_cache_bytes,
     vae_bytes as _vae_bytes)
 
 OPTIMIZER_BYTES = {"adamw": 16, "prodigy_sf": 20}  # per trainable parameter, weight included
@@ -69,6 +69,7 @@ class PlanOptions:
     optimizer: Literal["adamw", "prodigy_sf"] = "adamw"
     gradient_checkpointing: bool = False
     checkpoint_policy: Literal["full", "selective"] = "full"  # train: qie train --checkpoint_policy
+    checkpoint_blocks: Optional[int] = None  # train: qie train --checkpoint_blocks N (None: every block)
     compile: bool = False  # train: qie train --compile (kernels fused; memory as eager)
     fp8_base: bool = False
     fp8_compute: bool = False  # the FP8 base multiplied in FP8: the same memory as fp8_base (which it implies)
@@ -113,6 +114,8 @@ class PlanOptions:
             raise ValueError("--zero_stage applies to training only; drop it with --task edit")
         if self.validate_with != "raw" and not self.ema:
             raise ValueError(f"--validate_with {self.validate_with} needs --ema_decay (an average to validate)")
+        if self.checkpoint_blocks is not None and not 0 <= self.checkpoint_blocks <= census.num_layers:
+            raise ValueError(f"--checkpoint_blocks {self.checkpoint_blocks} must be in 0..{census.num_layers}")
         if any(r < 1 for r in self.loras):
             raise ValueError(f"--loras {' '.join(map(str, self.loras))}: every rank must be >= 1")
 
@@ -190,7 +193,7 @@ def predict(c: DiTCensus, o: PlanOptions) -> Plan:
         lw, rest = lora_bytes(c, o)
         plan.gpu["LoRA weights"] = lw
         plan.gpu["LoRA gradients + optimizer state"] = rest
-        plan.gpu["activations" + (" (checkpointed)" if o.gradient_checkpointing else "")] = activation_bytes(c, o)
+        plan.gpu["activations" + checkpointed_label(c, o)] = activation_bytes(c, o)
         if o.pairs:  # the reference (LoRA off, no graph) after the policy's forward: one block's working set
             plan.gpu["reference forward (no graph)"] = round(2 * o.batch_size * o.tokens * c.dim * calibration(o)["K_BLOCK"]
                                                              * o.dtype_bytes)
@@ -287,6 +290,8 @@ def describe(o: PlanOptions) -> str:
     if o.task == "train":
         parts.append(f"--lora_rank {o.lora_rank}")
         parts += ["--gradient_checkpointing"] if o.gradient_checkpointing else []
+        parts += [f"--checkpoint_blocks {o.checkpoint_blocks}"] if o.gradient_checkpointing and \
+            o.checkpoint_blocks is not None else []
         parts += [f"--checkpoint_policy {o.checkpoint_policy}"] if o.gradient_checkpointing and \
             o.checkpoint_policy != "full" else []
         parts += ["--compile"] if o.compile else []

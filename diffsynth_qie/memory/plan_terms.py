@@ -21,6 +21,11 @@ CALIBRATION = {
 # attention's outputs), the same fit at 2 and 4 blocks (0.47 GiB per block at 1024² + 1 reference). The block
 # being recomputed holds them already (K_BLOCK), so every block but one adds them.
 K_KEPT_SELECTIVE = 9.67
+# ``--checkpoint_blocks N`` (0 < N < L): the first block, whose input needs no gradient, keeps this much less than the
+# others when plain, and the line through 2 and 4 plain blocks puts the difference into K_OUTSIDE; with the first
+# block checkpointed (the first N are) the start of the backward holds it. Fitted on 4 blocks with N = 1, 2, 3 (full
+# and selective: 23.00 each, ``python -m benchmarks.fit_plan --partial``); taken for autocast too.
+K_FIRST_PLAIN = 23.0
 # The same under bf16 autocast (``--compute_precision autocast``, ``fit_plan --compute_precision autocast``): the
 # LayerNorm outputs and the modulation in fp32, and their bf16 copies for the linears, are kept for backward too.
 AUTOCAST_CALIBRATION = {"K_BLOCK": 40.05, "K_OUTSIDE": 19.75, "K_BOUNDARY": 1.0, "K_OUTSIDE_CKPT": 10.8}
@@ -29,7 +34,10 @@ AUTOCAST_CALIBRATION = {"K_BLOCK": 40.05, "K_OUTSIDE": 19.75, "K_BOUNDARY": 1.0,
 # grow 7 % faster with the tokens than the fake device counts (2511 at batch 1/2/4: 0.93, 1.00, 1.04 x the
 # autocast constants; 2.1 at 1 and 3 references, batch 1 and 4: 1.03-1.07 x). The plan takes the larger slope,
 # so a real step is predicted within +2 %/-0 % instead of +1 %/-5 %; the pure step takes the same factor until
-# it is measured. Without checkpointing our step ran out of 139 GiB (the plan: 160 GiB).
+# it is measured. A partly checkpointed step (``--checkpoint_blocks``) takes it at its first recompute, not at the
+# start of its backward, which is a plain step's moment (unmeasured on a GPU, so unscaled as the plain step is: the
+# peak then falls with every block checkpointed, up to all but one). Without checkpointing our step ran out of
+# 139 GiB (the plan: 160 GiB).
 GPU_CHECKPOINTED_ACTIVATION_SCALE = 1.07
 # The VAE's working set while encoding a reference or decoding the result, bytes per output pixel (bf16).
 VAE_BYTES_PER_PIXEL = 1357
@@ -40,16 +48,41 @@ def calibration(o) -> dict:
     return {**CALIBRATION, **AUTOCAST_CALIBRATION} if o.compute_precision == "autocast" else CALIBRATION
 
 
+def checkpointed_blocks(c, o) -> int:
+    """How many of ``c``'s blocks recompute in ``o``'s backward (``--checkpoint_blocks``; every one by default)."""
+    if not o.gradient_checkpointing:
+        return 0
+    return c.num_layers if o.checkpoint_blocks is None else min(o.checkpoint_blocks, c.num_layers)
+
+
+def checkpointed_label(c, o) -> str:
+    """The activation row's note: checkpointed, or N of L blocks checkpointed."""
+    n = checkpointed_blocks(c, o)
+    return "" if not n else " (checkpointed)" if n == c.num_layers else f" ({n} of {c.num_layers} blocks checkpointed)"
+
+
 def activation_bytes(c, o) -> int:
-    """Training activations of ``o`` (a ``plan.PlanOptions``) on the model ``c`` (a ``census.DiTCensus``), bytes."""
+    """Training activations of ``o`` (a ``plan.PlanOptions``) on the model ``c`` (a ``census.DiTCensus``), bytes.
+
+    With the first N of L blocks checkpointed (``--checkpoint_blocks N``) the backward runs the last block first: it
+    starts with every block's saved state alive (the N checkpointed blocks' inputs, the L - N others' whole
+    activations) and frees each plain block's as its backward ends, then recomputes the checkpointed ones one at a
+    time. The peak is the larger of the two moments: the start of the backward (the plain blocks' term with N of
+    its blocks reduced to their inputs, the first one's :data:`K_FIRST_PLAIN` with them) and the first recompute
+    (the checkpointed term of N blocks)."""
     k = calibration(o)
     lora = c.lora_token_targets * o.lora_rank / c.dim
-    if o.gradient_checkpointing:
-        kept = (c.num_layers - 1) * K_KEPT_SELECTIVE if o.checkpoint_policy == "selective" else 0.0
-        per = (c.num_layers * k["K_BOUNDARY"] + kept + k["K_BLOCK"] + lora + k["K_OUTSIDE_CKPT"]) \
+    kept = K_KEPT_SELECTIVE if o.checkpoint_policy == "selective" else 0.0
+    n, layers = checkpointed_blocks(c, o), c.num_layers
+    per = 0.0
+    if n:  # the first recompute: N blocks' inputs (and kept outputs), one block recomputed
+        per = (n * k["K_BOUNDARY"] + (n - 1) * kept + k["K_BLOCK"] + lora + k["K_OUTSIDE_CKPT"]) \
             * GPU_CHECKPOINTED_ACTIVATION_SCALE
-    else:
-        per = c.num_layers * (k["K_BLOCK"] + lora) + k["K_OUTSIDE"]
+    if n < layers:  # the start of the backward: L - N blocks' whole activations, N blocks' inputs
+        start = (layers - n) * (k["K_BLOCK"] + lora) + k["K_OUTSIDE"]
+        if n:  # (the plain step's moment, unscaled as the plain step is: no GPU has measured it)
+            start += n * k["K_BOUNDARY"] + (n - 1) * kept + K_FIRST_PLAIN
+        per = max(per, start)
     return round(o.batch_size * (2 if o.pairs else 1) * max(1, o.rollouts) * o.tokens * c.dim * per * o.dtype_bytes)
 
 

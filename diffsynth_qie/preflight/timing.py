@@ -67,6 +67,13 @@ def step_profile(reports: Sequence, blocks: int, depths: tuple = DEPTHS):
     return shallow.costs.scaled_to(deep.costs, depths, blocks)
 
 
+def interpolated_profile(plain, checkpointed, blocks: int, n: int):
+    """The whole DiT's counted kernels with ``n`` of ``blocks`` blocks checkpointed (``--checkpoint_blocks``), from
+    the profiles of every block plain and every block checkpointed: a plain block runs no recompute, so the step
+    is the plain one plus ``n / blocks`` of the difference."""
+    return plain.combine(checkpointed.combine(plain, -1.0), n / blocks)
+
+
 def predict_train(cfg, preset, shapes, gpu: Optional[str] = None, reports: Optional[Sequence] = None,
                   depths: tuple = DEPTHS, backend: Optional[str] = None, profile=None) -> TimePrediction:
     """The predicted time of one optimizer step of ``cfg`` on ``gpu``; ``reports``: counted runs at ``depths``

@@ -8,7 +8,8 @@ and holds the same, so the difference of the two peaks is one block's share (its
 and saved activations); :func:`scaled_verdict` scales it to the whole DiT (the blocks ``--blocks_to_swap``
 keeps in host memory excepted; with ``--on_the_fly`` the encoders and one encode run in the deeper run only,
 and are added once) and judges the result against ``--gpu_memory_gb`` (default: the visible GPU),
-``fakegpu/verdict.py``: one line, exit code 2, when it does not fit.
+``fakegpu/verdict.py``: one line, exit code 2, when it does not fit. With ``--checkpoint_blocks N`` (0 < N < L) a
+third run gives a plain block's share beside a checkpointed one's, mixed to N of L (``train_partial.py``).
 
 One of the two runs goes on for :data:`GROWTH_STEPS` steps on other samples (the shallower one; with
 ``--on_the_fly`` the one that encodes, each step's sample encoded first): device memory still held after the last
@@ -20,10 +21,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import math
 from typing import Optional
 
+from ..training.block_setup import checkpoint_count
+from ..training.checkpoint_auto import planned_side
 from .timing import full_depth, predict_train
+from .train_partial import mixed_profile, mixed_verdict, run_three
 from .train_step import StepReport, verify_train_step
 from .train_batch import batch_shapes
 
@@ -31,7 +34,6 @@ log = logging.getLogger(__name__)
 
 PREFLIGHT_BLOCKS = 2  # the deeper of the two runs (one block to hand over to the next)
 GROWTH_STEPS = 3  # steps of one run: from the second on the optimizer's state exists, so the third must add nothing
-RESOLUTION = 1024  # a cache's samples are not read before the load; --on_the_fly: its --max_pixels
 
 
 def scaled_verdict(shallow: StepReport, deep: StepReport, depths: tuple[int, int], blocks: int,
@@ -72,10 +74,7 @@ def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
 
     t, family = cfg.train, family_of(preset)
     gpu = gpu_bytes_of(t.gpu_memory_gb if gpu_memory_gb is None else gpu_memory_gb)  # (outside the fake device)
-    side = RESOLUTION
-    if cfg.onthefly.on_the_fly:
-        side = max(family.size_divisor, int(math.isqrt(cfg.onthefly.max_pixels)) // family.size_divisor
-                   * family.size_divisor)
+    side = planned_side(cfg, family)
     shapes = batch_shapes(side, 1, 300, t.batch_size, mixed=t.batch_size > 1, multiple=family.size_divisor)
     depths = (PREFLIGHT_BLOCKS - 1, PREFLIGHT_BLOCKS)
     run_cfg = cfg
@@ -83,16 +82,27 @@ def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
         depths = (PREFLIGHT_BLOCKS, PREFLIGHT_BLOCKS + 1)
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, blocks_to_swap=1))
     where = f"training steps on a fake CUDA device, before loading {preset.name}"
+    blocks = full_depth(preset)
+    count = checkpoint_count(t, blocks)
+    partial = 0 < count < blocks and not t.blocks_to_swap  # --checkpoint_blocks N: both kinds run (train_partial.py)
+    # --on_the_fly: the encoders and their encode run once, in the deeper run (the same in both), which then
+    # also runs the later steps (each encodes its sample); else the cheaper shallower run does
+    growth = depths[1] if cfg.onthefly.on_the_fly else depths[0]
+
+    def step(c, n, grows=True):
+        return verify_train_step(c, preset, shapes, num_layers=n, encode=n == depths[1], costs=True,
+                                 steps=GROWTH_STEPS if n == growth and grows else 1)
+
     try:
-        # --on_the_fly: the encoders and their encode run once, in the deeper run (the same in both), which then
-        # also runs the later steps (each encodes its sample); else the cheaper shallower run does
-        growth = depths[1] if cfg.onthefly.on_the_fly else depths[0]
-        shallow, deep = (verify_train_step(run_cfg, preset, shapes, num_layers=n, encode=n == depths[1], costs=True,
-                                           steps=GROWTH_STEPS if n == growth else 1) for n in depths)
+        if partial:
+            runs = run_three(run_cfg, depths, step)
+        else:  # (the shallower and the deeper run)
+            runs = dict(zip(("c1", "c2"), (step(run_cfg, n) for n in depths)))
     except FakeRunError as e:
         raise ValueError(f"preflight ({where}): {e}; pass --no_preflight to skip the check") from None
-    blocks = full_depth(preset)
-    verdict = scaled_verdict(shallow, deep, depths, blocks, min(t.blocks_to_swap, blocks), gpu)
+    shallow, deep = runs["c1"], runs["m2" if partial else "c2"]
+    verdict = (mixed_verdict(runs, depths, blocks, count, gpu) if partial else
+               scaled_verdict(shallow, deep, depths, blocks, min(t.blocks_to_swap, blocks), gpu))
     deep.verdict = verdict
     try:
         line = check_memory(verdict)
@@ -100,7 +110,8 @@ def preflight(cfg, preset, gpu_memory_gb: Optional[float] = None) -> StepReport:
         raise MemoryVerdictError(f"preflight ({where}): {e}") from None
     log.info("preflight: training steps of %s (full width; %d steps on other samples, no memory held beyond the "
              "step before) on a fake CUDA device passed in %.1f s; %s", preset.name, GROWTH_STEPS,
-             shallow.seconds + deep.seconds, line)
-    deep.prediction = predict_train(cfg, preset, shapes, reports=(shallow, deep), depths=depths)
+             sum(r.seconds for r in runs.values()), line)
+    profile = mixed_profile(runs, blocks, count) if partial else None
+    deep.prediction = predict_train(cfg, preset, shapes, reports=(shallow, deep), depths=depths, profile=profile)
     log.info("preflight: %s", deep.prediction.line(cfg.train.max_steps, cfg.train.gradient_accumulation_steps))
     return deep

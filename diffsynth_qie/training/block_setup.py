@@ -7,23 +7,62 @@ fake-device preflight (with the eager backend), so both run the same blocks:
   block call, unchanged;
 - ``--checkpoint_policy selective``, or ``--compile`` with checkpointing: each block checkpoints itself, inside
   the compiled region when compiled (``models/load/block_checkpoint.py``);
+- ``--checkpoint_blocks N``: the blocks checkpoint themselves, the first N recomputing and the others keeping
+  everything (``auto``: the fewest that fit the GPU, chosen before the load by ``checkpoint_auto.py``);
 - ``--blocks_to_swap``: DiffSynth's checkpoint (its recompute passes the swapper's forward hook), the compiled
-  forward inside it; ``selective`` is refused.
+  forward inside it; ``selective`` and ``--checkpoint_blocks`` are refused.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Optional
 
 log = logging.getLogger(__name__)
 
 
-def check_checkpoint_policy(t) -> None:
-    """Refuse ``--checkpoint_policy selective`` where it cannot apply (``t``: a ``TrainConfig``)."""
+def checkpoint_blocks_type(value: str):
+    """``--checkpoint_blocks``: a number of blocks (>= 0) or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--checkpoint_blocks {value!r}: give a number of blocks (0 or more) or auto")
+    return n
+
+
+def check_checkpoint_policy(t, blocks: Optional[int] = None) -> None:
+    """Refuse ``--checkpoint_policy selective`` and ``--checkpoint_blocks`` where they cannot apply (``t``: a
+    ``TrainConfig``; ``blocks``: the DiT's, to check a count against)."""
     if t.checkpoint_policy == "selective" and t.blocks_to_swap:
         raise ValueError(f"--checkpoint_policy selective cannot be combined with --blocks_to_swap {t.blocks_to_swap} "
                          "(a swapped block recomputes whole, through the swapper's hooks); pass --checkpoint_policy "
                          "full, or --blocks_to_swap 0")
+    n = t.checkpoint_blocks
+    if n is None:
+        return
+    if not t.gradient_checkpointing:
+        raise ValueError(f"--checkpoint_blocks {n} counts checkpointed blocks, but --no-gradient_checkpointing turns "
+                         "checkpointing off; drop one of the two")
+    if t.blocks_to_swap:
+        raise ValueError(f"--checkpoint_blocks {n} cannot be combined with --blocks_to_swap {t.blocks_to_swap} (every "
+                         "block recomputes whole, through the swapper's hooks); drop --checkpoint_blocks, or pass "
+                         "--blocks_to_swap 0")
+    if blocks is not None and n != "auto" and not 0 <= n <= blocks:
+        raise ValueError(f"--checkpoint_blocks {n}: this DiT has {blocks} blocks; give 0..{blocks} or auto")
+
+
+def checkpoint_count(t, blocks: int) -> int:
+    """How many of ``blocks`` blocks recompute in the backward under ``t`` (a ``TrainConfig`` whose
+    ``--checkpoint_blocks`` is a number or unset: ``auto`` is resolved before the load)."""
+    if not t.gradient_checkpointing:
+        return 0
+    if t.checkpoint_blocks == "auto":
+        raise ValueError("--checkpoint_blocks auto is chosen before the DiT loads (training/checkpoint_auto.py)")
+    return blocks if t.checkpoint_blocks is None else min(t.checkpoint_blocks, blocks)
 
 
 def checkpointed_blocks(t, blocks: int) -> Optional[list]:
@@ -32,9 +71,9 @@ def checkpointed_blocks(t, blocks: int) -> Optional[list]:
 
     if t.blocks_to_swap or not t.gradient_checkpointing:
         return None
-    if t.checkpoint_policy == "full" and not t.compile:
+    if t.checkpoint_policy == "full" and not t.compile and t.checkpoint_blocks is None:
         return None
-    return spread(blocks, blocks)
+    return spread(checkpoint_count(t, blocks), blocks)
 
 
 def prepare_blocks(dit, t, backend: Optional[str] = "inductor") -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from ..data.formats import DatasetConfig, FieldNames
 from ..data.sampling import SamplingConfig
@@ -25,6 +25,7 @@ from .losses.dmd import DMDConfig
 from .losses.dpo import DPOConfig
 from .losses.lbm import LBMConfig
 from .losses.nft import NFTConfig
+from .block_setup import checkpoint_blocks_type
 from .config_checks import cache_dirs, resolve, validate  # noqa: F401 (cache_dirs, validate: used by callers)
 from .losses.registry import loss_help, loss_names
 from .losses.sft import SFTConfig
@@ -163,6 +164,11 @@ class TrainConfig:
         "selective = keep the large GEMMs' and attention's outputs, recompute the cheap elementwise work and the "
         "LoRA's thin GEMMs (faster, more memory: qie plan counts it). The blocks checkpoint themselves, inside "
         "the compiled region with --compile (docs/SPEED.md). Not with --blocks_to_swap"))
+    checkpoint_blocks: Optional[Union[int, Literal["auto"]]] = field(default=None, metadata=_help(
+        "with --gradient_checkpointing, how many DiT blocks recompute (the first N; the others keep everything: "
+        "faster, more memory); auto = the fewest whose planned peak fits the GPU (--gpu_memory_gb, else the "
+        "visible one; all without a GPU); default: all. Not with --blocks_to_swap (docs/MEMORY.md)",
+        metavar="N|auto", type=checkpoint_blocks_type))
     fp8_base: bool = field(default=False, metadata=_help(
         "store the frozen DiT block linears as float8 e4m3 with a scale per output channel (half the "
         "memory of a bf16 base; compute stays bf16/fp32; LoRA and --full_finetune_modules stay full "

@@ -149,6 +149,7 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
     from ..utils.shared_dir import check_shared_dir
     from . import checkpoint as ckpt
     from .block_setup import check_checkpoint_policy, prepare_blocks
+    from .checkpoint_auto import resolve_checkpoint_blocks
     from .data import build_training_data
     from .module import check_fp8_base
     from .optim import (build_lr_scheduler, build_optimizer, check_clipping, check_schedule_free_sharding,
@@ -189,6 +190,10 @@ def build_run(cfg: RunConfig, preset, accelerator, ds_config: Optional[dict], lo
         check_fp8_gpu(accelerator.device)
     check_block_swap(cfg, ds_config)  # all before the (long) load
     check_checkpoint_policy(t)
+    if t.checkpoint_blocks is not None:  # checked against the DiT; auto: the fewest that fit (checkpoint_auto.py)
+        stage = int((ds_config or {}).get("zero_optimization", {}).get("stage", 0) or 0)
+        cfg = resolve_checkpoint_blocks(cfg, preset, stage, accelerator.num_processes)
+        t = cfg.train
     if loss_spec(cfg.loss.loss).check_launch is not None:  # the loss's own refusals of the launch (dmd: ZeRO-3)
         loss_spec(cfg.loss.loss).check_launch(cfg, ds_config)
     if preflight is not None and not preset.is_tiny and not t.no_preflight and family_of(preset).fullsize_verify:

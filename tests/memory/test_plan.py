@@ -2,6 +2,8 @@
 the fake CUDA device in tests/memory/test_verify*.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -132,9 +134,9 @@ def test_the_fastest_fit_search_offers_compiled_and_selective_sets_that_fit(real
                        for p in ("full", "selective"))
     assert selective > full + 10 * GiB
 
-    def offered(budget):
+    def offered(budget, partial=False):
         return {(p.options.compile, p.options.checkpoint_policy, p.options.fp8_base): p
-                for p in fitting_options(real, base, budget)}
+                for p in fitting_options(real, base, budget) if (p.options.checkpoint_blocks is not None) == partial}
 
     roomy = offered(selective + GiB)
     assert {(True, "full", False), (True, "selective", False), (False, "full", False)} <= set(roomy)
@@ -144,3 +146,9 @@ def test_the_fastest_fit_search_offers_compiled_and_selective_sets_that_fit(real
     tight = offered((full + selective) / 2)
     assert (True, "full", False) in tight and not any(policy == "selective" and not fp8 for _, policy, fp8 in tight)
     assert all(p.gpu_peak <= (full + selective) / 2 for p in tight.values())
+    # --checkpoint_blocks: beside each checkpointed set, the fewest checkpointed blocks that fit (compiled, selective)
+    partly = offered(selective + GiB, partial=True)
+    assert {(False, "full", False), (True, "full", False), (True, "selective", False)} <= set(partly)
+    for p in partly.values():
+        fewer = dataclasses.replace(p.options, checkpoint_blocks=p.options.checkpoint_blocks - 1)
+        assert 0 < p.options.checkpoint_blocks < 60 and p.gpu_peak <= selective + GiB < predict(real, fewer).gpu_peak
