@@ -88,7 +88,7 @@ def test_qie_plan_plans_lbm_with_its_own_optimizer(capfd):
     c = preset_census("2511", with_encoders=False)
     rows = {}
     for loss in ("sft", "lbm"):
-        assert main(["plan", "--loss", loss]) == 0
+        assert main(["plan", "--loss", loss, "--no_time"]) == 0  # (the rows are the memory plan's)
         text = "".join(capfd.readouterr())
         rows[loss] = next(line for line in text.splitlines() if "LoRA gradients + optimizer state" in line)
     adamw = predict(c, PlanOptions(gradient_checkpointing=True)).gpu["LoRA gradients + optimizer state"]
@@ -100,9 +100,11 @@ def test_qie_plan_plans_lbm_with_its_own_optimizer(capfd):
 def test_qie_plan_takes_the_new_terms_flags(capfd):
     from diffsynth_qie.cli import main
 
-    assert main(["plan", "--model", "2.1", "--task", "edit", "--ref_images", "3", "--loras", "32", "16"]) == 0
+    # (--no_time: the terms are the memory plan's; the time of a 2.1 edit and of an EMA step: test_plan_verify.py)
+    assert main(["plan", "--model", "2.1", "--task", "edit", "--ref_images", "3", "--loras", "32", "16",
+                 "--no_time"]) == 0
     text = "".join(capfd.readouterr())
     assert "prefix KV cache (positive + negative prompt)" in text and "(2 of 2, rank 16)" in text
-    assert main(["plan", "--ema_decay", "0.999", "--validate_with", "both", "--on_the_fly"]) == 0
+    assert main(["plan", "--ema_decay", "0.999", "--validate_with", "both", "--on_the_fly", "--no_time"]) == 0
     text = "".join(capfd.readouterr())
     assert "EMA shadow (fp32)" in text and "EMA validation copy" in text and "encode working set" in text

@@ -10,6 +10,7 @@ import torch
 from diffsynth_qie.cli import main
 
 FAST = ["--resolution", "512", "--verify", "--verify_blocks", "2"]
+NO_TIME = ["--no_time"]  # the time prediction (two more counted runs) where the verdict is what is checked
 
 
 def _run(capfd, *argv) -> tuple[int, str]:
@@ -23,9 +24,12 @@ def _error_lines(text: str) -> list[str]:
 
 
 def test_the_verdict_passes_for_a_plan_that_agrees(capfd):
-    rc, text = _run(capfd, "--model", "2511", *FAST)
+    """(Also the phases printed beside the plan, which `qie plan --verify` shows for the same run.)"""
+    rc, text = _run(capfd, "--model", "2511", *FAST, *NO_TIME)
     assert rc == 0, text
     assert "memory verdict: training step (steady state): fake-device peak" in text and "plan" in text
+    assert "fake CUDA device, one training step (sft, loss float32), 2 blocks" in text
+    assert "steady-state peak" in text and "the plan counts every block" in text
 
 
 def test_a_peak_over_the_gpu_fails_naming_the_phase_the_holders_and_the_fix(capfd):
@@ -76,13 +80,14 @@ def test_a_fake_device_error_is_one_line_not_a_traceback(capfd, monkeypatch):
 
 
 def test_qwen_image_21_training_and_editing_are_verified(capfd):
-    rc, text = _run(capfd, "--model", "2.1", *FAST)
+    rc, text = _run(capfd, "--model", "2.1", *FAST, *NO_TIME)  # (its counted steps: test_speed_guard.py)
     assert rc == 0, text
     assert "memory verdict: training step (steady state)" in text
     rc, text = _run(capfd, "--model", "2.1", "--task", "edit", "--ref_images", "3", *FAST)
     assert rc == 0, text
     assert "prefix KV caches" in text and "encode peak" in text and "decode peak" in text  # the whole edit
     assert "memory verdict: edit: " in text
+    assert "predicted edit (" in text and "), per image: " in text  # the time beside the verified edit
 
 
 def test_the_21_kv_cache_is_what_breaks_the_plan_without_its_term(capfd, monkeypatch):
@@ -100,6 +105,7 @@ def test_the_21_kv_cache_is_what_breaks_the_plan_without_its_term(capfd, monkeyp
 def test_lbm_ema_and_on_the_fly_are_verified_as_planned(capfd):
     rc, text = _run(capfd, "--model", "2511", "--loss", "lbm", "--ema_decay", "0.99", "--on_the_fly", *FAST)
     assert rc == 0, text
+    assert "predicted training step: " in text  # the time of the counted lbm step with its EMA update
     assert "one training step (lbm, loss" in text and "optimizer prodigy_sf, as qie train runs --loss lbm" in text
     assert "+33" not in text  # the encoders are either built or left out of both sides, and said so
     assert "--on_the_fly" in text

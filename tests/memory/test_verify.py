@@ -180,16 +180,6 @@ def test_train_preflight_turns_a_host_sync_into_a_value_error(monkeypatch):
         verify_preflight.preflight(run_config(), get_preset("2511"))
 
 
-def test_qie_plan_verify_prints_the_phases_beside_the_plan(capfd):
-    from diffsynth_qie.cli import main
-
-    assert main(["plan", "--model", "2511", "--resolution", "512", "--verify", "--verify_blocks", "2"]) == 0
-    out, err = capfd.readouterr()
-    text = out + err
-    assert "fake CUDA device, one training step (sft, loss float32), 2 blocks" in text
-    assert "steady-state peak" in text and "the plan counts every block" in text
-
-
 def test_train_preflight_runs_a_block_swapping_run_with_its_swapper():
     from diffsynth_qie.preflight import train as verify_preflight
 
