@@ -58,37 +58,79 @@ def cache21(request, tiny21_dir, tmp_path_factory):
     return cache_demo21(tiny21_dir, tmp_path_factory, seed=request.module.CACHE21_SEED, name=f"demo21-{module}")
 
 
-def kill_and_resume(base: list[str], tmp_path: Path, checkpoint: str, final: str) -> tuple[Path, Path]:
+def kill_and_resume(base: list[str], tmp_path: Path, checkpoint: str, final: str,
+                    separate: bool = False) -> tuple[Path, Path]:
     """Run the ``qie train`` command ``base`` (``python -m diffsynth_qie.cli train ...``) uninterrupted into
     ``tmp_path/ref``; run it again into ``tmp_path/run``, kill -9 it once ``checkpoint`` exists (before ``final`` is
     written) and ``--resume latest``. Returns (ref, run) for the caller to compare.
 
-    The uninterrupted run is the same command's configuration trained in this process (one intra-op thread, as the
-    runs it is compared with: ``scripts/test.sh`` sets OMP_NUM_THREADS=1), which spares the import of a third
-    process; the killed run and its resume are processes of their own."""
-    import signal
-    import subprocess
-    import time
-
-    from diffsynth_qie.cli import build_parser
+    The uninterrupted run is the same command's configuration trained in this process, and the resume is the
+    command's ``main`` in this process (one intra-op thread, as ``scripts/test.sh`` sets OMP_NUM_THREADS=1). The
+    killed run is a process of its own: forked from this one (it inherits the imports) and running the command's
+    ``main``, it stops itself right after writing ``checkpoint`` and is killed with SIGKILL there; with
+    ``separate`` it is a fresh ``python -m diffsynth_qie.cli train`` process killed once ``checkpoint`` appears."""
+    from diffsynth_qie.cli import build_parser, main
     from diffsynth_qie.commands.train import config_from_args
     from diffsynth_qie.training.loop import train
 
     assert base[1:4] == ["-m", "diffsynth_qie.cli", "train"], base
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     ref, out = tmp_path / "ref", tmp_path / "run"
     with fresh_accelerate():
         train(config_from_args(build_parser().parse_args(base[3:] + ["--output_dir", str(ref)])))
-    proc = subprocess.Popen(base + ["--output_dir", str(out)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    (_killed_process if separate else _killed_fork)(base + ["--output_dir", str(out)], out / checkpoint)
+    assert (out / checkpoint).is_dir() and not (out / final).exists()  # killed mid-run
+    with fresh_accelerate():
+        assert main(base[3:] + ["--output_dir", str(out), "--resume", "latest"]) == 0
+    return ref, out
+
+
+def _killed_fork(command: list[str], checkpoint: Path) -> None:
+    """``command``'s ``main`` in a child forked from this process, which stops itself (SIGSTOP) once it has
+    written ``checkpoint``; then kill -9."""
+    import signal
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            from diffsynth_qie.cli import main
+            from diffsynth_qie.training import checkpoint as ckpt
+
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            save = ckpt.save_checkpoint
+
+            def save_then_stop(*args, **kwargs):
+                path = save(*args, **kwargs)
+                if Path(path).resolve() == checkpoint.resolve():
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                return path
+
+            ckpt.save_checkpoint = save_then_stop
+            with fresh_accelerate():
+                code = main(command[3:])
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, os.WUNTRACED)  # returns once the child stopped (or ended)
+    os.kill(pid, signal.SIGKILL)
+    if os.WIFSTOPPED(status):
+        os.waitpid(pid, 0)
+
+
+def _killed_process(command: list[str], checkpoint: Path) -> None:
+    """``command`` as a fresh Python process, killed -9 once ``checkpoint`` exists."""
+    import signal
+    import subprocess
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not (out / checkpoint).is_dir() and proc.poll() is None and time.monotonic() < deadline:
+    while not checkpoint.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert (out / checkpoint).is_dir() and not (out / final).exists()  # killed mid-run
-    subprocess.run(base + ["--output_dir", str(out), "--resume", "latest"], check=True, env=env, capture_output=True)
-    return ref, out
 
 
 def cache_demo21(tiny21_dir, tmp_path_factory, seed: int, name: str) -> Path:
