@@ -311,3 +311,53 @@ def pytest_collection_modifyitems(config, items):
         return item.path not in slow_files, first.get(item.path.name, len(first))
 
     items.sort(key=order)  # stable: the rest keep the collection order
+
+
+def forked_ranks(argv: list[str], world_size: int, logs: Path, timeout: float = 300) -> None:
+    """``qie`` ``argv`` (``main``) as a real ``world_size``-process torch.distributed run (gloo on CPU) whose ranks
+    are children forked from this process, with the variables torchrun gives its workers: the ranks inherit this
+    process's imports instead of each paying them. Each rank's output goes to ``logs/rank<i>.log``; every rank
+    must exit 0 within ``timeout`` seconds."""
+    import signal
+    import time
+
+    from diffsynth_qie.ui.running import free_port
+
+    logs.mkdir(parents=True, exist_ok=True)
+    port, pids = free_port(), []
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:  # a rank: never returns into pytest
+            code = 1
+            try:
+                from diffsynth_qie.cli import main
+
+                log = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                                  LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                with fresh_accelerate():
+                    code = main(argv)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    deadline, codes = time.monotonic() + timeout, {}
+    while len(codes) < world_size and time.monotonic() < deadline:
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    for rank, pid in enumerate(pids):
+        if rank not in codes:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    tails = "\n".join(f"--- rank {r}\n" + (logs / f"rank{r}.log").read_text()[-3000:] for r in range(world_size))
+    assert codes == {r: 0 for r in range(world_size)}, f"exit codes {codes} (missing: timed out)\n{tails}"
