@@ -14,6 +14,7 @@ os.environ.setdefault("MODELSCOPE_CACHE", "/nonexistent-modelscope-cache")
 
 import contextlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,9 +97,7 @@ def _killed_fork(command: list[str], checkpoint: Path) -> None:
             from diffsynth_qie.cli import main
             from diffsynth_qie.training import checkpoint as ckpt
 
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
+            _output_to(os.open(os.devnull, os.O_WRONLY))
             save = ckpt.save_checkpoint
 
             def save_then_stop(*args, **kwargs):
@@ -116,6 +115,19 @@ def _killed_fork(command: list[str], checkpoint: Path) -> None:
     os.kill(pid, signal.SIGKILL)
     if os.WIFSTOPPED(status):
         os.waitpid(pid, 0)
+
+
+def _output_to(fd: int) -> None:
+    """In a forked child: its output, at the file-descriptor and at Python's level (pytest's capture replaces
+    ``sys.stdout``/``sys.stderr``), and its log handlers' streams go to ``fd``."""
+    import logging
+
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(fd, "w", buffering=1, closefd=False)
+    for handler in logging.root.handlers + logging.getLogger("diffsynth_qie").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setStream(sys.stderr)
 
 
 def _killed_process(command: list[str], checkpoint: Path) -> None:
@@ -333,8 +345,7 @@ def forked_ranks(argv: list[str], world_size: int, logs: Path, timeout: float = 
                 from diffsynth_qie.cli import main
 
                 log = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
+                _output_to(log)
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                                   LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -345,6 +356,8 @@ def forked_ranks(argv: list[str], world_size: int, logs: Path, timeout: float = 
 
                 traceback.print_exc()
             finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
     deadline, codes = time.monotonic() + timeout, {}
