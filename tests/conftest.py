@@ -14,6 +14,7 @@ os.environ.setdefault("MODELSCOPE_CACHE", "/nonexistent-modelscope-cache")
 
 import contextlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,37 +59,90 @@ def cache21(request, tiny21_dir, tmp_path_factory):
     return cache_demo21(tiny21_dir, tmp_path_factory, seed=request.module.CACHE21_SEED, name=f"demo21-{module}")
 
 
-def kill_and_resume(base: list[str], tmp_path: Path, checkpoint: str, final: str) -> tuple[Path, Path]:
+def kill_and_resume(base: list[str], tmp_path: Path, checkpoint: str, final: str,
+                    separate: bool = False) -> tuple[Path, Path]:
     """Run the ``qie train`` command ``base`` (``python -m diffsynth_qie.cli train ...``) uninterrupted into
     ``tmp_path/ref``; run it again into ``tmp_path/run``, kill -9 it once ``checkpoint`` exists (before ``final`` is
     written) and ``--resume latest``. Returns (ref, run) for the caller to compare.
 
-    The uninterrupted run is the same command's configuration trained in this process (one intra-op thread, as the
-    runs it is compared with: ``scripts/test.sh`` sets OMP_NUM_THREADS=1), which spares the import of a third
-    process; the killed run and its resume are processes of their own."""
-    import signal
-    import subprocess
-    import time
-
-    from diffsynth_qie.cli import build_parser
+    The uninterrupted run is the same command's configuration trained in this process, and the resume is the
+    command's ``main`` in this process (one intra-op thread, as ``scripts/test.sh`` sets OMP_NUM_THREADS=1). The
+    killed run is a process of its own: forked from this one (it inherits the imports) and running the command's
+    ``main``, it stops itself right after writing ``checkpoint`` and is killed with SIGKILL there; with
+    ``separate`` it is a fresh ``python -m diffsynth_qie.cli train`` process killed once ``checkpoint`` appears."""
+    from diffsynth_qie.cli import build_parser, main
     from diffsynth_qie.commands.train import config_from_args
     from diffsynth_qie.training.loop import train
 
     assert base[1:4] == ["-m", "diffsynth_qie.cli", "train"], base
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     ref, out = tmp_path / "ref", tmp_path / "run"
     with fresh_accelerate():
         train(config_from_args(build_parser().parse_args(base[3:] + ["--output_dir", str(ref)])))
-    proc = subprocess.Popen(base + ["--output_dir", str(out)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    (_killed_process if separate else _killed_fork)(base + ["--output_dir", str(out)], out / checkpoint)
+    assert (out / checkpoint).is_dir() and not (out / final).exists()  # killed mid-run
+    with fresh_accelerate():
+        assert main(base[3:] + ["--output_dir", str(out), "--resume", "latest"]) == 0
+    return ref, out
+
+
+def _killed_fork(command: list[str], checkpoint: Path) -> None:
+    """``command``'s ``main`` in a child forked from this process, which stops itself (SIGSTOP) once it has
+    written ``checkpoint``; then kill -9."""
+    import signal
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            from diffsynth_qie.cli import main
+            from diffsynth_qie.training import checkpoint as ckpt
+
+            _output_to(os.open(os.devnull, os.O_WRONLY))
+            save = ckpt.save_checkpoint
+
+            def save_then_stop(*args, **kwargs):
+                path = save(*args, **kwargs)
+                if Path(path).resolve() == checkpoint.resolve():
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                return path
+
+            ckpt.save_checkpoint = save_then_stop
+            with fresh_accelerate():
+                code = main(command[3:])
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, os.WUNTRACED)  # returns once the child stopped (or ended)
+    os.kill(pid, signal.SIGKILL)
+    if os.WIFSTOPPED(status):
+        os.waitpid(pid, 0)
+
+
+def _output_to(fd: int) -> None:
+    """In a forked child: its output, at the file-descriptor and at Python's level (pytest's capture replaces
+    ``sys.stdout``/``sys.stderr``), and its log handlers' streams go to ``fd``."""
+    import logging
+
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(fd, "w", buffering=1, closefd=False)
+    for handler in logging.root.handlers + logging.getLogger("diffsynth_qie").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setStream(sys.stderr)
+
+
+def _killed_process(command: list[str], checkpoint: Path) -> None:
+    """``command`` as a fresh Python process, killed -9 once ``checkpoint`` exists."""
+    import signal
+    import subprocess
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not (out / checkpoint).is_dir() and proc.poll() is None and time.monotonic() < deadline:
+    while not checkpoint.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert (out / checkpoint).is_dir() and not (out / final).exists()  # killed mid-run
-    subprocess.run(base + ["--output_dir", str(out), "--resume", "latest"], check=True, env=env, capture_output=True)
-    return ref, out
 
 
 def cache_demo21(tiny21_dir, tmp_path_factory, seed: int, name: str) -> Path:
@@ -280,3 +334,54 @@ def pytest_collection_modifyitems(config, items):
         return item.path not in slow_files, first.get(item.path.name, len(first))
 
     items.sort(key=order)  # stable: the rest keep the collection order
+
+
+def forked_ranks(argv: list[str], world_size: int, logs: Path, timeout: float = 300) -> None:
+    """``qie`` ``argv`` (``main``) as a real ``world_size``-process torch.distributed run (gloo on CPU) whose ranks
+    are children forked from this process, with the variables torchrun gives its workers: the ranks inherit this
+    process's imports instead of each paying them. Each rank's output goes to ``logs/rank<i>.log``; every rank
+    must exit 0 within ``timeout`` seconds."""
+    import signal
+    import time
+
+    from diffsynth_qie.ui.running import free_port
+
+    logs.mkdir(parents=True, exist_ok=True)
+    port, pids = free_port(), []
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:  # a rank: never returns into pytest
+            code = 1
+            try:
+                from diffsynth_qie.cli import main
+
+                log = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                _output_to(log)
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                                  LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                with fresh_accelerate():
+                    code = main(argv)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    deadline, codes = time.monotonic() + timeout, {}
+    while len(codes) < world_size and time.monotonic() < deadline:
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    for rank, pid in enumerate(pids):
+        if rank not in codes:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    tails = "\n".join(f"--- rank {r}\n" + (logs / f"rank{r}.log").read_text()[-3000:] for r in range(world_size))
+    assert codes == {r: 0 for r in range(world_size)}, f"exit codes {codes} (missing: timed out)\n{tails}"

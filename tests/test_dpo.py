@@ -264,7 +264,8 @@ def test_dpo_training_resumes_exactly_after_a_kill(preference_cache, tiny_model_
             "--cache_dir", str(preference_cache), "--loss", "dpo", "--dpo_beta", "500", "--batch_size", "2",
             "--max_steps", "6", "--save_every", "2", "--mixed_precision", "no", "--device", "cpu",
             "--lora_rank", "4", "--learning_rate", "1e-3", "--no_preflight"]
-    ref, out = kill_and_resume(base, tmp_path, "checkpoint-2", "lora.safetensors")
+    # the one kill-and-resume test whose killed run is a fresh `python -m diffsynth_qie.cli train` process
+    ref, out = kill_and_resume(base, tmp_path, "checkpoint-2", "lora.safetensors", separate=True)
     a, b = load_file(str(out / "lora.safetensors")), load_file(str(ref / "lora.safetensors"))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-8) for k in a)
     records = [[json.loads(line) for line in (d / "loss.jsonl").read_text().splitlines() if '"loss"' in line]

@@ -1,10 +1,12 @@
 """Two-process DDP on CPU (gloo) through `torchrun -m diffsynth_qie.cli train`: sharded data, barriers, resume.
 
-A run of 4 optimizer steps (2 micro-batches each, a checkpoint every 2) is the reference; a
+A run of 4 optimizer steps (2 micro-batches each, a checkpoint every 2) through torchrun is the reference; a
 second run resumes from its ``checkpoint-2`` into another directory and must log the same
 losses for steps 3 and 4 (the loss is averaged over both ranks, so each rank's data
 position, σ/noise seeds and the shared optimizer state must all be restored). torchrun
-rather than ``accelerate launch``: accelerate needs MPI for multi-process CPU runs.
+rather than ``accelerate launch``: accelerate needs MPI for multi-process CPU runs. The resumed and the on-the-fly
+runs are two-process runs too, their ranks forked from the test process with torchrun's variables
+(conftest.forked_ranks): the same process group and ``qie train`` main, without each rank importing torch anew.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-from conftest import curve_script, free_port  # noqa: E402  (tests/assets/make_train_loss_curve.py)
+from conftest import curve_script, forked_ranks, free_port  # noqa: E402  (tests/assets/make_train_loss_curve.py)
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +59,8 @@ def test_ddp_two_processes_train_and_resume_exactly(ddp_reference, cache_dir, ti
     ref_log = read_loss_log(ref / "loss.jsonl")
     assert [r["step"] for r in ref_log] == [1, 2, 3, 4]
 
-    torchrun(["--cache_dir", str(cache_dir), *_common(tiny_model_dir), "--output_dir", str(resumed), "--resume",
-              str(ref / "checkpoint-2")], port=free_port())
+    forked_ranks(["train", "--cache_dir", str(cache_dir), *_common(tiny_model_dir), "--output_dir", str(resumed),
+                  "--resume", str(ref / "checkpoint-2")], 2, tmp_path / "logs")
     log = read_loss_log(resumed / "loss.jsonl")
     assert [r["step"] for r in log] == [3, 4]
     assert [r["loss"] for r in log] == pytest.approx([r["loss"] for r in ref_log[2:]], rel=1e-6, abs=1e-7)
@@ -72,9 +74,9 @@ def test_ddp_on_the_fly_each_rank_encodes_its_share_with_the_cached_numbers(ddp_
     from diffsynth_qie.training.tracking import read_loss_log
 
     live = tmp_path / "live"
-    torchrun(["--on_the_fly", "--dataset_metadata", str(Path(demo_data_dir) / "metadata.json"), "--max_pixels",
-              str(curve_script.CACHE_MAX_PIXELS), *_common(tiny_model_dir), "--output_dir", str(live)],
-             port=free_port())
+    forked_ranks(["train", "--on_the_fly", "--dataset_metadata", str(Path(demo_data_dir) / "metadata.json"),
+                  "--max_pixels", str(curve_script.CACHE_MAX_PIXELS), *_common(tiny_model_dir), "--output_dir",
+                  str(live)], 2, tmp_path / "logs")
     got, ref = read_loss_log(live / "loss.jsonl"), read_loss_log(ddp_reference / "loss.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
