@@ -192,6 +192,36 @@ def test_the_duplicate_pass_is_near_linear():
         assert time.process_time() - start < 6.0, f"{n} rows, flat hashes: {flat}"
 
 
+def test_the_fast_measures_are_numpy_s_numbers_bit_for_bit():
+    """The cell means are numpy's ``reshape(...).mean(axis=(1, 3))`` to the bit (any cell size, a row of cells,
+    a strided channel, three channels at once), and block motion transforms only the textured blocks: theirs are
+    the numbers of transforming every block, the flat ones have no shift and no peak."""
+    from diffsynth_qie.data.check_align import MIN_TEXTURE, _pool, block_motion, fit_motion
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        h, w = (int(v) for v in rng.integers(8, 260, 2))
+        f = int(rng.integers(1, 14)) if trial % 3 else max(1, min(h, w) // 32)
+        a = (rng.integers(0, 256, (h, w, 3)) / 255.0).astype(np.float32)
+        for g in (a[..., 1], a @ np.array([0.299, 0.587, 0.114], np.float32)):
+            hh, ww = h // f * f, w // f * f
+            ref = g[:hh, :ww].reshape(hh // f, f, ww // f, f).mean(axis=(1, 3))
+            assert _pool(g, f).tobytes() == ref.tobytes(), (h, w, f)
+        assert _pool(a, f).tobytes() == np.stack([_pool(a[..., c], f) for c in range(3)], -1).tobytes()
+    base = np.full((160, 224), 0.8, np.float32)
+    base[40:120, 60:200] = rng.random((80, 140)).astype(np.float32) * np.linspace(0, 0.3, 140, dtype=np.float32)
+    for gs, gt in ((base, np.roll(base, (2, -3), (0, 1))), (base, base[::-1].copy())):
+        some, every = block_motion(gs, gt), block_motion(gs, gt, min_texture=-1.0)
+        judged = some["texture"] > MIN_TEXTURE
+        assert 0 < judged.sum() < len(judged) and (every["texture"] == some["texture"]).all()
+        assert some["shift"][judged].tobytes() == every["shift"][judged].tobytes()
+        assert some["peak"][judged].tobytes() == every["peak"][judged].tobytes()
+        assert not some["shift"][~judged].any() and not some["peak"][~judged].any()
+        assert fit_motion(some) == fit_motion(every)
+    with pytest.raises(ValueError, match="min_texture"):
+        fit_motion(some, min_texture=0.01)
+
+
 def test_the_page_stays_bounded_and_counts_every_flagged_row(tmp_path):
     from diffsynth_qie.data.check import RowCheck
     from diffsynth_qie.data.check_report import write_outputs

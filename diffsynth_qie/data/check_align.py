@@ -1,7 +1,8 @@
 """``qie check-dataset``'s measurements of one pair, vectorised over numpy arrays at the working size.
 
-- :func:`block_motion`: phase correlation of every block of a grid at once (one batched FFT; a Hann window per
-  block; sub-pixel peaks), each block's shift, peak height and texture;
+- :func:`block_motion`: phase correlation of the textured blocks of a grid (batched FFTs; a Hann window per
+  block; sub-pixel peaks), each block's shift, peak height and texture (a flat block is not transformed: it says
+  nothing of motion, and :func:`fit_motion` leaves it out);
 - :func:`fit_motion`: the global motion those shifts agree on, ``d = t + a·(p − c)`` (a shift ``t`` and a zoom
   ``k = 1 / (1 − a)`` about the centre), fitted robustly (every one- and two-block hypothesis scored by its
   inliers, the best refitted on them) over the blocks that did not change: flat blocks and blocks inside the
@@ -24,6 +25,7 @@ from PIL import Image, ImageFilter
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)
 THUMB_SIDE = 16                      # the duplicate pass's thumbnails: THUMB_SIDE² grey pixels
 THUMB_MAX_DIFF, THUMB_MEAN_DIFF = 10, 2.5  # two thumbnails of one picture differ at most this much per pixel, on average
+MIN_TEXTURE = 0.02                   # blocks flatter than this (grey level standard deviation) say nothing of motion
 
 
 def gray(a: np.ndarray) -> np.ndarray:
@@ -43,10 +45,12 @@ def _hann2(b: int) -> np.ndarray:
     return window
 
 
-def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None) -> dict:
+def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None, min_texture: float = MIN_TEXTURE
+                 ) -> dict:
     """Per block of a half-overlapping grid: ``centre`` (y, x; from the image centre), ``shift`` (dy, dx: where
     the source block's content is in the target), ``peak`` (the phase correlation's height, 1 for equal
-    blocks) and ``texture`` (the lower of the two blocks' standard deviations)."""
+    blocks) and ``texture`` (the lower of the two blocks' standard deviations). Only the blocks with a texture
+    above ``min_texture`` are transformed (:func:`fit_motion` judges no other): the others' shift and peak are 0."""
     h, w = gs.shape
     b = block or block_side(h, w)
     ys, xs = np.arange(0, h - b + 1, b // 2), np.arange(0, w - b + 1, b // 2)
@@ -55,24 +59,32 @@ def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None) ->
     gy, gx = (g.ravel() for g in np.meshgrid(np.arange(len(ys)), np.arange(len(xs)), indexing="ij"))
     # (a few blocks at a time: each block's numbers are the same, and the transforms' arrays stay small enough for
     # the allocator to reuse; a 49-block rfft2 alone took 2.1 ms with its fresh pages faulted in, 0.75 ms in chunks)
-    step = max(1, BLOCK_CHUNK // (2 * b * b))  # (a step transforms its source and target blocks together)
-    parts = [_phase_peaks(vs[gy[i:i + step], gx[i:i + step]], vt[gy[i:i + step], gx[i:i + step]], b)
-             for i in range(0, len(gy), step)]
-    dy, dx, peak, texture = (np.concatenate(p) for p in zip(*parts))
+    step = max(1, BLOCK_CHUNK // (2 * b * b))  # (a step holds its source and target blocks together)
+    texture = np.concatenate([_texture(vs[gy[i:i + step], gx[i:i + step]], vt[gy[i:i + step], gx[i:i + step]])
+                              for i in range(0, len(gy), step)])
+    judged = np.flatnonzero(texture > min_texture)  # (flat blocks, most of a plain background, are not transformed)
+    dy, dx, peak = np.zeros(len(gy)), np.zeros(len(gy)), np.zeros(len(gy), np.float32)
+    for i in range(0, len(judged), step):
+        at = judged[i:i + step]
+        dy[at], dx[at], peak[at] = _phase_peaks(vs[gy[at], gx[at]], vt[gy[at], gx[at]], b)
     cy, cx = np.meshgrid(ys + b / 2 - h / 2, xs + b / 2 - w / 2, indexing="ij")
     return {"centre": np.stack([cy.ravel(), cx.ravel()], 1), "shift": np.stack([dy, dx], 1), "peak": peak,
-            "texture": texture, "block": b, "starts": (ys, xs)}
+            "texture": texture, "block": b, "starts": (ys, xs), "min_texture": min_texture}
 
 
-BLOCK_CHUNK = 16 * 32 * 32  # pixels of the blocks (source and target) :func:`block_motion` transforms at once
+BLOCK_CHUNK = 16 * 32 * 32  # pixels of the blocks (source and target) :func:`block_motion` holds at once
+
+
+def _texture(bs: np.ndarray, bt: np.ndarray) -> np.ndarray:
+    """The lower of the standard deviations of each of the ``[n, b, b]`` blocks ``bs`` and its ``bt``."""
+    sd = np.concatenate([bs, bt]).std(axis=(1, 2))  # (each block's own sum: the same numbers in any batch)
+    return np.minimum(sd[:len(bs)], sd[len(bs):])
 
 
 def _phase_peaks(bs: np.ndarray, bt: np.ndarray, b: int) -> tuple[np.ndarray, ...]:
-    """``dy``, ``dx``, ``peak`` and ``texture`` of :func:`block_motion` for the ``[n, b, b]`` blocks ``bs``, ``bt``."""
+    """``dy``, ``dx`` and ``peak`` of :func:`block_motion` for the ``[n, b, b]`` blocks ``bs``, ``bt``."""
     n = len(bs)
     both = np.concatenate([bs, bt])  # (one call per step for the two sides: each block's numbers are its own)
-    sd = both.std(axis=(1, 2))
-    texture = np.minimum(sd[:n], sd[n:])
     f = np.fft.rfft2((both - both.mean(axis=(1, 2), keepdims=True)) * _hann2(b))
     fa, fb = f[:n], f[n:]
     cross = fb * np.conj(fa)
@@ -89,7 +101,7 @@ def _phase_peaks(bs: np.ndarray, bt: np.ndarray, b: int) -> tuple[np.ndarray, ..
 
     dy = ((py + b // 2) % b - b // 2) + sub(corr[rows, (py - 1) % b, px], corr[rows, (py + 1) % b, px])
     dx = ((px + b // 2) % b - b // 2) + sub(corr[rows, py, (px - 1) % b], corr[rows, py, (px + 1) % b])
-    return dy, dx, peak, texture
+    return dy, dx, peak
 
 
 @dataclass
@@ -102,10 +114,13 @@ class Motion:
     aligned: bool         # the identity explains the pair (nearly) as well as any motion
 
 
-def fit_motion(m: dict, keep: Optional[np.ndarray] = None, min_texture: float = 0.02, min_peak: float = 0.15,
+def fit_motion(m: dict, keep: Optional[np.ndarray] = None, min_texture: float = MIN_TEXTURE, min_peak: float = 0.15,
                tol: float = 0.6) -> Motion:
     """The global motion the judged blocks agree on (see the module's doc). ``keep``: blocks allowed (e.g. those
     outside the mask); ``tol``: a block's residual, working px, that still counts as explained."""
+    if min_texture < m["min_texture"]:
+        raise ValueError(f"fit_motion: min_texture {min_texture} is below the {m['min_texture']} block_motion "
+                         "transformed the blocks from: measure them with block_motion(..., min_texture) at most that")
     textured = m["texture"] > min_texture
     if keep is not None:
         textured &= keep
@@ -208,8 +223,41 @@ def dilate(mask: np.ndarray, px: int) -> np.ndarray:
 
 
 def _pool(g: np.ndarray, f: int) -> np.ndarray:
+    """The means of ``g``'s ``f`` x ``f`` cells (``HxW`` or ``HxWxC``, each channel on its own), with the sums in
+    the order numpy's ``reshape(h // f, f, w // f, f).mean(axis=(1, 3))`` of one channel adds them (the same
+    float32 numbers, several times faster: a small multi-axis reduction costs far more)."""
     h, w = g.shape[0] // f * f, g.shape[1] // f * f
-    return g[:h, :w].reshape(h // f, f, w // f, f).mean(axis=(1, 3))
+    if h // f < 2 or w // f < 2 or f > 128:  # (one row or column of cells, or long rows: numpy orders those otherwise)
+        if g.ndim == 3:
+            return np.stack([_pool(g[..., c], f) for c in range(g.shape[2])], -1)
+        return g[:h, :w].reshape(h // f, f, w // f, f).mean(axis=(1, 3))
+    v = g[:h, :w].reshape(h // f, f, w // f, f, *g.shape[2:])
+    rows = _reduce_add(v, 3)  # (each cell row's sum, as numpy's pairwise loop adds a row)
+    total = rows[:, 0]
+    for k in range(1, f):  # (then the rows one after another)
+        total = total + rows[:, k]
+    return total / np.float32(f * f)
+
+
+def _reduce_add(v: np.ndarray, axis: int) -> np.ndarray:
+    """``np.add.reduce`` of float ``v`` along a short ``axis`` in the order of numpy's pairwise loop (below 8 items
+    one after another; from 8 on, eight running sums added pairwise, then the rest), vectorised over the others."""
+    def at(k):
+        return v[(slice(None),) * axis + (k,)]
+
+    n = v.shape[axis]
+    if n < 8:
+        acc = at(0)
+        for k in range(1, n):
+            acc = acc + at(k)
+        return acc
+    r = [at(k) for k in range(8)]
+    for i in range(8, n - n % 8, 8):
+        r = [r[k] + at(i + k) for k in range(8)]
+    acc = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    for k in range(n - n % 8, n):
+        acc = acc + at(k)
+    return acc
 
 
 def structure(gs: np.ndarray, gt: np.ndarray) -> float:
@@ -251,10 +299,7 @@ def coarse_change(s: np.ndarray, t: np.ndarray, threshold: float = 0.1) -> float
     """The share of 8x8-pooled cells whose largest channel difference is over ``threshold``: re-encoding
     noise averages out, an edit does not."""
     f = max(1, min(s.shape[:2]) // 32)
-    d = np.abs(_pool(s[..., 0], f) - _pool(t[..., 0], f))
-    for c in (1, 2):
-        d = np.maximum(d, np.abs(_pool(s[..., c], f) - _pool(t[..., c], f)))
-    return float((d > threshold).mean())
+    return float((_channel_max(np.abs(_pool(s, f) - _pool(t, f))) > threshold).mean())
 
 
 def thumbs_match(a: bytes, b: bytes, max_diff: int = THUMB_MAX_DIFF, mean_diff: float = THUMB_MEAN_DIFF) -> bool:
