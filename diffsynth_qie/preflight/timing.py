@@ -107,9 +107,12 @@ def predict_edit(preset, steps: int, cfg_scale: float, gpu: Optional[str] = None
     from .edit_step import verify_edit
 
     table = gpu_table(gpu)
-    reports = [verify_edit(preset, steps=min(steps, EDIT_STEPS_RUN), cfg=cfg_scale, num_layers=n, costs=True,
-                           **edit_args) for n in DEPTHS]
-    profile = step_profile(reports, full_depth(preset))
+    # the encode section is the same at every depth: the deeper run counts it, the shallower one skips the
+    # language model's pass (most of its host time)
+    shallow, deep = (verify_edit(preset, steps=min(steps, EDIT_STEPS_RUN), cfg=cfg_scale, num_layers=n, costs=True,
+                                 prompt_pass=n == DEPTHS[-1], **edit_args) for n in DEPTHS)
+    shallow.costs = shallow.costs.with_sections(deep.costs, ("encode",))
+    profile = step_profile([shallow, deep], full_depth(preset))
     estimate = edit_estimate(profile, table, steps, min(steps, EDIT_STEPS_RUN))
     return TimePrediction(estimate, table, what=f"edit ({steps} steps, CFG {cfg_scale:g}), per image")
 
