@@ -90,7 +90,8 @@ def log_time(args, options, verified=None) -> None:
     else:
         prediction = predict_edit(get_preset(args.model), steps, cfg, table.key, resolution=options.resolution,
                                   ref_images=max(1, options.ref_images), prompt_tokens=options.prompt_tokens,
-                                  kv_cache=options.kv_cache == "on", load=load)
+                                  kv_cache=options.kv_cache == "on", load=load,
+                                  deep=verified.deep_costs if verified is not None else None)
     log.info("%s", prediction.line())
 
 

@@ -33,6 +33,7 @@ class FakeRun:
     notes: list = field(default_factory=list)
     profile: object = None  # the whole DiT's counted kernels (fakegpu.costs.Profile; None with --verify_blocks)
     steps_run: int = 0      # an edit's denoising steps run
+    deep_costs: object = None  # an edit's counted kernels at the time prediction's deeper depth (--verify_blocks 2)
 
 
 def train_config(args, options):
@@ -220,18 +221,30 @@ def _run_edit(args, options, family) -> FakeRun:
                     lora_ranks=tuple(r for r in options.lora_ranks if r))  # each stacked LoRA its own branches
     r = verify_edit(preset, resolution=options.resolution, ref_images=max(1, options.ref_images),
                     prompt_tokens=options.prompt_tokens, steps=args.edit_steps, cfg=cfg, num_layers=args.verify_blocks,
-                    kv_cache=options.kv_cache == "on", load=load, costs=_counts(args), cache=args.cache,
-                    cache_method=args.cache_method, cache_threshold=args.cache_threshold)
+                    kv_cache=options.kv_cache == "on", load=load, costs=_counts(args) or _timing_depth(args, family),
+                    cache=args.cache, cache_method=args.cache_method, cache_threshold=args.cache_threshold)
     rows = [("weights", r.weights)] + [(f"{k} peak", getattr(r, f"{k}_peak")) for k in ("encode", "denoise", "decode")]
     if r.kv_cache:
         rows.append(("prefix KV caches", r.kv_cache))
     phase = max(rows[1:4], key=lambda kv: kv[1])[0].replace(" peak", "")
     peak = max(b for name, b in rows if name.endswith("peak"))
     cached = f", step cache {args.cache}: {r.cache_skipped} of {r.cache_calls} calls reused" if r.cache_calls else ""
+    whole = _counts(args)
     return FakeRun(f"one edit ({args.edit_steps} steps, CFG {cfg:g}{cached})", rows, f"edit: {phase}", peak,
-                   r.weights, r.seconds, profile=r.costs, steps_run=args.edit_steps)
+                   r.weights, r.seconds, profile=r.costs if whole else None, steps_run=args.edit_steps,
+                   deep_costs=None if whole else r.costs)
 
 
 def _counts(args) -> bool:
     """Whether the run counts its kernels for the time prediction (the whole DiT, and time asked for)."""
     return not (args.verify_blocks or getattr(args, "no_time", False))
+
+
+def _timing_depth(args, family) -> bool:
+    """Whether the edit run is the time prediction's deeper run as it stands (its depth, its steps, no step
+    cache): its counted kernels are then that run's (``preflight/timing.predict_edit``)."""
+    from ..preflight.timing import DEPTHS, EDIT_STEPS_RUN
+
+    steps = getattr(args, "steps", None) or family.default_steps
+    return (args.verify_blocks == DEPTHS[-1] and args.edit_steps == min(steps, EDIT_STEPS_RUN)
+            and args.cache == "off" and not getattr(args, "no_time", False))

@@ -99,6 +99,18 @@ class Profile:
         per_block = deeper.combine(self, -1.0)
         return self.combine(per_block, (blocks - depths[0]) / (depths[1] - depths[0]))
 
+    def with_sections(self, other: "Profile", sections: tuple) -> "Profile":
+        """This profile with the kernels of ``sections`` taken from ``other`` (a run that counted them the same),
+        in their place (the groups' order is the order sums over them are made in)."""
+        groups: dict = {}
+        for key, g in self.groups.items():
+            if key[0] not in sections:
+                groups[key] = g.scaled(1.0)
+            elif not any(k[0] in sections for k in groups):
+                groups.update({k: o.scaled(1.0) for k, o in other.groups.items() if k[0] in sections})
+        groups.update({k: o.scaled(1.0) for k, o in other.groups.items() if k[0] in sections and k not in groups})
+        return Profile(groups, Counter(self.frames))
+
     def to_json(self) -> dict:
         return {"groups": [[s, k, list(key) if isinstance(key, tuple) else key, g.count, g.flops, g.bytes]
                            for (s, k, key), g in self.groups.items() if g.count]}

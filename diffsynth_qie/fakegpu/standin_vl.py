@@ -15,8 +15,9 @@ family's ops: the VAE encode, the white latents and everything around them run a
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -105,14 +106,36 @@ def build_encoders(fc, family, dtype: torch.dtype, device: str, preset=None):
     preset's own (its builder module's ``tiny_encoders``)."""
     import importlib
 
-    with fc.build(dtype, device):
+    with fc.build(dtype, device), transformers_built_in(dtype):
         if preset is not None and preset.is_tiny:
             te, vae = importlib.import_module(preset.provider.partition(":")[0]).tiny_encoders()
         else:
             te, vae = family.component_type("text_encoder")(), family.component_type("vae")()
-        # DiffSynth's loader casts every weight to the pipeline's dtype (transformers builds some in fp32)
+        # DiffSynth's loader casts every weight to the pipeline's dtype (here only the buffers transformers keeps
+        # in fp32 are left to cast: the weights were built in ``dtype``)
         te, vae = te.to(dtype=dtype), vae.to(dtype=dtype)
     return te, vae
+
+
+@contextlib.contextmanager
+def transformers_built_in(dtype: torch.dtype) -> Iterator[None]:
+    """transformers models built inside (their sub-models' ``_from_config``) take ``dtype`` instead of their
+    config's ``torch_dtype``: Qwen-Image-Edit's Qwen2.5-VL config says float32, and each of its ~730 weights
+    built in float32 on the fake device and then cast one by one to ``dtype`` costs seconds of host time for
+    the same bf16 weights DiffSynth's loader ends with. A caller's own ``dtype=`` is kept."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["_from_config"]
+
+    def from_config(cls, config, **kwargs):
+        kwargs.setdefault("dtype", dtype)
+        return original.__func__(cls, config, **kwargs)
+
+    PreTrainedModel._from_config = classmethod(from_config)
+    try:
+        yield
+    finally:
+        PreTrainedModel._from_config = original
 
 
 def build_vae(fc, family, dtype: torch.dtype, device: str, preset=None):

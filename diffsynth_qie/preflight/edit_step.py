@@ -83,7 +83,7 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
                 lbm_steps: Optional[int] = None, num_layers: Optional[int] = None, *, kv_cache: bool = True,
                 cache: str = "off", cache_method: Optional[str] = None, cache_threshold: Optional[float] = None,
                 request: Optional[EditRequest] = None, load: Optional[EditLoad] = None,
-                costs: bool = False, again: bool = False) -> EditVerifyReport:
+                costs: bool = False, again: bool = False, prompt_pass: bool = True) -> EditVerifyReport:
     """Run one edit on the fake device; the peak of live device bytes per phase. ``steps`` denoising steps
     (every step has the same peak; 2 shows it), ``num_layers`` a shallower DiT (the preflight, tests).
 
@@ -92,7 +92,9 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
     ``costs``: count each kernel's cost (``report.costs``, sections encode, denoise (the first step),
     denoise_next (the steps after it) and decode). ``again``: the UI's loop, after the edit: the LoRAs switched
     to other files (copies of the same) and a second edit with the next seed, whose device memory still held
-    after it must not exceed the first's (``edit_again.py``)."""
+    after it must not exceed the first's (``edit_again.py``). ``prompt_pass=False``: the prompt's embedding is
+    made without the language model's pass (the time prediction's shallower run: the deeper run counts the
+    encode section, which is the same at every depth)."""
     if request is None:
         image = Image.new("RGB", (resolution, resolution), (128, 128, 128))
         request = EditRequest(images=[image] * max(1, ref_images), prompt="edit", steps=steps, cfg=cfg,
@@ -103,11 +105,11 @@ def verify_edit(preset, resolution: int = 1024, ref_images: int = 1, prompt_toke
         load = EditLoad(fp8_base=fp8_base, blocks_to_swap=blocks_to_swap, lora_ranks=(lora_rank,) if lora_rank else ())
     with tempfile.TemporaryDirectory(prefix="qie-preflight-") as tmp:
         return _run(preset, dataclasses.replace(request, progress=None), load, prompt_tokens, num_layers, costs,
-                    again, Path(tmp))
+                    again, Path(tmp), prompt_pass)
 
 
 def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
-         num_layers: Optional[int], costs: bool, again: bool, tmp: Path) -> EditVerifyReport:
+         num_layers: Optional[int], costs: bool, again: bool, tmp: Path, prompt_pass: bool) -> EditVerifyReport:
     from ..memory.census import build_dit
     from ..fakegpu.standin_vl import build_encoders
     from ..models.presets import family_of
@@ -136,6 +138,7 @@ def _run(preset, request: EditRequest, load: EditLoad, prompt_tokens: int,
         fc.register(te), fc.register(vae), fc.register(pipe.dit)  # before the swapper evicts blocks
         editor = FakeEditor(pipe, blocks_to_swap=load.blocks_to_swap, zero_cond_t=load.zero_cond_t,
                             lora_merge=load.lora_merge)
+        editor.language_model_runs = prompt_pass
         if load.compile:  # (qie edit compiles the blocks before it attaches the LoRAs)
             from ..models.load.compile import compile_blocks
 

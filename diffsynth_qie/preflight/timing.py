@@ -99,17 +99,25 @@ def timing_runs(cfg, preset, shapes, depths: tuple = DEPTHS) -> list:
             for n in depths]
 
 
-def predict_edit(preset, steps: int, cfg_scale: float, gpu: Optional[str] = None, **edit_args) -> TimePrediction:
+def predict_edit(preset, steps: int, cfg_scale: float, gpu: Optional[str] = None, deep=None,
+                 **edit_args) -> TimePrediction:
     """Seconds per image of an edit at ``steps`` denoising steps and CFG ``cfg_scale`` on ``gpu``: the text and
     reference encoding, the first step (which fills a prefix KV cache) and the decode once, the steps after it
-    ``steps - 1`` times."""
+    ``steps - 1`` times. ``deep``: the counted kernels of the deeper run already made (``qie plan --verify
+    --verify_blocks 2``'s edit, the same run)."""
     from ..fakegpu.timemodel import gpu_table
     from .edit_step import verify_edit
 
     table = gpu_table(gpu)
-    reports = [verify_edit(preset, steps=min(steps, EDIT_STEPS_RUN), cfg=cfg_scale, num_layers=n, costs=True,
-                           **edit_args) for n in DEPTHS]
-    profile = step_profile(reports, full_depth(preset))
+    # the encode section is the same at every depth: the deeper run counts it, the shallower one skips the
+    # language model's pass (most of its host time)
+    def counted(n: int):
+        return verify_edit(preset, steps=min(steps, EDIT_STEPS_RUN), cfg=cfg_scale, num_layers=n, costs=True,
+                           prompt_pass=n == DEPTHS[-1], **edit_args).costs
+
+    shallow = counted(DEPTHS[0])
+    deep = deep if deep is not None else counted(DEPTHS[-1])
+    profile = shallow.with_sections(deep, ("encode",)).scaled_to(deep, DEPTHS, full_depth(preset))
     estimate = edit_estimate(profile, table, steps, min(steps, EDIT_STEPS_RUN))
     return TimePrediction(estimate, table, what=f"edit ({steps} steps, CFG {cfg_scale:g}), per image")
 

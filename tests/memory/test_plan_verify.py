@@ -79,15 +79,27 @@ def test_a_fake_device_error_is_one_line_not_a_traceback(capfd, monkeypatch):
     assert "at diffsynth_qie/preflight/train_step.py:" in line  # the package's frame that called the planted code
 
 
-def test_qwen_image_21_training_and_editing_are_verified(capfd):
+def test_qwen_image_21_training_and_editing_are_verified(capfd, monkeypatch):
+    from diffsynth_qie.preflight import edit_step
+
     rc, text = _run(capfd, "--model", "2.1", *FAST, *NO_TIME)  # (its counted steps: test_speed_guard.py)
     assert rc == 0, text
     assert "memory verdict: training step (steady state)" in text
+    runs, verify_edit = [], edit_step.verify_edit
+
+    def counted(*args, **kwargs):
+        runs.append((kwargs.get("num_layers"), bool(kwargs.get("costs")), kwargs.get("prompt_pass", True)))
+        return verify_edit(*args, **kwargs)
+
+    monkeypatch.setattr(edit_step, "verify_edit", counted)
     rc, text = _run(capfd, "--model", "2.1", "--task", "edit", "--ref_images", "3", *FAST)
     assert rc == 0, text
     assert "prefix KV caches" in text and "encode peak" in text and "decode peak" in text  # the whole edit
     assert "memory verdict: edit: " in text
     assert "predicted edit (" in text and "), per image: " in text  # the time beside the verified edit
+    # the verified 2-block edit is the time prediction's deeper run: counted there, not run again; the 1-block
+    # run skips the prompt's language model pass (the encode is the same at both depths)
+    assert runs == [(2, True, True), (1, True, False)]
 
 
 def test_the_21_kv_cache_is_what_breaks_the_plan_without_its_term(capfd, monkeypatch):

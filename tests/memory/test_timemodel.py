@@ -80,6 +80,41 @@ def test_two_depths_scale_to_the_whole_dit():
     assert Profile.from_json(full.to_json()).groups == full.groups
 
 
+def test_a_section_counted_by_the_deeper_run_replaces_the_shallower_runs_in_place():
+    """(An edit's encode is the same at both depths: the shallower run skips the language model's pass.)"""
+    skipped = Profile({("encode", "elementwise", "x"): Group(1, 0, 10), ("denoise", "elementwise", "x"): Group(3, 0, 30),
+                       ("decode", "gemm", "y"): Group(1, 2, 3)})
+    two = Profile({("encode", "elementwise", "x"): Group(4, 0, 40), ("encode", "gemm", "z"): Group(1, 5, 6),
+                   ("denoise", "elementwise", "x"): Group(5, 0, 50), ("decode", "gemm", "y"): Group(1, 2, 3)})
+    one = skipped.with_sections(two, ("encode",))
+    assert list(one.groups) == [("encode", "elementwise", "x"), ("encode", "gemm", "z"),
+                                ("denoise", "elementwise", "x"), ("decode", "gemm", "y")]  # sums keep their order
+    assert one.groups[("encode", "gemm", "z")] == Group(1, 5, 6) and one.groups[("denoise", "elementwise", "x")] \
+        == Group(3, 0, 30)
+    full = one.scaled_to(two, (1, 2), 60)
+    assert full.total(sections=("encode",)) == two.total(sections=("encode",))  # counted once, not per block
+    assert full.groups[("denoise", "elementwise", "x")] == Group(121, 0, 1210)
+    assert skipped.groups[("encode", "elementwise", "x")] == Group(1, 0, 10)  # (a new profile)
+
+
+def test_transformers_models_are_built_in_the_asked_dtype_whatever_their_config_says():
+    from transformers import Qwen2Config, Qwen2Model
+
+    from diffsynth_qie.fakegpu.standin_vl import transformers_built_in
+
+    def config():  # (``_from_config`` writes the dtype it built in into the config)
+        return Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, torch_dtype="float32")
+
+    with transformers_built_in(torch.bfloat16), torch.device("meta"):
+        built = Qwen2Model._from_config(config())
+        kept = Qwen2Model._from_config(config(), dtype=torch.float16)  # the caller's own dtype
+    assert {p.dtype for p in built.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in kept.parameters()} == {torch.float16}
+    with torch.device("meta"):
+        assert {p.dtype for p in Qwen2Model._from_config(config()).parameters()} == {torch.float32}  # restored
+
+
 def test_every_table_is_complete_and_slower_gpus_predict_longer_steps():
     known = tables()
     assert {"h200", "h100", "a100", "l40s", "rtx4090", "rtx5090"} <= set(known)
