@@ -207,9 +207,10 @@ def warm_python(folder: Path, preload: tuple[str, ...] = PRELOAD) -> Iterator[Pa
     process that imported ``preload``; yields the folder, stops the server at the end."""
     for name in preload:
         importlib.import_module(name)
-    from diffsynth_qie.cli import build_parser
+    if "diffsynth_qie.cli" in preload:
+        from diffsynth_qie.cli import build_parser
 
-    build_parser()  # every command module
+        build_parser()  # every command module
     (folder / "bin").mkdir(parents=True, exist_ok=True)
     sockets = Path(tempfile.mkdtemp(prefix="warm-python-"))  # short: a socket's path has at most 107 bytes
     address = str(sockets / "server.sock")
