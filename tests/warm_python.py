@@ -202,9 +202,10 @@ def _serve(listener: socket.socket) -> None:
 
 
 @contextlib.contextmanager
-def warm_python(folder: Path, preload: tuple[str, ...] = PRELOAD) -> Iterator[Path]:
-    """A folder laid out as a virtual environment (``bin/python``) whose python runs ``-m``/``-c`` in forks of a
-    process that imported ``preload``; yields the folder, stops the server at the end."""
+def warm_python(folder: Path, preload: tuple[str, ...] = PRELOAD, launches_warm: bool = True) -> Iterator[Path]:
+    """A folder laid out as a virtual environment (``bin/python``) whose python runs ``-m``/``-c``/scripts in forks
+    of a process that imported ``preload``; yields the folder, stops the server at the end. Without
+    ``launches_warm`` a run's ``sys.executable`` stays the real interpreter (a run that shows its own venv's path)."""
     for name in preload:
         importlib.import_module(name)
     if "diffsynth_qie.cli" in preload:
@@ -223,7 +224,8 @@ def warm_python(folder: Path, preload: tuple[str, ...] = PRELOAD) -> Iterator[Pa
     pid = os.fork()
     if pid == 0:
         try:
-            sys.executable = str(client)  # what a run starts its own Python processes with (launchers' workers)
+            if launches_warm:
+                sys.executable = str(client)  # what a run starts its own Python processes with (launchers' workers)
             _serve(listener)
         finally:
             os._exit(0)
