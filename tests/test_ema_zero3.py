@@ -4,14 +4,14 @@ checkpoint state round-trips through the partitions; validation's swap puts the 
 restores the trained weights after.
 
 Launches the shipped ``deepspeed_configs/zero3.json`` (persistence threshold lowered so the tiny tensors are
-partitioned) on CPU with gloo.
+partitioned) on CPU with gloo. torchrun and its two ranks run in the already imported python of
+tests/warm_python.py (a fresh torchrun is tests/test_train_ddp.py's).
 """
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -83,7 +83,8 @@ if acc.is_main_process:
 '''
 
 
-def test_ema_under_zero3_averages_partitions_and_saves_the_whole_average(cache_dir, tiny_model_dir, tmp_path):
+def test_ema_under_zero3_averages_partitions_and_saves_the_whole_average(cache_dir, tiny_model_dir, tmp_path,
+                                                                        warm_venv):
     ds = json.loads((ROOT / "deepspeed_configs" / "zero3.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
@@ -96,7 +97,7 @@ def test_ema_under_zero3_averages_partitions_and_saves_the_whole_average(cache_d
            "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "ds.json"),
            "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        [str(warm_venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          str(tmp_path / "driver.py"), str(cache_dir), str(out), str(tiny_model_dir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

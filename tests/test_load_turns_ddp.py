@@ -1,10 +1,10 @@
 """Two processes (gloo, torchrun) loading in turns: one fails in its turn, and both stop at once naming it,
-instead of the other waiting for the process group's timeout."""
+instead of the other waiting for the process group's timeout. torchrun and its two processes run in a python that has
+imported torch already (tests/warm_python.py; a fresh torchrun is tests/test_train_ddp.py's)."""
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,10 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 from conftest import free_port  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def torch_python(tmp_path_factory):
+    """``python`` (a path) whose runs start with torch, torchrun and the loading turns imported."""
+    from warm_python import warm_python
+
+    with warm_python(tmp_path_factory.mktemp("warm-torch"), preload=(
+            "torch", "torch.distributed.run", "diffsynth_qie.training.placement")) as folder:
+        yield str(folder / "bin" / "python")
+
+
 @pytest.mark.parametrize("failing", [0])  # process 1 waits for a turn that never ends
-def test_one_process_failing_its_turn_stops_both(failing):
+def test_one_process_failing_its_turn_stops_both(failing, torch_python):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "QIE_DIST_TIMEOUT_MIN": "10", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    cmd = [torch_python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "tests" / "assets" / "turns_worker.py"), str(failing)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -6,14 +6,14 @@ groups between steps), so a bare ``optimizer.eval()`` moves nothing the module u
 module weights, and moves them back after. This launches the shipped
 ``deepspeed_configs/zero3.json`` (gradient_clipping "auto": the trainer writes 0, required with this optimizer;
 persistence threshold lowered so the tiny tensors are partitioned) with a small driver that
-gathers the LoRA before, inside and after ``schedule_free_eval`` at the final save.
+gathers the LoRA before, inside and after ``schedule_free_eval`` at the final save. ``accelerate launch`` and its
+process run in the already imported python of tests/warm_python.py (a fresh one is tests/test_zero3.py's first run).
 """
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,7 +56,7 @@ loop.train(cfg)
 '''
 
 
-def test_schedule_free_average_reaches_the_module_under_zero3(cache_dir, tiny_model_dir, tmp_path):
+def test_schedule_free_average_reaches_the_module_under_zero3(cache_dir, tiny_model_dir, tmp_path, warm_venv):
     from safetensors.torch import load_file
 
     from diffsynth_qie.lora import load_lora_state, peft_state_dict
@@ -75,7 +75,7 @@ def test_schedule_free_average_reaches_the_module_under_zero3(cache_dir, tiny_mo
     out.mkdir()
     env = {**os.environ, "DIFFSYNTH_SKIP_DOWNLOAD": "True", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "acc.yaml"),
+        [str(warm_venv / "bin" / "python"), "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "acc.yaml"),
          "--num_cpu_threads_per_process", "1", "--main_process_port", str(free_port()), str(tmp_path / "driver.py"),
          str(cache_dir), str(out), str(tiny_model_dir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -80,8 +80,26 @@ def _fetch_image(src: str) -> Image.Image:
     return image
 
 
+@pytest.fixture(scope="module")
+def app_python(tmp_path_factory):
+    """The ``python`` that runs ``app_gradio.py``: one whose runs start with torch, DiffSynth and the UI's handlers
+    imported (tests/warm_python.py), not gradio, which reads GRADIO_TEMP_DIR when it is imported: the app still
+    imports it after setting that. This process's own python if it has imported gradio already. (tests/
+    test_ui_startup.py starts the app in a fresh python.)"""
+    if "gradio" in sys.modules:
+        yield sys.executable
+        return
+    from warm_python import PRELOAD, warm_python
+
+    with warm_python(tmp_path_factory.mktemp("warm-app"), preload=(
+            *PRELOAD, "diffsynth_qie.ui.handlers", "diffsynth_qie.ui.startup", "diffsynth_qie.ui.config"),
+            launches_warm=False) as folder:  # the app shows the `qie` command of its own venv
+        assert "gradio" not in sys.modules
+        yield str(folder / "bin" / "python")
+
+
 @pytest.fixture
-def server(tmp_path, tiny_model_dir):
+def server(tmp_path, tiny_model_dir, app_python):
     """The app on a free port: tiny model; a LoRA folder as a training run leaves it (its own lora.safetensors),
     plus an LBM run's LoRA and a Lightning LoRA; examples from the CPU demo's held-out rows (the default)."""
     lora_dir = tmp_path / "loras"
@@ -100,7 +118,7 @@ def server(tmp_path, tiny_model_dir):
              "--temp_dir", tmp_path / "ui-tmp", "--outputs_dir", tmp_path / "kept", "--sam_model", sam_dir]
     env = {"DIFFSYNTH_SKIP_DOWNLOAD": "True", "GRADIO_TEMP_DIR": str(tmp_path / "gradio-tmp")}
     # (waited for in _open, once Chromium is up: the two start side by side)
-    with running_app(flags, tmp_path / "server.log", env=env, wait=False) as app:
+    with running_app(flags, tmp_path / "server.log", env=env, wait=False, python=app_python) as app:
         yield app
 
 

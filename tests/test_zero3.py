@@ -42,17 +42,18 @@ def launcher_config(tmp: Path, num_processes: int) -> Path:
     return path
 
 
-def launch(config: Path, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def launch(config: Path, args: list[str], timeout: int = 600,
+           python: str = sys.executable) -> subprocess.CompletedProcess:
     env = {**os.environ, "DIFFSYNTH_SKIP_DOWNLOAD": "True", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+    cmd = [python, "-m", "accelerate.commands.launch", "--config_file", str(config),
            "--num_cpu_threads_per_process", "1", "--main_process_port", str(free_port()), "-m", "diffsynth_qie.cli", "train", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
 
-def test_zero3_trains_saves_a_loadable_lora_and_resumes(cache_dir, tiny_model_dir, tmp_path):
+def test_zero3_trains_saves_a_loadable_lora_and_resumes(cache_dir, tiny_model_dir, tmp_path, warm_venv):
     from diffsynth_qie.models.qwen_image_edit.forward import dit_forward
     from diffsynth_qie.models.load.loading import load_pipeline
     from diffsynth_qie.lora import apply_lora, load_lora_state
@@ -94,9 +95,10 @@ def test_zero3_trains_saves_a_loadable_lora_and_resumes(cache_dir, tiny_model_di
     assert any(not torch.equal(base[n], p) for n, p in pipe.dit.named_parameters())
 
     # resume 'latest' (DeepSpeed load_checkpoint, frozen weights excluded) of the finished run: nothing left to
-    # train, so the final LoRA is re-exported from the restored weights and must equal checkpoint-2's
+    # train, so the final LoRA is re-exported from the restored weights and must equal checkpoint-2's. The first run is
+    # a fresh `accelerate launch`; this one runs in the already imported python of tests/warm_python.py
     (out / "lora.safetensors").unlink()
-    launch(config, [*common, "--max_steps", "2", "--resume", "latest"])
+    launch(config, [*common, "--max_steps", "2", "--resume", "latest"], python=str(warm_venv / "bin" / "python"))
     from safetensors.torch import load_file
 
     restored, saved = load_file(str(out / "lora.safetensors")), load_file(str(ckpts[-1] / "lora.safetensors"))

@@ -5,8 +5,10 @@ torch; ..."``) spends ~10-12 s of CPU importing torch, DiffSynth and transformer
 that run the real launch scripts point ``QIE_VENV`` (or ``PY``) at :func:`warm_python`'s folder instead: its
 ``bin/python`` is a small client that hands its arguments, environment, working directory and standard streams to a
 server forked from the test process after the heavy imports; the server forks once more per run, and that child
-runs the module or code as ``python`` would (``__main__``, ``sys.argv``, exit status) and exits with its status.
-Anything else (a script path, other interpreter flags) runs the real interpreter.
+runs the module, code or script (``python [-u] SCRIPT.py``) as ``python`` would (``__main__``, ``sys.argv``, exit
+status) and exits with its status. Its ``sys.executable`` is the client, so the processes a launcher run this way starts
+(``accelerate launch`` and ``torchrun`` start theirs as ``sys.executable [-u] -m MODULE`` or ``SCRIPT.py``) are warm
+too. Anything else (other interpreter flags, multiprocessing's spawned children) runs the real interpreter.
 
 What a fresh interpreter does and a fork would not, the child does: the caller's environment, directory and
 streams, Python's default logging, warning and exception hooks, no accelerate state, no exit handlers of the test
@@ -37,11 +39,16 @@ PRELOAD = ("torch", "diffsynth.pipelines.qwen_image", "transformers.models.qwen2
 
 CLIENT = '''#!{python} -S
 import json, os, signal, socket, sys
-if sys.argv[1:2] not in (["-m"], ["-c"]):
+args = sys.argv[1:]
+if args[:1] == ["-u"]:  # what torchrun starts its workers with
+    args = args[1:]
+    os.environ["PYTHONUNBUFFERED"] = "1"
+script = args[:1] and not args[0].startswith("-") and args[0].endswith(".py") and os.path.isfile(args[0])
+if not (args[:1] in (["-m"], ["-c"]) or script) or "--multiprocessing-fork" in args:
     os.execv({python!r}, [{python!r}] + sys.argv[1:])
 s = socket.socket(socket.AF_UNIX)
 s.connect({address!r})
-request = json.dumps([sys.argv[1:], dict(os.environ), os.getcwd()]).encode()
+request = json.dumps([args, dict(os.environ), os.getcwd()]).encode()
 fds = []
 for fd in (0, 1, 2):  # a closed stream is /dev/null to the run
     try:
@@ -99,7 +106,8 @@ def _as_fresh_interpreter() -> None:
 
 
 def _run(argv: list[str]) -> int:
-    """``python -m MODULE ARGS`` or ``python -c CODE ARGS`` in this process; the exit status."""
+    """``python -m MODULE ARGS``, ``python -c CODE ARGS`` or ``python SCRIPT.py ARGS`` in this process; the exit
+    status."""
     import runpy
     import traceback
 
@@ -108,6 +116,10 @@ def _run(argv: list[str]) -> int:
             sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's path first, as python does
             sys.path.insert(0, os.getcwd())
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] != "-c":  # a script's path
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
         else:
             sys.argv = ["-c", *argv[2:]]
             sys.path.insert(0, "")
@@ -138,7 +150,7 @@ def _serve_one(conn: socket.socket) -> None:
             os.dup2(fd, target)
             os.close(fd)
         sys.stdin = open(0, closefd=False)
-        sys.stdout = open(1, "w", closefd=False)
+        sys.stdout = open(1, "w", closefd=False, buffering=1 if env.get("PYTHONUNBUFFERED") else -1)
         sys.stderr = open(2, "w", closefd=False, buffering=1)
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
         os.chdir(cwd)
@@ -190,14 +202,16 @@ def _serve(listener: socket.socket) -> None:
 
 
 @contextlib.contextmanager
-def warm_python(folder: Path, preload: tuple[str, ...] = PRELOAD) -> Iterator[Path]:
-    """A folder laid out as a virtual environment (``bin/python``) whose python runs ``-m``/``-c`` in forks of a
-    process that imported ``preload``; yields the folder, stops the server at the end."""
+def warm_python(folder: Path, preload: tuple[str, ...] = PRELOAD, launches_warm: bool = True) -> Iterator[Path]:
+    """A folder laid out as a virtual environment (``bin/python``) whose python runs ``-m``/``-c``/scripts in forks
+    of a process that imported ``preload``; yields the folder, stops the server at the end. Without
+    ``launches_warm`` a run's ``sys.executable`` stays the real interpreter (a run that shows its own venv's path)."""
     for name in preload:
         importlib.import_module(name)
-    from diffsynth_qie.cli import build_parser
+    if "diffsynth_qie.cli" in preload:
+        from diffsynth_qie.cli import build_parser
 
-    build_parser()  # every command module
+        build_parser()  # every command module
     (folder / "bin").mkdir(parents=True, exist_ok=True)
     sockets = Path(tempfile.mkdtemp(prefix="warm-python-"))  # short: a socket's path has at most 107 bytes
     address = str(sockets / "server.sock")
@@ -206,14 +220,16 @@ def warm_python(folder: Path, preload: tuple[str, ...] = PRELOAD) -> Iterator[Pa
     listener.listen(16)
     sys.stdout.flush()
     sys.stderr.flush()
+    client = folder / "bin" / "python"
     pid = os.fork()
     if pid == 0:
         try:
+            if launches_warm:
+                sys.executable = str(client)  # what a run starts its own Python processes with (launchers' workers)
             _serve(listener)
         finally:
             os._exit(0)
     listener.close()
-    client = folder / "bin" / "python"
     client.write_text(CLIENT.format(python=sys.executable, address=address))
     client.chmod(0o755)
     try:

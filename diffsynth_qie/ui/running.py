@@ -88,15 +88,15 @@ def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def running_app(flags: Sequence[str], log_path: Path, port: Optional[int] = None, env: Optional[dict] = None,
-                wait: bool = True, timeout: float = 120.0) -> Iterator[RunningApp]:
-    """``app_gradio.py --port PORT FLAGS...`` running while the block runs (waited for unless ``wait`` is False:
-    call :meth:`RunningApp.wait` then). ``env`` adds to this process's environment (unbuffered output, no Gradio
-    analytics)."""
+                wait: bool = True, timeout: float = 120.0, python: str = sys.executable) -> Iterator[RunningApp]:
+    """``python app_gradio.py --port PORT FLAGS...`` running while the block runs (waited for unless ``wait`` is
+    False: call :meth:`RunningApp.wait` then). ``env`` adds to this process's environment (unbuffered output, no
+    Gradio analytics); ``python`` is the interpreter that runs it (this one by default)."""
     port = port or free_port()
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})}
     started = time.perf_counter()
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(APP), "--port", str(port), *map(str, flags)], cwd=APP.parent,
+        proc = subprocess.Popen([python, str(APP), "--port", str(port), *map(str, flags)], cwd=APP.parent,
                                 env=full_env, stdout=out, stderr=subprocess.STDOUT)
     app = RunningApp(f"http://127.0.0.1:{port}/", proc, Path(log_path), started)
     try:
