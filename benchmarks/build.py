@@ -256,3 +256,24 @@ def apply_fp8_base(dit: torch.nn.Module) -> int:
 
     quantize_linears(dit)
     return len(fp8_layers(dit))
+
+
+def checkpoint_blocks(value: str, rank: int, policy: str, compile_blocks: bool, fp8_base: bool, tiny: bool):
+    """``--checkpoint_blocks`` of the training benchmark as ``qie train`` takes it: "" = every block (None), a
+    number, or ``auto``: the fewest checkpointed 2511 blocks whose planned peak at 1024² + 1 reference fits this
+    GPU (``training/checkpoint_auto.fewest_fitting``; every block on the tiny model or without a GPU)."""
+    if value in ("", "all"):
+        return None
+    if value != "auto":
+        return int(value)
+    if tiny or not torch.cuda.is_available():
+        return None
+    from diffsynth_qie.memory.census import preset_census
+    from diffsynth_qie.memory.plan import PlanOptions
+    from diffsynth_qie.training.checkpoint_auto import PROMPT_TOKENS, RESOLUTION, fewest_fitting
+
+    options = PlanOptions(resolution=RESOLUTION, prompt_tokens=PROMPT_TOKENS, lora_rank=rank,
+                          gradient_checkpointing=True, checkpoint_policy=policy or "full", compile=compile_blocks,
+                          fp8_base=fp8_base)
+    n, _ = fewest_fitting(preset_census("2511"), options, torch.cuda.get_device_properties(0).total_memory)
+    return n  # (None: even every block does not fit; the row then runs them all and may record OOM)

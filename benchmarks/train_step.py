@@ -103,6 +103,8 @@ class TrainBenchConfig:
     checkpoint_policy: Literal["", "full", "selective"] = field(default="", metadata={
         "help": "ours: prepare the blocks as `qie train --checkpoint_policy P` (with --compile_blocks: the "
                 "checkpoint inside the compiled blocks, as `qie train --compile`); run with --cases ours"})
+    checkpoint_blocks: str = field(default="", metadata={"help": "ours, with --checkpoint_policy: as `qie train "
+                                   "--checkpoint_blocks N|auto` (default: every block)", "metavar": "N|auto"})
     fp8_base: bool = field(default=False, metadata={
         "help": "store the frozen block weights in FP8 (e4m3, per-channel scale; bf16 compute), as `qie train --fp8_base`"})
     fp8_compute: bool = field(default=False, metadata={
@@ -223,6 +225,7 @@ def run_case(spec: CaseSpec, ckpt: str, rank: int, module, pipe, dims: flops.DiT
 def options_of(cfg: TrainBenchConfig, impl: str = "ours") -> dict:
     """A row's options (in its id); stock's step has no --compute_precision (its ids stay as they were)."""
     return {**({"checkpoint_policy": cfg.checkpoint_policy} if cfg.checkpoint_policy else {}),
+            **({"checkpoint_blocks": cfg.checkpoint_blocks} if cfg.checkpoint_blocks else {}),
             "sdpa_backend": cfg.sdpa_backend, "compile_blocks": cfg.compile_blocks, "fp8_base": cfg.fp8_base,
             "lora_fp32": cfg.lora_fp32, **({"compute_precision": cfg.compute_precision} if impl == "ours" else {}),
             **({"fp8_compute": True} if cfg.fp8_compute else {})}  # (only when set: the other rows' ids stay)
@@ -295,7 +298,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if cfg.checkpoint_policy:  # qie train's own block set-up (training/block_setup.py)
             from diffsynth_qie.training.block_setup import prepare_blocks
 
-            prepare_blocks(dit, argparse.Namespace(blocks_to_swap=0, gradient_checkpointing=True,
+            n = build.checkpoint_blocks(cfg.checkpoint_blocks, rank, cfg.checkpoint_policy, cfg.compile_blocks,
+                                        cfg.fp8_base or cfg.fp8_compute, cfg.tiny)
+            prepare_blocks(dit, argparse.Namespace(blocks_to_swap=0, gradient_checkpointing=True, checkpoint_blocks=n,
                                                    compile=cfg.compile_blocks, checkpoint_policy=cfg.checkpoint_policy),
                            backend=cfg.compile_backend)
         elif cfg.compile_blocks:
