@@ -291,6 +291,26 @@ def test_train_step_numerics_and_the_extra_rows(tmp_path):
     assert swap_line.rstrip(" |").split("|")[-1].strip() != "–"  # × stock against stock's plain step
 
 
+def test_the_ladders_checkpoint_rungs_prepare_the_blocks_as_qie_train(tmp_path, caplog):
+    """The 1+2 and 1+2+3 rungs of `gpu_all.sh --ladder`: --checkpoint_policy selective, and --checkpoint_blocks N,
+    go through qie train's block set-up (training/block_setup.py) and say so in the row's id and the log."""
+    import logging
+
+    from benchmarks import train_step as ts
+
+    rows = []
+    for extra in ([], ["--checkpoint_blocks", "1"]):
+        with caplog.at_level(logging.INFO, logger="diffsynth_qie.models.load.block_checkpoint"):
+            caplog.clear()
+            out = ts.main(["--tiny", "--out_dir", str(tmp_path), "--cases", "ours", "--lora_ranks", "4",
+                           "--checkpointing", "on", "--checkpoint_policy", "selective", "--steps", "1", "--warmup",
+                           "0", *extra])
+        assert f"{extra[-1] if extra else 2} of 2 blocks recompute (selective policy)" in caplog.text
+        rows += out["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert [r["options"].get("checkpoint_blocks") for r in rows] == [None, "1"]
+
+
 def test_train21_tiny_smoke(tmp_path):
     from benchmarks import train21
 
