@@ -14,6 +14,7 @@ os.environ.setdefault("MODELSCOPE_CACHE", "/nonexistent-modelscope-cache")
 
 import contextlib
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -78,16 +79,21 @@ def kill_and_resume(base: list[str], tmp_path: Path, checkpoint: str, final: str
     ref, out = tmp_path / "ref", tmp_path / "run"
     with fresh_accelerate():
         train(config_from_args(build_parser().parse_args(base[3:] + ["--output_dir", str(ref)])))
-    (_killed_process if separate else _killed_fork)(base + ["--output_dir", str(out)], out / checkpoint)
+    if separate or not _killed_fork(base + ["--output_dir", str(out)], out / checkpoint, tmp_path / "fork.log"):
+        shutil.rmtree(out, ignore_errors=True)  # (a fork that ended by itself: the fresh process instead)
+        _killed_process(base + ["--output_dir", str(out)], out / checkpoint)
     assert (out / checkpoint).is_dir() and not (out / final).exists()  # killed mid-run
     with fresh_accelerate():
         assert main(base[3:] + ["--output_dir", str(out), "--resume", "latest"]) == 0
     return ref, out
 
 
-def _killed_fork(command: list[str], checkpoint: Path) -> None:
+def _killed_fork(command: list[str], checkpoint: Path, log_path: Path) -> bool:
     """``command``'s ``main`` in a child forked from this process, which stops itself (SIGSTOP) once it has
-    written ``checkpoint``; then kill -9."""
+    written ``checkpoint``; then kill -9. False (logged, with the end of its output in ``log_path``) when the child
+    ended without stopping there: in a long-lived test worker it may fail where a fresh process does not, and the
+    caller then runs the fresh process."""
+    import logging
     import signal
 
     pid = os.fork()
@@ -97,7 +103,7 @@ def _killed_fork(command: list[str], checkpoint: Path) -> None:
             from diffsynth_qie.cli import main
             from diffsynth_qie.training import checkpoint as ckpt
 
-            _output_to(os.open(os.devnull, os.O_WRONLY))
+            _output_to(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND))
             save = ckpt.save_checkpoint
 
             def save_then_stop(*args, **kwargs):
@@ -112,9 +118,14 @@ def _killed_fork(command: list[str], checkpoint: Path) -> None:
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, os.WUNTRACED)  # returns once the child stopped (or ended)
+    if not os.WIFSTOPPED(status):
+        tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+        logging.getLogger(__name__).warning("the forked run ended (status %s) before stopping at %s; running a fresh "
+                                            "process instead. Its output's end:\n%s", status, checkpoint, tail)
+        return False
     os.kill(pid, signal.SIGKILL)
-    if os.WIFSTOPPED(status):
-        os.waitpid(pid, 0)
+    os.waitpid(pid, 0)
+    return True
 
 
 def _output_to(fd: int) -> None:
