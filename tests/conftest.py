@@ -30,6 +30,19 @@ curve_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(curve_script)
 
 
+def _fresh_thread_pool() -> None:
+    """In every child forked from a test process (the forked runs below, the warm python's server and its runs):
+    rebuild torch's intra-op thread pool now, in the child's only thread. After a fork torch marks the pool as
+    corrupt and rebuilds it on first use; when several threads (the cache's prefetch workers) reach that first use
+    together, one of them can find no pool ("pool INTERNAL ASSERT FAILED ... Invalid thread pool!")."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(torch.get_num_threads())
+
+
+os.register_at_fork(after_in_child=_fresh_thread_pool)
+
+
 @contextlib.contextmanager
 def fresh_accelerate():
     """Inside: no accelerate state from an earlier run in this process (each train() builds its own
@@ -91,8 +104,8 @@ def kill_and_resume(base: list[str], tmp_path: Path, checkpoint: str, final: str
 def _killed_fork(command: list[str], checkpoint: Path, log_path: Path) -> bool:
     """``command``'s ``main`` in a child forked from this process, which stops itself (SIGSTOP) once it has
     written ``checkpoint``; then kill -9. False (logged, with the end of its output in ``log_path``) when the child
-    ended without stopping there: in a long-lived test worker it may fail where a fresh process does not, and the
-    caller then runs the fresh process."""
+    ended without stopping there (a safety net: the one cause seen, torch's thread pool after a fork, is handled by
+    ``_fresh_thread_pool``), and the caller then runs the fresh process."""
     import logging
     import signal
 

@@ -12,7 +12,8 @@ too. Anything else (other interpreter flags, multiprocessing's spawned children)
 
 What a fresh interpreter does and a fork would not, the child does: the caller's environment, directory and
 streams, Python's default logging, warning and exception hooks, no accelerate state, no exit handlers of the test
-process, freshly seeded random generators, default signal handlers. One difference remains: a run that ends
+process, freshly seeded random generators, default signal handlers, a rebuilt torch thread pool (conftest's
+``_fresh_thread_pool``). One difference remains: a run that ends
 without returning to Python (``os._exit``, a crash) exits with status 1 here, whatever its own status.
 """
 from __future__ import annotations
