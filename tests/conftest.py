@@ -338,7 +338,8 @@ def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
 
 
 #: slow files handed out first, in this order (worker 1, worker 2, worker 1, worker 2; then each as it frees up)
-FIRST_FILES = ("test_ui_browser.py", "test_launchers.py", "test_ema_zero3.py", "test_launchers_more.py")
+FIRST_FILES = ("test_train_ddp.py", "test_zero3.py", "test_ema_zero3.py", "test_train_zero_schedule_free.py",
+               "test_ui_browser.py", "test_launchers.py", "test_launchers_more.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -348,9 +349,9 @@ def pytest_collection_modifyitems(config, items):
     out in this order: the long files start at once and the many short ones fill in around them, instead of the
     long ones starting last and one worker finishing them alone.
 
-    The first files go to the workers in turn (xdist gives each two at the start), so the browser test, which keeps
-    more than one core busy (Chromium, the app, the test), runs beside single-process launchers: beside it, the
-    two-rank ZeRO-3 runs, whose collectives wait whenever a rank loses its core, took 53 s instead of 17 s."""
+    The two-rank runs (DDP, ZeRO-3) come first, beside each other, and the browser test (which keeps more than one
+    core busy: Chromium, the app, the test) after them: a two-rank run's collectives wait whenever a rank loses its
+    core, and beside the browser test the ZeRO-3 schedule-free run took 122 s instead of 23 s."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     first = {name: i for i, name in enumerate(FIRST_FILES)}
 
