@@ -157,17 +157,26 @@ def test_workers_are_capped_by_cores_and_rows(monkeypatch):
 def test_the_duplicate_pass_answers_as_the_pairwise_scan(k):
     """``duplicate``, ``duplicate_pair`` and ``holdout_duplicate`` exactly as every row compared with every earlier
     one gives them, on random hashes and on the flat ones of plain images (the index's two ways of looking up),
-    with more copies of one pair than the index keeps."""
+    with more copies of one pair than the index keeps, whatever the batches the rows arrive in (each row is
+    compared with the rows before it only, in its batch too)."""
+    import copy
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.check_dataset_scale import pairwise_pairs, synthetic_checks
-    from diffsynth_qie.data.check_dups import flag_pair_duplicates
+    from diffsynth_qie.data.check_dups import DuplicatePass, flag_pair_duplicates
 
     kinds = set()
     for flat in (False, True):
         rows, held = synthetic_checks(700 if k <= 4 else 250, seed=k, flat=flat, copies=40, k=k)
         expected = pairwise_pairs(rows, held, k)
+        for batch in (1, 37):
+            fed = copy.deepcopy(rows)
+            found = DuplicatePass(held, k, batch=batch)
+            for c in fed:
+                found.add(c)
+            found.finish()
+            assert {i: c.flags for i, c in enumerate(fed) if c.flags} == expected, batch
         flag_pair_duplicates(rows, held, k)
         assert {i: c.flags for i, c in enumerate(rows) if c.flags} == expected
         kinds |= {f for flags in expected.values() for f in flags}

@@ -187,19 +187,24 @@ def check_rows(rows: Sequence[dict], cfg: CheckConfig, holdout: Sequence[dict] =
 
     from tqdm import tqdm
 
-    from .check_dups import flag_pair_duplicates as flag_duplicates
+    from .check_dups import DuplicatePass
 
-    tasks = [(i, r, cfg) for i, r in enumerate(rows)] + [(-1 - i, r, cfg) for i, r in enumerate(holdout)]
+    # (the held-out rows first: the duplicate pass compares each row with them and the earlier rows as it arrives)
+    tasks = [(-1 - i, r, cfg) for i, r in enumerate(holdout)] + [(i, r, cfg) for i, r in enumerate(rows)]
     workers = pool_size(cfg.workers, len(tasks))
-    checks = []
+    held, checks, dups = [], [], None
     with tqdm(total=len(tasks), unit="row", desc="check-dataset: measuring", disable=not show_progress) as bar:
         with ProcessPoolExecutor(workers) if workers > 0 else _InProcess() as pool:
             for c in pool.map(measure_row, tasks, chunksize=max(1, min(64, len(tasks) // (4 * max(workers, 1))))):
-                checks.append(c)
+                if c.index < 0:
+                    held.append(c)
+                else:  # (the duplicate pass runs here while the workers measure the next rows)
+                    dups = dups or DuplicatePass(held, cfg.dup_distance)
+                    dups.add(c)
+                    checks.append(c)
                 bar.update(1)
-    held, checks = [c for c in checks if c.index < 0], [c for c in checks if c.index >= 0]
-    with tqdm(total=len(checks), unit="row", desc="check-dataset: duplicates", disable=not show_progress) as bar:
-        flag_duplicates(checks, held, cfg.dup_distance, progress=bar.update)
+    if dups is not None:
+        dups.finish()
     return checks, _flag_reversed(checks, cfg)
 
 

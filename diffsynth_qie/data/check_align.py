@@ -57,11 +57,11 @@ def block_motion(gs: np.ndarray, gt: np.ndarray, block: Optional[int] = None, mi
     view = np.lib.stride_tricks.sliding_window_view
     vs, vt = view(gs, (b, b))[::b // 2, ::b // 2], view(gt, (b, b))[::b // 2, ::b // 2]  # (no copy)
     gy, gx = (g.ravel() for g in np.meshgrid(np.arange(len(ys)), np.arange(len(xs)), indexing="ij"))
-    # (a few blocks at a time: each block's numbers are the same, and the transforms' arrays stay small enough for
-    # the allocator to reuse; a 49-block rfft2 alone took 2.1 ms with its fresh pages faulted in, 0.75 ms in chunks)
+    # (the textures of every block at once; the transforms a few blocks at a time: each block's numbers are the
+    # same in any batch, and the transforms' arrays stay small enough for the allocator to reuse: a 49-block rfft2
+    # alone took 2.1 ms with its fresh pages faulted in, 0.75 ms in chunks)
     step = max(1, BLOCK_CHUNK // (2 * b * b))  # (a step holds its source and target blocks together)
-    texture = np.concatenate([_texture(vs[gy[i:i + step], gx[i:i + step]], vt[gy[i:i + step], gx[i:i + step]])
-                              for i in range(0, len(gy), step)])
+    texture = _texture(vs[gy, gx], vt[gy, gx])
     judged = np.flatnonzero(texture > min_texture)  # (flat blocks, most of a plain background, are not transformed)
     dy, dx, peak = np.zeros(len(gy)), np.zeros(len(gy)), np.zeros(len(gy), np.float32)
     for i in range(0, len(judged), step):

@@ -23,13 +23,13 @@ def _path_fields(f: FieldNames) -> tuple[str, ...]:
 
 
 class _Rebase:
-    """``os.path.relpath((base / p).resolve(), here)`` for many files in few folders: each folder's real path and
-    its path from ``here`` are worked out once (a file that is itself a link is still followed), instead of one
-    ``lstat`` per path component and one ``relpath`` per file."""
+    """``os.path.relpath((base / p).resolve(), here)`` for many files in few folders: each folder's real path, its
+    path from ``here`` and which of its entries are links are worked out once (one listing: a file that is itself a
+    link is still followed), instead of one ``lstat`` per path component and one ``relpath`` per file."""
 
     def __init__(self, base: Path, here: Path):
         self.base, self.here = str(base), here
-        self.folders: dict[str, tuple[str, str]] = {}
+        self.folders: dict[str, tuple[str, str, frozenset]] = {}
 
     def __call__(self, p: str) -> str:
         full = os.path.join(self.base, p)
@@ -39,11 +39,20 @@ class _Rebase:
         found = self.folders.get(folder)
         if found is None:
             real = str(Path(folder).resolve())
-            found = self.folders[folder] = (real, os.path.relpath(real, self.here))
-        real, rel = found
-        if os.path.islink(os.path.join(real, name)):
+            found = self.folders[folder] = (real, os.path.relpath(real, self.here), _links(real))
+        real, rel, links = found
+        if name in links:
             return os.path.relpath(Path(real, name).resolve(), self.here)
         return name if rel == "." else os.path.join(rel, name)
+
+
+def _links(folder: str) -> frozenset:
+    """The names of ``folder``'s entries that are links (none when it cannot be listed: a missing folder)."""
+    try:
+        with os.scandir(folder) as entries:
+            return frozenset(e.name for e in entries if e.is_symlink())
+    except OSError:
+        return frozenset()
 
 
 def _moved(value: Any, from_csv: bool, rebase: _Rebase) -> Any:
