@@ -140,6 +140,56 @@ def test_a_fixed_noise_regression_reaches_the_student(tmp_path):
     assert torch.equal(module.loss_extras["dmd"].teacher_samples["row/0"], made)  # made once
 
 
+def test_validation_strips_show_the_teacher_beside_the_student(tmp_path, cache_dir, tiny_model_dir):
+    """The teacher panel is the teacher as `qie edit` samples it (the base with the task LoRA, the student off, at
+    --validation_steps and --teacher_cfg), rendered once; the student's panel beside it is its own and moves as the
+    student trains."""
+    import numpy as np
+
+    from diffsynth_qie.cache.store import CacheStore
+    from diffsynth_qie.training.losses.dmd_state import active_adapter
+    from diffsynth_qie.training.validation import Validator, output_name
+    from test_validation import ACCELERATOR, editor_flow_match, editor_for
+
+    module, cfg = _module(tmp_path)
+    student = dict(module.trainable_named_parameters())
+    with torch.no_grad():
+        for n, p in student.items():
+            if "lora_B" in n:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    store = CacheStore.open(cache_dir)
+    zct, cpu = bool(cfg.train.zero_cond_t), torch.device("cpu")
+    v = Validator(store, [0], str(tmp_path / "out"), "tiny", str(tiny_model_dir), 3, 1.0, zct, ACCELERATOR,
+                  torch.float32)
+    assert module.teacher_cfg == 4.0  # (the edit family's own CFG: --teacher_cfg unset)
+    teacher = v.render(module, cpu, torch.float32, teacher_cfg=module.teacher_cfg)[0]
+    entry = store.load(0)
+    with active_adapter(module.dit, None):
+        expected = editor_flow_match(editor_for(module.dit, zct), entry, 0, steps=3, cfg=4.0)
+        wrong_cfg = editor_flow_match(editor_for(module.dit, zct), entry, 0, steps=3, cfg=1.0)
+    with_student = editor_flow_match(editor_for(module.dit, zct), entry, 0, steps=3, cfg=4.0)
+    assert torch.allclose(teacher.latents, expected, atol=1e-5, rtol=0)
+    for wrong in (wrong_cfg, with_student):  # the comparison can fail
+        assert float((teacher.latents - wrong).abs().max()) > 1e-3
+
+    def panels(step):
+        strip = np.asarray(v.run(step, module, cpu, torch.float32)[output_name(0, entry.entry_id)])
+        n = len(entry.edit_latents) + 3  # references | target | teacher | student
+        assert strip.shape[1] % n == 0
+        w = strip.shape[1] // n
+        return [strip[:, i * w:(i + 1) * w] for i in range(n)]
+
+    first = panels(2)
+    assert np.array_equal(first[-2], np.asarray(v.decoder.decode(expected)))
+    assert not np.array_equal(first[-1], first[-2])
+    with torch.no_grad():
+        for n, p in student.items():
+            if "lora_B" in n:
+                p.mul_(-1.0)
+    second = panels(4)
+    assert np.array_equal(second[-2], first[-2]) and not np.array_equal(second[-1], first[-1])
+
+
 # --- a run -------------------------------------------------------------------------------------------------------
 def _train(tiny_model_dir, cache_dir, teacher, *extra):
     return [sys.executable, "-m", "diffsynth_qie.cli", "train", "--model", "tiny", "--model_dir", str(tiny_model_dir),
@@ -234,8 +284,9 @@ def test_zero3_is_refused_before_the_load():
 
 @pytest.mark.parametrize("model,teacher_cfg", [("2511", None), ("2.1", 4.0)])
 def test_the_dmd_step_runs_on_the_fake_device(tmp_path, model, teacher_cfg):
-    """Both adapters, the teacher's CFG pass and the fake score's own step (its backward, its AdamW state), on the
-    2511 DiT and on 2.1's (its references in the prefix, the negative's slot mask), 1 block, 256²."""
+    """Both adapters, the teacher's CFG pass and the fake score's own step (its backward, its AdamW state), and the
+    validation render of the student and of the teacher beside it, on the 2511 DiT and on 2.1's (its references in
+    the prefix, the negative's slot mask), 1 block, 256²."""
     from diffsynth_qie.memory.census import build_dit
     from diffsynth_qie.models.presets import get_preset
     from diffsynth_qie.preflight.train_step import batch_shapes, verify_train_step
@@ -246,7 +297,8 @@ def test_the_dmd_step_runs_on_the_fake_device(tmp_path, model, teacher_cfg):
     with torch.device("meta"):
         dit = build_dit(preset, 1)
     teacher = _teacher(tmp_path / "teacher.safetensors", preset=model, dit=dit)
-    cfg = tc.RunConfig(train=tc.TrainConfig(cache_dir="-", output_dir="-", model=model), loss=tc.LossConfig(loss="dmd"),
+    cfg = tc.RunConfig(train=tc.TrainConfig(cache_dir="-", output_dir="-", model=model, validate_every=10),
+                       loss=tc.LossConfig(loss="dmd"),
                        dmd=tc.DMDConfig(teacher_lora=str(teacher), student_steps=1, dmd_fake_updates=1,
                                         teacher_cfg=teacher_cfg))
     cfg = cfg.resolved(preset)
@@ -254,6 +306,7 @@ def test_the_dmd_step_runs_on_the_fake_device(tmp_path, model, teacher_cfg):
     report = verify_train_step(cfg, preset, shapes, num_layers=1)
     trainable = 4 * sum(p.numel() for p in QIETrainingModule(dit, cfg, model).trainable_modules())  # fp32 bytes
     assert report.notes == [] and report.weights >= 2 * trainable  # the fake score's adapter beside the student's
+    assert report.validation_peak > 0
     assert report.optimizer_state > 3 * trainable  # beyond the run's AdamW state (2x): the fake score's
 
 

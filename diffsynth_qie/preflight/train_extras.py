@@ -118,6 +118,7 @@ def validation_entry(shape: SampleShape, family, dim: int, lbm: bool):
 def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
     """``validate_step``'s work on one held-out ``entry``: per ``--validate_with`` tag, the schedule-free average
     (and the EMA) swapped in, the sampler run through the module (in its ``--compute_precision``), swapped back."""
+    from ..training.losses.dmd_state import active_adapter
     from ..training.losses.registry import loss_spec
     from ..training.optim import schedule_free_eval
     from ..training.validation import flow_match_jobs, lbm_jobs, output_name, sample_jobs
@@ -128,13 +129,19 @@ def validate_once(cfg, preset, module, optimizer, ema, entry) -> None:
     names = [output_name(0, entry.entry_id)]
     jobs = lbm_jobs([entry], names, cfg.lbm.lbm_sub_target) if lbm else flow_match_jobs([entry], names, dtype)
     which = t.validate_with if ema is not None else "raw"
+
+    def sample(cfg_scale: float) -> None:
+        sample_jobs(lambda fn: module(predict=fn), [entry], jobs, lbm=lbm, steps=min(t.validation_steps,
+                    VALIDATION_STEPS), cfg=cfg_scale, zero_cond_t=bool(t.zero_cond_t),
+                    bridge_noise=cfg.lbm.lbm_bridge_noise, device=device, dtype=dtype, preset=preset.name)
+
     module.eval()
+    if module.teacher_cfg is not None:  # the teacher's panel, every trained adapter off (Validator._teacher_renders)
+        with active_adapter(module.dit, None):
+            sample(module.teacher_cfg)
     for tag in {"raw": ("",), "ema": ("-ema",), "both": ("", "-ema")}[which]:
         with schedule_free_eval(optimizer), (ema.applied(module) if tag else contextlib.nullcontext()):
-            sample_jobs(lambda fn: module(predict=fn), [entry], jobs, lbm=lbm,
-                        steps=min(t.validation_steps, VALIDATION_STEPS), cfg=t.validation_cfg_scale,
-                        zero_cond_t=bool(t.zero_cond_t), bridge_noise=cfg.lbm.lbm_bridge_noise, device=device,
-                        dtype=dtype, preset=preset.name)
+            sample(t.validation_cfg_scale)
     module.train()
 
 

@@ -200,6 +200,17 @@ class QIETrainingModule(DiffusionTrainingModule):
             return spec.schedule(self.config, family_of(self.preset_name).name)
         return None if self.frozen is None else self.frozen.schedule
 
+    @property
+    def teacher_cfg(self) -> Optional[float]:
+        """The CFG the loss's frozen teacher samples at (``--loss dmd``), or None: a loss without a teacher."""
+        from ..models.presets import PRESETS, family_of
+        from .losses.registry import loss_spec
+
+        spec = loss_spec(self.config.loss.loss)
+        if spec.teacher_cfg is None or self.preset_name not in PRESETS:
+            return None
+        return spec.teacher_cfg(self.config, family_of(self.preset_name))
+
     def lora_metadata(self) -> dict:
         lo = self.config.lora
         meta = {"rank": lo.lora_rank, "alpha": lo.lora_alpha, "lora_target_modules": list(lo.lora_target_modules or []),

@@ -27,7 +27,9 @@ ranks call :meth:`Validator.run`. The trainer puts the weights users would get i
 place around it (``validate_step``: ``eval()``, schedule-free average ``x``, then
 back); the validator itself changes no weight, no training mode and no global RNG.
 
-Each image is a strip [reference | target | output] (``side_by_side``), written
+Each image is a strip [reference | target | output] (``side_by_side``; a loss with a frozen teacher, ``--loss
+dmd``, adds the teacher before the output: it at ``--validation_steps`` and its CFG, the student at its own
+steps), written
 atomically to ``<output_dir>/validation/step-<n>/<k>-<entry>.png`` (LBM:
 ``<k>-<entry>_main.png`` and ``<k>-<entry>_sub.png``) and logged to WandB when it is
 on. Each output is scored (``validation_metrics``: against its target, and the edit scorecard against its
@@ -107,18 +109,32 @@ class Validator:
         return len(grid), declared.cfg, grid
 
     @torch.no_grad()
-    def render(self, wrapped_module, device, dtype, entries: Optional[Sequence[CacheEntry]] = None) -> list[Render]:
-        """Latents of every validation output; all ranks call this (the DiT runs collectively)."""
+    def render(self, wrapped_module, device, dtype, entries: Optional[Sequence[CacheEntry]] = None,
+               teacher_cfg: Optional[float] = None) -> list[Render]:
+        """Latents of every validation output; all ranks call this (the DiT runs collectively). With
+        ``teacher_cfg``: the loss's frozen teacher instead (every trained adapter off), at ``--validation_steps``
+        and that CFG."""
+        from .losses.dmd_state import active_adapter
+
         if entries is None:
             entries = [self.store.load(i) for i in self.indices]
         names = [output_name(k, e.entry_id) for k, e in enumerate(entries)]
         is_lbm, lbm = self._objective(wrapped_module)
         jobs = lbm_jobs(entries, names, lbm.lbm_sub_target) if is_lbm else flow_match_jobs(entries, names, dtype)
 
-        def run_dit(fn):
-            return wrapped_module(predict=fn)
+        def teacher(fn):
+            def off(dit):
+                with active_adapter(dit, None):
+                    return fn(dit)
+            return off
 
-        steps, cfg, sigmas = self.schedule(wrapped_module)
+        def run_dit(fn):
+            return wrapped_module(predict=fn if teacher_cfg is None else teacher(fn))
+
+        if teacher_cfg is None:
+            steps, cfg, sigmas = self.schedule(wrapped_module)
+        else:
+            steps, cfg, sigmas = self.num_steps, teacher_cfg, None
         was_training = wrapped_module.training
         wrapped_module.eval()  # already so under the trainer; a no-op then
         try:
@@ -134,6 +150,7 @@ class Validator:
         started = time.perf_counter()
         entries = [self.store.load(i) for i in self.indices]
         renders = self.render(wrapped_module, device, dtype, entries)
+        teacher = self._teacher_renders(wrapped_module, device, dtype, entries)
         images, decoder = {}, self.decoder
         if self.accelerator.is_main_process or decoder.zero3():
             scores, self.row_scores, judged = [], {}, []
@@ -142,6 +159,7 @@ class Validator:
                     entry = entries[r.entry]
                     which = "target" if r.target is entry.target_latents else "ref_gt"
                     panels = [decoder.panel((r.entry, which), r.target), decoder.decode(r.latents)]
+                    beside = [decoder.panel((r.entry, "teacher"), teacher[r.name].latents)] if teacher else []
                     # every reference of the row, in order (a text-to-image row has none)
                     refs = [decoder.panel((r.entry, f"reference{k}"), z) for k, z in enumerate(entry.edit_latents)]
                     if self.accelerator.is_main_process:
@@ -152,7 +170,7 @@ class Validator:
                                                             r.name)))
                         scores.append((r.stream, values))
                         self.row_scores[r.name] = values
-                    images[r.name] = side_by_side(refs + panels)
+                    images[r.name] = side_by_side(refs + panels[:1] + beside + panels[1:])
             self._gather_judged(judged, step)
             self.metrics = summarize(scores)
         if self.accelerator.is_main_process:
@@ -164,9 +182,23 @@ class Validator:
             for name, img in images.items():
                 atomic_save(folder / f"{name}.png", lambda p, img=img: img.save(p))
             write_scores(folder / SCORES_FILE, self.row_scores)
-            log.info("validation: %d image(s) [references | target | output] in %s", len(images), folder)
+            log.info("validation: %d image(s) [references | target | %soutput] in %s", len(images),
+                     "teacher | " if teacher else "", folder)
             return images
         return {}
+
+    def _teacher_renders(self, wrapped_module, device, dtype, entries) -> dict:
+        """{name: render} of the loss's frozen teacher (``--loss dmd``), rendered at the first validation and kept
+        (it does not train); {} for a loss without a teacher. All ranks call this."""
+        cfg = getattr(self.accelerator.unwrap_model(wrapped_module), "teacher_cfg", None)
+        if cfg is None:
+            return {}
+        if getattr(self, "_teacher", None) is None:
+            self._teacher = {r.name: r for r in self.render(wrapped_module, device, dtype, entries, teacher_cfg=cfg)}
+            if self.accelerator.is_main_process:
+                log.info("validation strips show the teacher (%d steps, CFG %g) beside the trained model",
+                         self.num_steps, cfg)
+        return self._teacher
 
     def _judged(self, wrapped_module, index: int, source: Optional[Image.Image], output: Image.Image, name: str):
         """The pending ``--val_judge`` verdict of an output with a source (the judge built on first use, from the

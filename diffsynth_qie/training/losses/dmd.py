@@ -66,6 +66,11 @@ def teacher_cfg_of(c: DMDConfig, family) -> float:
     return float(family.default_cfg if c.teacher_cfg is None else c.teacher_cfg)
 
 
+def validation_teacher_cfg(cfg, family) -> float:
+    """The teacher's CFG (``--teacher_cfg``, else the family's), for validation's teacher panel."""
+    return teacher_cfg_of(dmd_config_of(cfg), family)
+
+
 def check_dmd(cfg) -> None:
     """``--loss dmd``'s flags, before anything loads: a teacher LoRA that is there, of this family, not a few-step
     LoRA itself, and not given twice."""
@@ -199,4 +204,5 @@ SPEC = LossSpec(
     name="dmd", summary="DMD2 few-step distillation of --teacher_lora into a student LoRA (--student_steps, CFG 1)",
     fn=dmd_loss_fn, config=DMDConfig, sigma_note="draws the student's steps on its own grid and DMD's σ uniformly",
     cfg_pass=True, distills=True, stand_in=teacher_stand_in, check=check_dmd, setup=attach_fake_score, setup_loads_nothing=True, resolve=resolve_dmd,
-    check_launch=check_launch, schedule=student_schedule, finish=write_merged)
+    check_launch=check_launch, schedule=student_schedule, finish=write_merged,
+    teacher_cfg=validation_teacher_cfg)

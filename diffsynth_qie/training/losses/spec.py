@@ -55,6 +55,9 @@ class LossSpec:
     #                                              LoRA is written (--loss dmd --merge_teacher: the stacked file)
     schedule: Optional[Callable[..., Any]] = None  # schedule(run_config, family) -> the DeclaredSchedule the
     #                                                trained LoRA declares (--loss dmd: the student's), or None
+    teacher_cfg: Optional[Callable[..., float]] = None  # teacher_cfg(run_config, family) -> the CFG its frozen
+    #                                                    teacher samples at: validation renders the teacher (every
+    #                                                    trained adapter off) beside the trained model
 
     def __post_init__(self):
         if not self.name or not self.name.replace("_", "").isalnum():
