@@ -239,3 +239,18 @@ def test_the_page_stays_bounded_and_counts_every_flagged_row(tmp_path):
     page = write_outputs(tmp_path, checks, None, "m.json", max_cards=50, show_progress=False).read_text()
     assert page.count('class="card"') == 50 and "1000 shifted" in page and "all 1000 are in check.jsonl" in page
     assert len((tmp_path / "check.jsonl").read_text().splitlines()) == 1000
+
+
+def test_a_copy_past_the_kept_ones_with_an_instruction_no_kept_row_has_is_flagged():
+    """An index keeps 32 rows per distinct hash: the 41st copy of a pair, with an instruction none of the kept rows
+    has, is a ``duplicate_pair`` of the first (its instruction is looked up, never required to be known)."""
+    from diffsynth_qie.data.check import RowCheck
+    from diffsynth_qie.data.check_dups import flag_pair_duplicates
+
+    thumb = bytes(range(256))
+    rows = [RowCheck(i, f"r{i}", {}, measures={"target_hash": 7, "source_hash": 9, "_target_thumb": thumb,
+                                               "_source_thumb": thumb, "_instruction": "b" if i == 40 else "a"})
+            for i in range(41)]
+    flag_pair_duplicates(rows, [], 4)
+    assert rows[0].flags == {} and all(r.flags == {"duplicate": "r0"} for r in rows[1:40])
+    assert rows[40].flags == {"duplicate_pair": "r0"}

@@ -258,7 +258,7 @@ class DuplicatePass:
         held = self.held.matches_many([(c.measures["target_hash"], c.measures["_target_thumb"], None) for c in todo],
                                       [self.held.size] * len(todo)) if todo and self.held.count else [()] * len(todo)
         for c, same, held_same in zip(todo, same_rows, held):
-            mine = self.rows.instructions[c.measures["_instruction"]]
+            mine = self.rows.instructions.get(c.measures["_instruction"])  # (None: no kept row has it)
             told = [i for i in same if self.rows.instruction[i] == mine]
             if told:
                 near = self.rows.keys[told[0]]
