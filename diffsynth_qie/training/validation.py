@@ -84,6 +84,7 @@ class Validator:
         self.decoder = PanelDecoder(preset, model_dir, accelerator, dtype)  # the VAE, loaded on first use
         self._lpips = None  # loaded on the first validation; False when it cannot be
         self._judge = None  # --val_judge, built on the first validation; False without one
+        self._teacher = None  # --loss dmd: the teacher's renders, made at the first validation
         self.metrics, self.row_scores = {}, {}  # of the last run (main process): means, and per output name
 
     def _objective(self, wrapped_module):
@@ -193,7 +194,7 @@ class Validator:
         cfg = getattr(self.accelerator.unwrap_model(wrapped_module), "teacher_cfg", None)
         if cfg is None:
             return {}
-        if getattr(self, "_teacher", None) is None:
+        if self._teacher is None:
             self._teacher = {r.name: r for r in self.render(wrapped_module, device, dtype, entries, teacher_cfg=cfg)}
             if self.accelerator.is_main_process:
                 log.info("validation strips show the teacher (%d steps, CFG %g) beside the trained model",
