@@ -71,7 +71,6 @@ class PairIndex:
         self.instruction: list[int] = []
         # the rows as arrays, for comparing many at once (filled up to ``synced`` when needed)
         self.synced = 0
-        self.words = np.zeros((parts, 0), np.uint64)  # each row's hash, by 64-bit word
         self.thumbs = np.zeros((0, 2, THUMB_SIDE ** 2), np.uint8)
         self.blocks = np.zeros((0, 16), np.int32)  # each target thumbnail's sums over its 4x4 blocks
         self.sums = np.zeros(0, np.int32)          # and its whole sum
@@ -91,25 +90,18 @@ class PairIndex:
             return
         if self.size > len(self.blocks):
             cap = max(64, 2 * self.size)
-            self.words = np.concatenate([self.words, np.zeros((self.parts, cap - len(self.blocks)), np.uint64)], 1)
             for name in ("thumbs", "blocks", "sums", "has_source"):
                 old = getattr(self, name)
                 setattr(self, name, np.concatenate([old, np.zeros((cap - len(old), *old.shape[1:]), old.dtype)]))
         rows = slice(self.synced, self.size)
-        self.words[:, rows] = np.array([_words(self.hashes[i], self.parts) for i in new], np.uint64).T
-        side = self.thumbs.shape[-1]
-        blank = bytes(side)
-        self.thumbs[rows] = np.frombuffer(b"".join(t + (s or blank) for t, s in (self.pictures[i] for i in new)),
-                                          np.uint8).reshape(len(new), 2, side)
-        self.blocks[rows] = _block_sums(self.thumbs[rows, 0])
-        self.sums[rows] = self.blocks[rows].sum(1)
-        order = np.argsort(self.sums[rows], kind="stable")  # (inserted in order: equal places keep it)
-        new_sums = self.sums[rows][order]
-        at = np.searchsorted(self.sorted_sums, new_sums, side="right")
-        self.sorted_sums = np.insert(self.sorted_sums, at, new_sums)
+        added = _Queries([(self.hashes[i], *self.pictures[i]) for i in new], self.parts)
+        self.thumbs[rows], self.blocks[rows], self.sums[rows] = added.thumbs, added.blocks, added.sums
+        self.has_source[rows] = added.has_source
+        order = np.argsort(added.sums, kind="stable")  # (inserted in order: equal places keep it)
+        at = np.searchsorted(self.sorted_sums, added.sums[order], side="right")
+        self.sorted_sums = np.insert(self.sorted_sums, at, added.sums[order])
         self.by_sum = np.insert(self.by_sum, at, np.arange(self.synced, self.size)[order])
-        self.sorted_words = np.insert(self.sorted_words, at, self.words[:, rows][:, order], axis=1)
-        self.has_source[rows] = [self.pictures[i][1] is not None for i in new]
+        self.sorted_words = np.insert(self.sorted_words, at, added.words[:, order], axis=1)
         self.synced = self.size
 
     def add(self, h: int, key: object, target_thumb: bytes, source_thumb: Optional[bytes], instruction: str = ""
@@ -200,7 +192,8 @@ class PairIndex:
 
 
 class _Queries:
-    """Queries of :meth:`PairIndex.matches_many` as arrays, laid out as the index's rows."""
+    """``(hash, target thumbnail, source thumbnail or None)`` items as arrays: the queries of
+    :meth:`PairIndex.matches_many`, and the rows the index adds to its own arrays."""
 
     def __init__(self, queries: list, parts: int):
         side = THUMB_SIDE ** 2
@@ -230,7 +223,7 @@ class DuplicatePass:
     rows only, so the flags are those of one pass over the finished list."""
 
     def __init__(self, held, k: int, progress=None, batch: int = 256):
-        self.k, self.progress, self.batch = k, progress, batch
+        self.progress, self.batch = progress, batch
         self.held = PairIndex(k)
         for c in held:
             if "target_hash" in c.measures:
