@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Shared by Qwen-Image-Edit-2511.sh, Qwen-Image-Edit-2509.sh, Qwen-Image-Edit-LBM.sh, Qwen-Image-2.1.sh,
-# Qwen-Image-2.1-LBM.sh and Qwen-Image-Edit-Distill.sh:
+# Qwen-Image-2.1-LBM.sh, Qwen-Image-Edit-Distill.sh and Qwen-Image-2.1-Distill.sh:
 # environment defaults and the `accelerate launch` wrapper. All logic lives in Python
 # (`qie cache`, `qie train`, `qie edit`); this file only picks defaults.
 #
@@ -26,9 +26,8 @@
 #   QIE_VENV          the virtual environment to run (default: .venv in the repository)
 #   QIE_GPU_MEMORY_GB the memory of one GPU in GiB for the ZeRO-2/ZeRO-3 choice (default: what torch reports)
 #   QIE_HOME          where the pretrained tiny base is installed (default: ~/.cache/diffsynth-qie)
-#   TEACHER_LORA      Qwen-Image-Edit-Distill.sh: the task LoRA to distil (CPU demo: the 2511 demo's, trained if
-#                     missing)
-#   STUDENT_STEPS     Qwen-Image-Edit-Distill.sh: the student's sampling steps, 1-8 (default 1)
+#   TEACHER_LORA      the Distill scripts: the task LoRA to distil (CPU demo: the family demo's, trained if missing)
+#   STUDENT_STEPS     the Distill scripts: the student's sampling steps, 1-8 (default 1)
 # Extra command-line arguments of the launcher go to phase 2 (`qie train`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -209,4 +208,58 @@ split_training() {
   qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" \
     "${TRAIN_FLAGS[@]}" "${demo_train[@]}" "$@"
   after_training "$OUTPUT_DIR" "${EDIT_FLAGS[@]}" "${demo_edit[@]}"
+}
+
+# distillation TASK_SCRIPT TASK_RUN RUN_NAME PRESET DEMO_MODEL [qie train args...]: the body of the Distill
+# launchers (docs/DISTILL.md). The teacher is TEACHER_LORA, or on the CPU demo the LoRA TASK_SCRIPT writes to
+# outputs/TASK_RUN (trained first if missing; its cache is reused). The launcher sets FAMILY_FLAGS (flags of
+# `qie train` and of the scorecard that belong to the family, e.g. --zero_cond_t). Phase 1 `qie cache`; phase 2
+# `qie train --loss dmd` to STUDENT_STEPS steps (the CPU demo also to 4 steps); then, on the CPU demo, the
+# held-out scorecard base | teacher | naive@N | naive@N/own | student@N.
+distillation() {
+  local task_script="$1" task_run="$ROOT/outputs/$2" run_name="$3" preset="$4" demo_model="$5"; shift 5
+  if [ -n "${TEACHER_LORA:-}" ]; then TEACHER_LORA="$(abs_from_caller "$TEACHER_LORA")"; fi
+  if [ -z "${TEACHER_LORA:-}" ]; then
+    if [ -n "${DATASET_METADATA:-}" ]; then
+      echo "distillation: set TEACHER_LORA to the task LoRA to distil (trained with qie train)" >&2
+      exit 2
+    fi
+    TEACHER_LORA="$task_run/lora.safetensors"
+    if [ ! -f "$TEACHER_LORA" ]; then
+      echo "distillation: no task LoRA at $TEACHER_LORA yet: training it first ($task_script)"
+      QIE_SKIP_SETUP=1 bash "$ROOT/$task_script"
+    fi
+    if [ -z "${CACHE_DIR:-}" ] && [ -f "$task_run/cache/manifest.json" ]; then CACHE_DIR="$task_run/cache"; fi
+  fi
+  if [ -z "${DS_CONFIG+x}" ] && [ "$(gpu_count)" -gt 1 ]; then DS_CONFIG="$ROOT/deepspeed_configs/zero2.yaml"; fi
+  launch_defaults "$run_name" "$preset" "$demo_model"
+
+  local steps="${STUDENT_STEPS:-1}"
+  local train_flags=(--loss dmd --teacher_lora "$TEACHER_LORA" --gradient_checkpointing --cfg_dropout 0
+                     --merge_teacher --dmd_fake_updates 5 --learning_rate 1e-5 ${FAMILY_FLAGS[@]+"${FAMILY_FLAGS[@]}"})
+  # CPU demo: the task launcher's cache sizes (its cache is reused), the task LoRA's rank
+  local demo_cache=() demo_train=()
+  if is_tiny "$MODEL"; then
+    demo_cache=(--max_pixels 16384)
+    demo_train=(--max_steps 60 --batch_size 4 --gradient_accumulation_steps 1 --no-gradient_checkpointing
+                --dmd_fake_updates 2 --save_every 30 --validate_every 0 --lora_rank 16 --learning_rate 1e-3)
+  fi
+  qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" "${demo_cache[@]}" ${CACHE_ARGS:-}
+  qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" "${train_flags[@]}" \
+    "${demo_train[@]}" --student_steps "$steps" "$@"
+  local students=(--student "$OUTPUT_DIR/lora.safetensors")
+  if [ -n "$DEMO_DATA" ] && [ "$steps" != 4 ]; then   # CPU demo: a 4-step student too
+    qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR-4steps" \
+      "${train_flags[@]}" "${demo_train[@]}" --student_steps 4 "$@"
+    students+=(--student "$OUTPUT_DIR-4steps/lora.safetensors")
+  fi
+  if [ -n "$DEMO_DATA" ] && [ "$NODE_RANK" = 0 ]; then   # CPU demo: held-out scorecard and grid
+    "$PY" -m diffsynth_qie.inference.distill_eval "${MODEL_ARGS[@]}" ${FAMILY_FLAGS[@]+"${FAMILY_FLAGS[@]}"} \
+      --dataset_metadata "$DEMO_DATA/heldout.json" --teacher "$TEACHER_LORA" "${students[@]}" \
+      --grid "$OUTPUT_DIR/heldout_grid.png" --scorecard "$OUTPUT_DIR/scorecard.json"
+    echo "held-out grid: $OUTPUT_DIR/heldout_grid.png (references | base | teacher | naive@N | naive@N/own | student@N ... | target)"
+    echo "scorecard:     $OUTPUT_DIR/scorecard.json"
+  fi
+  echo "student LoRA:  $OUTPUT_DIR/lora.safetensors (declares its schedule: qie edit picks it; stack it on $TEACHER_LORA)"
+  echo "one file:      $OUTPUT_DIR/lora_merged.safetensors (teacher + student: qie edit --lora it alone)"
 }
