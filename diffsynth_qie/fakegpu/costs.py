@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from .checks import op_leaves
 
 aten = torch.ops.aten
 THIN = 128  # a GEMM with M, N or K at most this is a LoRA-style thin GEMM (memory-bound)
@@ -147,8 +148,8 @@ class CostCounter:
         packet = func.overloadpacket
         if func.is_view or packet in NO_KERNEL or func.namespace == "prim":  # (prim: metadata, e.g. prim.device)
             return
-        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        flat_out = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        flat_in = [a for a in op_leaves(args, kwargs) if isinstance(a, torch.Tensor)]
+        flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
         kind, key, flops = self._classify(packet, args, kwargs, out, flat_in)
         seen, moved = set(), 0
         for t in flat_in + flat_out:
@@ -183,7 +184,7 @@ class CostCounter:
             return kind, (str(a.dtype).replace("torch.", ""), batch * m, n, k), flops
         if packet in CONV_OPS:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
-            first = next(o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
+            first = next(o for o in op_leaves(out) if isinstance(o, torch.Tensor))
             return "conv", (str(first.dtype).replace("torch.", ""), *first.shape), flops
         if packet in ATTENTION_FWD or packet in ATTENTION_BWD:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)

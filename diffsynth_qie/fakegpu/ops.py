@@ -23,9 +23,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            unset_fake_temporarily)
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from .checks import generator_device, holds_device_tensor, host_copy, operand_dtypes, stacked
+from .checks import generator_device, holds_device_tensor, host_copy, op_leaves, operand_dtypes, stacked
 from .accounting import FAKE_DEVICE_FILES, PACKAGE_DIR, DeviceMemory, is_device  # noqa: F401 (re-exported)
 from .streams import StreamOrder
 
@@ -179,7 +178,7 @@ class HostRealDeviceFake(CheckingMode):
         packet = func.overloadpacket
         if packet in PINNED_OPS or kwargs.get("pin_memory"):
             return self._pinned(func, args, kwargs)
-        flat, _ = tree_flatten((args, kwargs))
+        flat = op_leaves(args, kwargs)
         device_kw = kwargs.get("device")
         on_host = (not any(isinstance(a, FakeTensor) for a in flat)
                    and (device_kw is None or torch.device(device_kw).type == "cpu"))
@@ -196,7 +195,7 @@ class HostRealDeviceFake(CheckingMode):
         except RuntimeError as e:
             kind = "device mismatch in" if "device" in str(e) else "error in"
             raise FakeRunError(f"{kind} {func} at {our_frame()}: {e}") from None
-        outs = tree_flatten(out)[0]
+        outs = op_leaves(out)
         self.memory.add_tensors(outs)
         if self.counter is not None:
             self.counter.record(func, args, kwargs, out)

@@ -48,8 +48,9 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
+from .checks import op_leaves
 from .ops import FAKE_DEVICE_FILES, CheckingMode, FakeRunError, our_frame
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,10 +83,10 @@ class HostShadows(CheckingMode):  # (--compile compiles under it)
         if func._schema.is_mutable:
             self._forget_written(func, args, kwargs)
             return out
-        outs = tree_flatten(out)[0]
+        outs = op_leaves(out)
         if not outs or not all(_is_bookkeeping(o) for o in outs) or torch.Tag.nondeterministic_seeded in func.tags:
             return out
-        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        inputs = [a for a in op_leaves(args, kwargs) if isinstance(a, torch.Tensor)]
         if any(self.values(a) is None for a in inputs):
             return out
         host_args, host_kwargs = tree_map(lambda a: self.values(a) if isinstance(a, torch.Tensor) else a,
@@ -93,7 +94,7 @@ class HostShadows(CheckingMode):  # (--compile compiles under it)
         if "device" in host_kwargs:
             host_kwargs["device"] = torch.device("cpu")
         try:
-            host_outs = tree_flatten(func(*host_args, **host_kwargs))[0]
+            host_outs = op_leaves(func(*host_args, **host_kwargs))
         except (RuntimeError, TypeError, ValueError):
             return out
         for o, h in zip(outs, host_outs):
@@ -106,7 +107,7 @@ class HostShadows(CheckingMode):  # (--compile compiles under it)
         written = [a for schema, a in zip(func._schema.arguments, args) if _writes(schema)]
         written += [kwargs[schema.name] for schema in func._schema.arguments if schema.name in kwargs
                     and _writes(schema)]
-        storages = {_storage_key(t) for t in tree_flatten(written)[0] if isinstance(t, FakeTensor)}
+        storages = {_storage_key(t) for t in op_leaves(written) if isinstance(t, FakeTensor)}
         for key in [k for k, (_, storage, _) in self._values.items() if storage in storages]:
             self._values.pop(key, None)
 
