@@ -24,7 +24,10 @@
 #   CACHE_ARGS        extra flags for phase 1 (`qie cache`), e.g. "--max_pixels 589824"
 #   QIE_SKIP_SETUP=1  don't run scripts/setup.sh first
 #   QIE_VENV          the virtual environment to run (default: .venv in the repository)
-#   QIE_GPU_MEMORY_GB the memory of one GPU in GiB for the ZeRO-2/ZeRO-3 choice (default: what torch reports)
+#   QIE_GPU_MEMORY_GB the memory of one GPU in GiB for the ZeRO-2/ZeRO-3 choice and for qie plan's options
+#                     (default: what torch reports)
+#   QIE_PLAN_FLAGS=0  on a GPU, keep the launcher's own checkpointing and compile settings instead of the fastest
+#                     options `qie plan` finds that fit (see plan_flags below)
 #   QIE_HOME          where the pretrained tiny base is installed (default: ~/.cache/diffsynth-qie)
 #   TEACHER_LORA      the Distill scripts: the task LoRA to distil (CPU demo: the family demo's, trained if missing)
 #   STUDENT_STEPS     the Distill scripts: the student's sampling steps, 1-8 (default 1)
@@ -195,6 +198,47 @@ sys.stdout.write(summary_text(sys.argv[1]))" "$out/scorecard.json"
   [ "$NODE_RANK" != 0 ] || echo "report:        $report"
 }
 
+# plan_flags N TRAIN_FLAG_1..N [qie train args...]: sets PLAN_FLAGS to the fastest options `qie plan` finds that fit
+# 90 % of this GPU's memory (its time model on the fake device: about a minute on the CPU, several for --loss dmd;
+# the bf16 base kept where it fits), as `qie train` flags: --gradient_checkpointing, --checkpoint_policy, --checkpoint_blocks, --compile,
+# --blocks_to_swap. Only on a GPU without ZeRO (DDP counts as one GPU) and when the user's arguments set none of
+# those; the launcher's flags and the user's --loss, --lora_rank, --batch_size and --optimizer shape the plan.
+# None (the launcher's own settings) on the CPU, with QIE_PLAN_FLAGS=0, or when qie plan finds nothing.
+PLAN_CHOSEN=" --gradient_checkpointing --no-gradient_checkpointing --checkpoint_policy --checkpoint_blocks --compile \
+--no-compile --fp8_base --no-fp8_base --fp8_compute --no-fp8_compute --blocks_to_swap "
+plan_flags() {
+  local n="$1"; shift
+  local launcher=("${@:1:$n}") user=("${@:$((n + 1))}")
+  PLAN_FLAGS=()
+  if [ "${GPU_COUNT:-0}" = 0 ] || is_tiny "$MODEL" || [ -n "$DS_CONFIG" ] || [ "${QIE_PLAN_FLAGS:-1}" = 0 ]; then
+    return 0
+  fi
+  local arg prev="" shape=()
+  for arg in ${user[@]+"${user[@]}"}; do
+    case "$PLAN_CHOSEN" in *" ${arg%%=*} "*)
+      echo "launcher: $arg given: qie plan's choice of options is not used"; return 0 ;; esac
+  done
+  for arg in ${launcher[@]+"${launcher[@]}"} ${user[@]+"${user[@]}"}; do
+    case "$prev" in --loss|--lora_rank|--batch_size|--optimizer) shape+=("$prev" "$arg") ;; esac
+    prev="$arg"
+  done
+  local memory="${QIE_GPU_MEMORY_GB:-}" name line budget
+  [ -n "$memory" ] || memory="$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)")"
+  name="$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")"
+  budget="$("$PY" -c "import sys; print(round(0.9 * float(sys.argv[1]), 1))" "$memory")"
+  echo "launcher: asking qie plan for the fastest options that fit 90 % of $name's $memory GiB (its time model on" \
+       "the CPU: about a minute, several with --loss dmd; QIE_PLAN_FLAGS=0 skips it)"
+  for gpu in "$name" "$memory"; do   # (a GPU without a time table: the table of the nearest memory)
+    if line="$("$PY" -m diffsynth_qie.cli --log_level WARNING plan "${MODEL_ARGS[@]}" ${shape[@]+"${shape[@]}"} \
+                 --gpu "$gpu" --gpu_memory_gb "$budget" --launch_flags | tail -n 1)" && [ -n "$line" ]; then
+      read -r -a PLAN_FLAGS <<< "$line"
+      echo "launcher: qie plan's choice: ${PLAN_FLAGS[*]} (QIE_PLAN_FLAGS=0 keeps the launcher's own settings)"
+      return 0
+    fi
+  done
+  echo "launcher: qie plan chose nothing; the launcher's own settings are kept" >&2
+}
+
 # split_training [qie train args...]: phase 1 (`qie cache`), phase 2 (`qie train`), then after_training.
 # The launcher sets TRAIN_FLAGS (its fixed `qie train` flags), EDIT_FLAGS (its `qie edit` flags) and
 # DEMO_TRAIN (the tiny CPU demo's `qie train` sizes); arguments go to `qie train` last, so they win.
@@ -205,8 +249,9 @@ split_training() {
   fi
   qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" \
     "${demo_cache[@]}" ${CACHE_ARGS:-}
+  plan_flags "${#TRAIN_FLAGS[@]}" "${TRAIN_FLAGS[@]}" "$@"
   qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" \
-    "${TRAIN_FLAGS[@]}" "${demo_train[@]}" "$@"
+    "${TRAIN_FLAGS[@]}" "${demo_train[@]}" ${PLAN_FLAGS[@]+"${PLAN_FLAGS[@]}"} "$@"
   after_training "$OUTPUT_DIR" "${EDIT_FLAGS[@]}" "${demo_edit[@]}"
 }
 
@@ -245,6 +290,8 @@ distillation() {
                 --dmd_fake_updates 2 --save_every 30 --validate_every 0 --lora_rank 16 --learning_rate 1e-3)
   fi
   qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" "${demo_cache[@]}" ${CACHE_ARGS:-}
+  plan_flags "${#train_flags[@]}" "${train_flags[@]}" "$@"
+  train_flags+=(${PLAN_FLAGS[@]+"${PLAN_FLAGS[@]}"})
   qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" "${train_flags[@]}" \
     "${demo_train[@]}" --student_steps "$steps" "$@"
   local students=(--student "$OUTPUT_DIR/lora.safetensors")

@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"edit / --on_the_fly: where the {name.replace('_', ' ')} runs (cpu: host RAM, fp32)")
     parser.add_argument("--gpu_memory_gb", type=checked(float, 0.5, 1 << 20), default=None,
                         help="also print the cheapest options (least slowdown) predicted to fit this many GiB")
+    parser.add_argument("--launch_flags", action="store_true",
+                        help="print the chosen training options as `qie train` flags on the last line of stdout (the "
+                             "launchers read it on a GPU: scripts/launch_lib.sh); with --gpu the fastest that keeps "
+                             "the bf16 base, where one fits")
     parser.add_argument("--distribution", action="store_true",
                         help="print the DeepSpeed config the launchers use for --num_gpus processes on GPUs of "
                              "--gpu_memory_gb (zero2.yaml when the unsharded run fits, else zero3.yaml)")
@@ -113,6 +117,9 @@ def run(args) -> int:
 
     family = family_of(args.model)
     args.gpu_memory_gb = memory_of(getattr(args, "gpu", None), args.gpu_memory_gb)
+    if args.launch_flags and (args.task != "train" or args.gpu_memory_gb is None):
+        raise ValueError("--launch_flags prints the training options that fit a GPU: use it with --task train (the "
+                         "default) and --gpu NAME|GiB or --gpu_memory_gb")
     if getattr(args, "mixed", False) and not args.verify:
         raise ValueError("--mixed shapes the batch of the --verify run; add --verify, or drop --mixed")
     from ..models.samplers.step_cache import cache_settings
@@ -150,7 +157,7 @@ def run(args) -> int:
             and not base.zero_stage and not get_preset(args.model).is_tiny:
         from .plan_time import fastest_fit
 
-        fit = fastest_fit(args, census, base)
+        fit = fastest_fit(args, census, base, bf16_base=args.launch_flags)
     else:
         fit = recommend(census, base, args.gpu_memory_gb)
     if fit is None:
@@ -159,7 +166,25 @@ def run(args) -> int:
         return 1
     log.info("%s options that fit %.1f GiB: %s\n%s", "cheapest" if args.gpu is None else "chosen",
              args.gpu_memory_gb, describe(fit.options), format_plan(fit))
+    if args.launch_flags:
+        import sys
+
+        sys.stdout.write(" ".join(train_flags(fit.options)) + "\n")  # read by scripts/launch_lib.sh
     return 0
+
+
+def train_flags(o) -> list[str]:
+    """The options ``qie plan`` chooses for a training run (checkpointing, compile, FP8 base, swapped blocks) as
+    ``qie train`` flags: ``--launch_flags``."""
+    if not o.gradient_checkpointing:
+        flags = ["--no-gradient_checkpointing"]
+    else:
+        flags = ["--gradient_checkpointing", "--checkpoint_policy", o.checkpoint_policy]
+        flags += ["--checkpoint_blocks", str(o.checkpoint_blocks)] if o.checkpoint_blocks is not None else []
+    flags += ["--compile"] if o.compile else []
+    flags += ["--fp8_base"] if o.fp8_base else []
+    flags += ["--blocks_to_swap", str(o.blocks_to_swap)] if o.blocks_to_swap else []
+    return flags
 
 
 def options_of(args):

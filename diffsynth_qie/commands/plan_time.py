@@ -191,12 +191,13 @@ def step_seconds(args, census, table, shapes, options) -> float:
     return max(compute, copies / (table.h2d_gbps * 1e9))
 
 
-def fastest_fit(args, census, base) -> Optional[object]:
+def fastest_fit(args, census, base, bf16_base: bool = False) -> Optional[object]:
     """Every option set that fits ``--gpu`` (``fitting_options``: with ``--compile`` and ``--compile
     --checkpoint_policy selective`` beside the eager ones), with its predicted step time on ``--gpu``'s table,
     fastest first, logged as a table, and ``--fp8_compute`` named where it fits on top of the fastest (not
     chosen: it changes the numerics); returns the fastest's plan (None: nothing fits). One counted pass per
-    kernel-distinct option set."""
+    kernel-distinct option set. ``bf16_base``: the fastest that keeps the bf16 base, where one fits (the
+    launchers' choice, ``--launch_flags``: an FP8 base changes the numerics too)."""
     from ..memory.plan import GiB, describe, predict
     from ..preflight.train_step import batch_shapes
 
@@ -209,8 +210,11 @@ def fastest_fit(args, census, base) -> Optional[object]:
     lines = [f"  {s:6.3f} s/step  {base.batch_size / s:5.2f} samples/s  {p.gpu_peak / GiB:6.1f} GiB  "
              f"{describe(p.options)}" for s, p in rows]
     best = rows[0][1]
-    log.info("options that fit %.1f GiB, fastest first on %s (the time model, docs/SPEED.md):\n%s\nfastest: %s",
-             args.gpu_memory_gb, table.name, "\n".join(lines), describe(best.options))
+    if bf16_base:
+        best = next((p for _, p in rows if not p.options.fp8_base), best)
+    log.info("options that fit %.1f GiB, fastest first on %s (the time model, docs/SPEED.md):\n%s\n%s: %s",
+             args.gpu_memory_gb, table.name, "\n".join(lines), "chosen (the bf16 base kept where it fits)"
+             if bf16_base else "fastest", describe(best.options))
     if table.has_fp8 and not best.options.fp8_compute and not best.options.zero_stage:
         fp8 = (predict(census, dataclasses.replace(best.options, fp8_base=True, fp8_compute=True, blocks_to_swap=n))
                for n in range(best.options.blocks_to_swap + 1))  # (FP8 halves the base: maybe fewer swapped)
