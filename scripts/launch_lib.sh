@@ -199,11 +199,12 @@ sys.stdout.write(summary_text(sys.argv[1]))" "$out/scorecard.json"
 }
 
 # plan_flags N TRAIN_FLAG_1..N [qie train args...]: sets PLAN_FLAGS to the fastest options `qie plan` finds that fit
-# 90 % of this GPU's memory (its time model on the fake device: about a minute on the CPU, several for --loss dmd;
-# the bf16 base kept where it fits), as `qie train` flags: --gradient_checkpointing, --checkpoint_policy, --checkpoint_blocks, --compile,
-# --blocks_to_swap. Only on a GPU without ZeRO (DDP counts as one GPU) and when the user's arguments set none of
-# those; the launcher's flags and the user's --loss, --lora_rank, --batch_size and --optimizer shape the plan.
-# None (the launcher's own settings) on the CPU, with QIE_PLAN_FLAGS=0, or when qie plan finds nothing.
+# 90 % of this GPU's memory (its time model on the fake device: about a minute on the CPU, several for --loss dmd),
+# as `qie train` flags: --gradient_checkpointing, --checkpoint_policy, --checkpoint_blocks, --compile,
+# --blocks_to_swap, and --fp8_base only where no set on the bf16 base fits. Only on a GPU without ZeRO (DDP counts
+# as one GPU) and when the user's arguments set none of those (PLAN_CHOSEN); the launcher's flags and the user's
+# --loss, --lora_rank, --batch_size and --optimizer shape the plan. None (the launcher's own settings) on the CPU,
+# with QIE_PLAN_FLAGS=0, or when qie plan finds nothing.
 PLAN_CHOSEN=" --gradient_checkpointing --no-gradient_checkpointing --checkpoint_policy --checkpoint_blocks --compile \
 --no-compile --fp8_base --no-fp8_base --fp8_compute --no-fp8_compute --blocks_to_swap "
 plan_flags() {
@@ -222,7 +223,7 @@ plan_flags() {
     case "$prev" in --loss|--lora_rank|--batch_size|--optimizer) shape+=("$prev" "$arg") ;; esac
     prev="$arg"
   done
-  local memory="${QIE_GPU_MEMORY_GB:-}" name line budget
+  local memory="${QIE_GPU_MEMORY_GB:-}" name line budget gpu
   [ -n "$memory" ] || memory="$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)")"
   name="$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")"
   budget="$("$PY" -c "import sys; print(round(0.9 * float(sys.argv[1]), 1))" "$memory")"
