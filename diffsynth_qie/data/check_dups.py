@@ -50,7 +50,7 @@ _BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], np.uint8)
 
 class PairIndex:
     """Pairs added in order, each a hash of ``parts`` 64-bit words (source and target, or the target alone), its
-    target's thumbnail, its source's (or None) and an instruction; :meth:`matches` answers, earliest first, the
+    target's thumbnail, its source's (or None) and an instruction; :meth:`matches_many` answers, earliest first, the
     added pairs that are the same as a new one: the hashes within ``k`` bits in all (and the first word within
     ``first_k``, when given) and the thumbnails matching (``check_align.thumbs_match``; the sources' only when
     both have one). Each distinct hash keeps at most ``per_hash`` pairs (the earliest ones).
@@ -134,14 +134,10 @@ class PairIndex:
         return [i for i in rows if (h ^ self.hashes[i]).bit_count() <= self.k and
                 (self.first_k is None or ((h ^ self.hashes[i]) >> top).bit_count() <= self.first_k)]
 
-    def matches(self, h: int, target_thumb: bytes, source_thumb: Optional[bytes]) -> np.ndarray:
-        """Rows (ascending: earliest added first) of the added pairs that are the same as this one."""
-        return self.matches_many([(h, target_thumb, source_thumb)], [self.size])[0]
-
     def matches_many(self, queries: list, before: list[int]) -> list[np.ndarray]:
-        """:meth:`matches` of each ``(hash, target thumbnail, source thumbnail or None)`` of ``queries`` among the
-        rows added before ``before[q]``, all compared at once (a few dozen array operations for a whole batch
-        instead of as many per query)."""
+        """The rows (ascending: earliest added first) of the pairs that are the same as each ``(hash, target
+        thumbnail, source thumbnail or None)`` of ``queries``, among the rows added before ``before[q]``, all
+        compared at once (a few dozen array operations for a whole batch instead of as many per query)."""
         self._sync()
         q = _Queries(queries, self.parts)
         limit = np.asarray(before, np.int64)
