@@ -83,6 +83,8 @@ free_port() {
 
 # is_tiny NAME: the tiny presets, which run the CPU demo when no dataset is given.
 is_tiny() { [ "$1" = tiny ] || [ "$1" = tiny-2.1 ]; }
+# The CPU demo's phase-1 sizes: one for every launcher, so the LBM, Reward and Distill demos reuse the SFT demo's cache.
+DEMO_CACHE=(--max_pixels 16384)
 
 # launch_defaults RUN_NAME PRESET [DEMO_MODEL] : fills MODEL (default DEMO_MODEL, else tiny), OUTPUT_DIR,
 # CACHE_DIR, dataset, launcher settings.
@@ -223,10 +225,14 @@ plan_flags() {
     case "$prev" in --loss|--lora_rank|--batch_size|--optimizer) shape+=("$prev" "$arg") ;; esac
     prev="$arg"
   done
-  local memory="${QIE_GPU_MEMORY_GB:-}" name line budget gpu
-  [ -n "$memory" ] || memory="$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)")"
-  name="$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")"
-  budget="$("$PY" -c "import sys; print(round(0.9 * float(sys.argv[1]), 1))" "$memory")"
+  local memory budget name line gpu   # (one python for the three: QIE_GPU_MEMORY_GB, else torch's, and the name)
+  read -r memory budget name <<< "$("$PY" -c "import os, torch
+m = float(os.environ.get('QIE_GPU_MEMORY_GB') or torch.cuda.get_device_properties(0).total_memory / 2**30)
+print(round(m, 1), round(0.9 * m, 1), torch.cuda.get_device_name(0))")"
+  if [ -z "$name" ]; then
+    echo "launcher: could not read the GPU's memory and name; the launcher's own settings are kept" >&2
+    return 0
+  fi
   echo "launcher: asking qie plan for the fastest options that fit 90 % of $name's $memory GiB (its time model on" \
        "the CPU: about a minute, several with --loss dmd; QIE_PLAN_FLAGS=0 skips it)"
   for gpu in "$name" "$memory"; do   # (a GPU without a time table: the table of the nearest memory)
@@ -246,7 +252,7 @@ plan_flags() {
 split_training() {
   local demo_cache=() demo_train=() demo_edit=()
   if is_tiny "$MODEL"; then   # CPU demo sizes
-    demo_cache=(--max_pixels 16384); demo_train=("${DEMO_TRAIN[@]}"); demo_edit=(--steps 8 --cfg 1)
+    demo_cache=("${DEMO_CACHE[@]}"); demo_train=("${DEMO_TRAIN[@]}"); demo_edit=(--steps 8 --cfg 1)
   fi
   qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" \
     "${demo_cache[@]}" ${CACHE_ARGS:-}
@@ -286,21 +292,21 @@ distillation() {
   # CPU demo: the task launcher's cache sizes (its cache is reused), the task LoRA's rank
   local demo_cache=() demo_train=()
   if is_tiny "$MODEL"; then
-    demo_cache=(--max_pixels 16384)
+    demo_cache=("${DEMO_CACHE[@]}")
     demo_train=(--max_steps 60 --batch_size 4 --gradient_accumulation_steps 1 --no-gradient_checkpointing
                 --dmd_fake_updates 2 --save_every 30 --validate_every 0 --lora_rank 16 --learning_rate 1e-3)
   fi
   qie_launch cache "${MODEL_ARGS[@]}" "${DATASET_ARGS[@]}" --cache_dir "$CACHE_DIR" "${demo_cache[@]}" ${CACHE_ARGS:-}
   plan_flags "${#train_flags[@]}" "${train_flags[@]}" "$@"
   train_flags+=(${PLAN_FLAGS[@]+"${PLAN_FLAGS[@]}"})
-  qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR" "${train_flags[@]}" \
-    "${demo_train[@]}" --student_steps "$steps" "$@"
-  local students=(--student "$OUTPUT_DIR/lora.safetensors")
-  if [ -n "$DEMO_DATA" ] && [ "$steps" != 4 ]; then   # CPU demo: a 4-step student too
-    qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$OUTPUT_DIR-4steps" \
-      "${train_flags[@]}" "${demo_train[@]}" --student_steps 4 "$@"
-    students+=(--student "$OUTPUT_DIR-4steps/lora.safetensors")
-  fi
+  local runs=("$steps") students=() n out
+  if [ -n "$DEMO_DATA" ] && [ "$steps" != 4 ]; then runs+=(4); fi   # CPU demo: a 4-step student too
+  for n in "${runs[@]}"; do
+    out="$OUTPUT_DIR"; [ "$n" = "$steps" ] || out="$OUTPUT_DIR-${n}steps"
+    qie_launch train "${MODEL_ARGS[@]}" --cache_dir "$CACHE_DIR" --output_dir "$out" "${train_flags[@]}" \
+      "${demo_train[@]}" --student_steps "$n" "$@"
+    students+=(--student "$out/lora.safetensors")
+  done
   if [ -n "$DEMO_DATA" ] && [ "$NODE_RANK" = 0 ]; then   # CPU demo: held-out scorecard and grid
     "$PY" -m diffsynth_qie.inference.distill_eval "${MODEL_ARGS[@]}" ${FAMILY_FLAGS[@]+"${FAMILY_FLAGS[@]}"} \
       --dataset_metadata "$DEMO_DATA/heldout.json" --teacher "$TEACHER_LORA" "${students[@]}" \

@@ -18,16 +18,20 @@ def plan_flags(tmp_path: Path, gpus: int, user_args: str = "", gpu_name: str = "
     """``plan_flags`` of the launcher library with the 2511 preset and the LBM launcher's flags; returns
     (PLAN_FLAGS, the stand-in's recorded calls, the process)."""
     log = tmp_path / "calls.txt"
+    fake = tmp_path / "fake_torch" / "torch"  # the GPU's questions answered by a stand-in torch module
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import types\n"
+        "cuda = types.SimpleNamespace(get_device_properties=lambda i: types.SimpleNamespace("
+        f"total_memory=int(139.8 * 2 ** 30)), get_device_name=lambda i: {gpu_name!r})\n")
     stub = tmp_path / "python"
     stub.write_text(f'''#!/bin/bash
 echo "$*" >> "{log}"
 case "$*" in
-  *get_device_name*) echo "{gpu_name}" ;;
-  *total_memory*) echo 139.8 ;;
   *" plan "*)
     case "$*" in *"--gpu NVIDIA A10G"*) echo "no time table" >&2; exit 2 ;; esac
     echo "a library's noise on stdout"; echo "{CHOICE}" ;;
-  *) exec "{sys.executable}" "$@" ;;
+  *) PYTHONPATH="{fake.parent}" exec "{sys.executable}" "$@" ;;
 esac
 ''')
     stub.chmod(0o755)
