@@ -339,7 +339,7 @@ def cache_dir(tiny_pipe, demo_data_dir, tmp_path_factory):
 
 #: slow files handed out first, in this order (worker 1, worker 2, worker 1, worker 2; then each as it frees up)
 FIRST_FILES = ("test_train_ddp.py", "test_zero3.py", "test_ema_zero3.py", "test_train_zero_schedule_free.py",
-               "test_ui_browser.py", "test_launchers.py", "test_launchers_more.py")
+               "test_launchers.py", "test_launchers_more.py", "test_ui_browser.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -349,9 +349,11 @@ def pytest_collection_modifyitems(config, items):
     out in this order: the long files start at once and the many short ones fill in around them, instead of the
     long ones starting last and one worker finishing them alone.
 
-    The two-rank runs (DDP, ZeRO-3) come first, beside each other, and the browser test (which keeps more than one
-    core busy: Chromium, the app, the test) after them: a two-rank run's collectives wait whenever a rank loses its
-    core, and beside the browser test the ZeRO-3 schedule-free run took 122 s instead of 23 s."""
+    The two-rank runs (DDP, ZeRO-3) come first, beside each other, then the launchers (one subprocess at a time),
+    and the browser test (which keeps more than one core busy: Chromium, the app, the test) last of these: a two-rank
+    run's collectives wait whenever a rank loses its core, and beside the browser test the ZeRO-3 schedule-free run
+    took 122 s instead of 23 s. xdist hands each worker two files at the start and one more as each ends, so with
+    the launchers between them the browser test starts after the last two-rank file."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     first = {name: i for i, name in enumerate(FIRST_FILES)}
 
