@@ -352,8 +352,8 @@ def pytest_collection_modifyitems(config, items):
     The two-rank runs (DDP, ZeRO-3) come first, beside each other, then the launchers (one subprocess at a time),
     and the browser test (which keeps more than one core busy: Chromium, the app, the test) last of these: a two-rank
     run's collectives wait whenever a rank loses its core, and beside the browser test the ZeRO-3 schedule-free run
-    took 122 s instead of 23 s. xdist hands each worker two files at the start and one more as each ends, so with
-    the launchers between them the browser test starts after the last two-rank file."""
+    took 122 s instead of 23 s. xdist gives each worker two files at the start and another whenever it has two tests
+    or fewer left, so with the launchers between them the browser test starts after the last two-rank file."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     first = {name: i for i, name in enumerate(FIRST_FILES)}
 
